@@ -1,0 +1,21 @@
+"""pagedllm: a PagedAttention inference engine with vLLM's interfaces.
+
+The public names load lazily so that the pure-Python bookkeeping (pagedllm.kv,
+pagedllm.engine.scheduler) can be imported without torch.
+"""
+import importlib
+
+_PUBLIC = {
+    "LLM": "pagedllm.entrypoints.llm",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+    "Logprob": "pagedllm.outputs",
+}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

@@ -1,0 +1,66 @@
+"""Every engine knob in one place, with vLLM's names and defaults that work on this machine."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parse_memory_size(value: int | float | str) -> int:
+    """Bytes from an int or a string such as "4GiB", "512MB" or "1e9"."""
+    if isinstance(value, bool):
+        raise ValueError(f"kv_cache_memory must be a byte count or a size such as '4GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", value)
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _SIZE_UNITS:
+            raise ValueError(f"kv_cache_memory must be a byte count or a size such as '4GiB', got {value!r}")
+        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+    return size
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not (isinstance(self.block_size, int) and 8 <= self.block_size <= 256
+                and self.block_size & (self.block_size - 1) == 0):
+            raise ValueError(f"block_size must be a power of two from 8 to 256, got {self.block_size!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if self.max_num_batched_tokens is not None and (
+                not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1):
+            raise ValueError(
+                f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
+        if self.max_model_len is not None and (
+                not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}

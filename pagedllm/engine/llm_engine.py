@@ -1,0 +1,213 @@
+"""LLMEngine: add requests, step the batch forward, read outputs, abort."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.output_processor import ChildState, ParentRequest, append_token
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.kv.manager import KVCacheManager, KVCacheUsage
+from pagedllm.model.llama import CausalLM
+from pagedllm.model.loader import load_checkpoint
+from pagedllm.model.runner import ModelRunner, kv_bytes_per_block
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+PromptType = str | dict
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """"auto" keeps a half-precision checkpoint's dtype (bfloat16 on CPU, where float16 is slow)
+    and runs float32 checkpoints and dequantized GGUF files in float32."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if checkpoint_dtype in ("bfloat16", "float16"):
+        return torch.bfloat16 if device.type == "cpu" else getattr(torch, checkpoint_dtype)
+    return torch.float32
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        checkpoint = load_checkpoint(config.model)
+        self.model_config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.dtype = resolve_dtype(config.dtype, checkpoint.config.torch_dtype, self.device)
+        self.max_model_len = self._resolve_max_model_len()
+        model = CausalLM(checkpoint.config, checkpoint.weights, self.dtype, self.device, self.max_model_len)
+        del checkpoint
+        num_blocks = self._num_kv_blocks()
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device, config.seed)
+        self.parents: dict[str, ParentRequest] = {}
+        self.children: dict[str, ChildState] = {}
+        self.parent_of: dict[str, str] = {}
+        logger.info("model %s (%s) on %s, dtype %s; KV cache: %d blocks of %d tokens = %d tokens",
+                    config.model or "bundled SmolLM2-135M-Instruct", self.model_config.architecture,
+                    self.device, str(self.dtype).removeprefix("torch."), num_blocks, config.block_size,
+                    num_blocks * config.block_size)
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len must be <= {limit} (the model's max_position_embeddings), "
+                             f"got {wanted}")
+        return wanted
+
+    def _num_kv_blocks(self) -> int:
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        budget = self.config.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
+        if budget is None:
+            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block; one block of "
+                             f"{self.config.block_size} tokens needs {per_block} bytes")
+        return num_blocks
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            vocab = self.model_config.vocab_size
+            if not isinstance(ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab})")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
+                         f"got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Validates and queues a request; raises ValueError (naming the numbers) if it can never run."""
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, prompt_ids = self._tokenize(prompt)
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but max_model_len is "
+                             f"{self.max_model_len}: no room to generate")
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = "
+                             f"{len(prompt_ids) + max_tokens} exceeds max_model_len ({self.max_model_len})")
+        total = len(prompt_ids) + max_tokens
+        if not self.kv_manager.can_ever_fit(total):
+            raise ValueError(f"prompt + max_tokens = {total} tokens need more KV blocks than the whole "
+                             f"cache has ({self.kv_manager.pool.num_blocks} blocks of "
+                             f"{self.kv_manager.block_size}); raise kv_cache_memory")
+        eos_ids = self.model_config.eos_token_ids
+        num_children = params.best_of or params.n
+        children = []
+        for index in range(num_children):
+            child_params = params.for_child(index) if num_children > 1 else params
+            child_id = request_id if num_children == 1 else f"{index}_{request_id}"
+            request = Request(child_id, prompt_ids, child_params, eos_ids, max_tokens,
+                              arrival_time=arrival_time or time.monotonic(), priority=priority)
+            children.append(ChildState(request, index,
+                                       IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)))
+        self.parents[request_id] = ParentRequest(request_id, text, prompt_ids, params, children)
+        for child in children:
+            self.children[child.request.request_id] = child
+            self.parent_of[child.request.request_id] = request_id
+            self.scheduler.add_request(child.request)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Drops requests wherever they are; their blocks return to the pool at once."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self.parents.get(request_id)
+            if parent is None:
+                continue
+            for child in parent.children:
+                if not child.request.is_finished:
+                    self._finish(child.request, RequestStatus.FINISHED_ABORTED)
+            self._forget(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled batch; returns an output for each user request that progressed."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        sampled_requests, samples = self.runner.execute(plan.scheduled)
+        for row in plan.scheduled:
+            row.request.num_computed_tokens += row.num_new_tokens
+        progressed: dict[str, ParentRequest] = {}
+        if samples is not None:
+            token_ids = samples.token_ids.tolist()
+            token_logprobs = samples.logprobs.tolist()
+            top_ids = samples.top_logprob_ids.tolist() if samples.top_logprob_ids is not None else None
+            top_values = samples.top_logprobs.tolist() if samples.top_logprobs is not None else None
+            for row, request in enumerate(sampled_requests):
+                child = self.children[request.request_id]
+                top = None
+                if request.sampling_params.logprobs is not None:
+                    top = self._logprob_entry(token_ids[row], token_logprobs[row], top_ids[row],
+                                              top_values[row], request.sampling_params.logprobs)
+                status = append_token(child, token_ids[row], token_logprobs[row], top)
+                if status is not None:
+                    self._finish(request, status)
+                parent_id = self.parent_of[request.request_id]
+                progressed[parent_id] = self.parents[parent_id]
+        outputs = [parent.make_output() for parent in progressed.values()]
+        for parent in progressed.values():
+            if parent.finished:
+                self._forget(parent)
+        return outputs
+
+    def _logprob_entry(self, token_id: int, token_logprob: float, top_ids: list[int],
+                       top_values: list[float], k: int) -> dict[int, Logprob]:
+        """The sampled token's logprob plus the k most likely tokens, ranked from 1."""
+        entry = {token_id: Logprob(token_logprob, None, self.tokenizer.decode([token_id], False))}
+        for rank, (tid, value) in enumerate(zip(top_ids[:k], top_values[:k]), start=1):
+            if tid == token_id:
+                entry[tid].rank = rank
+            else:
+                entry[tid] = Logprob(value, rank, self.tokenizer.decode([tid], False))
+        return entry
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self.runner.release(request.request_id)
+
+    def _forget(self, parent: ParentRequest) -> None:
+        del self.parents[parent.request_id]
+        for child in parent.children:
+            del self.children[child.request.request_id]
+            del self.parent_of[child.request.request_id]
+
+    def kv_cache_usage(self) -> KVCacheUsage:
+        return self.kv_manager.usage()

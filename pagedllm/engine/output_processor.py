@@ -1,0 +1,85 @@
+"""From sampled tokens to user-facing outputs: detokenize, check stops, group parallel samples.
+
+A user request with n > 1 (or best_of) runs as independent child requests that
+share the prompt; this module keeps them together and reports them as one
+RequestOutput.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class ChildState:
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer
+
+
+class ParentRequest:
+    """One user request: its prompt, its params and the child sequences that answer it."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, children: list[ChildState]):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.children = children
+
+    @property
+    def finished(self) -> bool:
+        return all(child.request.is_finished for child in self.children)
+
+    def make_output(self) -> RequestOutput:
+        children = self.children
+        if self.finished and len(children) > self.params.n:
+            # best_of: keep the n samples the model found most likely.
+            children = sorted(children, key=lambda c: c.request.cumulative_logprob, reverse=True)
+            children = children[:self.params.n]
+        outputs = [_completion(child, index) for index, child in enumerate(children)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished)
+
+
+def _completion(child: ChildState, index: int) -> CompletionOutput:
+    request = child.request
+    status = request.status
+    wants_logprobs = request.sampling_params.logprobs is not None
+    return CompletionOutput(
+        index=index,
+        text=child.detokenizer.output_text,
+        token_ids=request.output_token_ids,
+        cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
+        logprobs=list(request.logprobs) if wants_logprobs else None,
+        finish_reason=status.value if status.is_finished else None,
+        stop_reason=request.stop_reason,
+    )
+
+
+def append_token(child: ChildState, token_id: int, token_logprob: float,
+                 top_logprobs: dict[int, Logprob] | None) -> RequestStatus | None:
+    """Adds a sampled token; returns the finishing status if the request is now done."""
+    request = child.request
+    params = request.sampling_params
+    request.all_token_ids.append(token_id)
+    request.cumulative_logprob += token_logprob
+    if top_logprobs is not None:
+        request.logprobs.append(top_logprobs)
+    stop_string = child.detokenizer.append([token_id])
+    if request.num_output_tokens >= params.min_tokens:
+        if token_id in request.eos_token_ids and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if stop_string is not None:
+            request.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None

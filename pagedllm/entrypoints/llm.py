@@ -1,0 +1,88 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, shaped like vLLM's."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Conversation = list[dict]
+
+
+class LLM:
+    """Loads a model once and generates for whole lists of prompts with continuous batching.
+
+    `model` may be a Hugging Face model folder, a GGUF file, or a name already in the
+    local Hugging Face cache; None uses the bundled SmolLM2-135M-Instruct.
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", block_size: int = 16,
+                 max_num_seqs: int = 256, max_model_len: int | None = None,
+                 kv_cache_memory: int | str | None = None, seed: int = 0, **engine_kwargs):
+        unknown = set(engine_kwargs) - EngineConfig.field_names()
+        if unknown:
+            raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")
+        config = EngineConfig(model=model, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
+                              max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, seed=seed,
+                              **engine_kwargs)
+        self.llm_engine = LLMEngine(config)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for every prompt; returns outputs in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; "
+                                 "pass one SamplingParams or one per prompt")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.llm_engine.tokenizer
+        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
+                        conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template)}
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._request_counter))
+                engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            engine.abort_request(request_ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,75 @@
+"""Paged attention in plain PyTorch: K/V live in blocks, reached through block tables.
+
+The runner orders a step's tokens so that all single-token rows (decodes) come
+first; they are attended in one batched call. Multi-token rows (prefill chunks)
+follow, one call each: there are few of them per step, bounded by the token budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int                 # first row of this chunk in the flat token batch
+    end: int
+    context_len: int           # tokens of this sequence already in the cache before the chunk
+    block_table: torch.Tensor  # [num_blocks] physical ids covering context + chunk
+    mask: torch.Tensor | None  # [chunk, context + chunk] bool, None when context_len == 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [num_tokens] flat cache slot each new K/V goes to
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor   # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor           # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Stores new K/V rows at their slots. Caches are [num_blocks, block_size, kv_heads, head_dim]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[..., blocks] table -> [..., kv_heads, blocks * block_size, head_dim]."""
+    blocks = cache[block_table]
+    tokens = blocks.flatten(-4, -3)
+    return tokens.transpose(-3, -2)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] for the new tokens.
+
+    Writes the new K/V into the cache, then attends each token to its sequence's
+    cached keys up to and including its own position. Returns [tokens, heads, head_dim].
+    """
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    num_decodes = meta.num_decode_tokens
+    if num_decodes:
+        keys = _gather(k_cache, meta.decode_block_tables)
+        values = _gather(v_cache, meta.decode_block_tables)
+        out[:num_decodes] = F.scaled_dot_product_attention(
+            q[:num_decodes].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+            scale=scale, enable_gqa=True).squeeze(2)
+    for chunk in meta.prefills:
+        query = q[chunk.start:chunk.end].transpose(0, 1)
+        if chunk.mask is None:
+            keys = k[chunk.start:chunk.end].transpose(0, 1)
+            values = v[chunk.start:chunk.end].transpose(0, 1)
+        else:
+            length = chunk.mask.shape[1]
+            keys = _gather(k_cache, chunk.block_table)[:, :length]
+            values = _gather(v_cache, chunk.block_table)[:, :length]
+        out[chunk.start:chunk.end] = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+            scale=scale, enable_gqa=True).transpose(0, 1)
+    return out

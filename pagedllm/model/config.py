@@ -1,0 +1,171 @@
+"""The model facts the engine needs, read from a Hugging Face config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+# llama.cpp names Mistral models "llama" too: they compute the same thing.
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_PARAMETERS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+# llama.cpp's general.file_type values for unquantized files; quantized files have no natural dtype.
+_GGUF_FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters shared by every loader and the model code."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    torch_dtype: str | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelConfig:
+    """Build a ModelConfig from config.json (transformers 4 or 5 layout) and generation_config.json."""
+    architecture = _hf_architecture(config)
+    # transformers 5 keeps rope_theta inside rope_parameters; older configs keep it beside rope_scaling.
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    rope_theta = (rope or {}).get("rope_theta", config.get("rope_theta", 10000.0))
+    hidden_size = config["hidden_size"]
+    num_attention_heads = config["num_attention_heads"]
+    # Mistral's sliding_window is ignored: attention always sees the whole context, which matches
+    # sliding-window attention for sequences shorter than the window.
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=config["vocab_size"],
+        hidden_size=hidden_size,
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=config.get("num_key_value_heads") or num_attention_heads,
+        head_dim=config.get("head_dim") or hidden_size // num_attention_heads,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        rope_scaling=normalise_rope_scaling(rope),
+        max_position_embeddings=config["max_position_embeddings"],
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases, and its configs do not say so.
+        attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
+        qk_norm=architecture == "qwen3",
+        torch_dtype=config.get("dtype") or config.get("torch_dtype"),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=_ordered_union(
+            _as_ids(config.get("eos_token_id")), _as_ids((generation_config or {}).get("eos_token_id"))
+        ),
+    )
+
+
+def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str]) -> ModelConfig:
+    """Build a ModelConfig from GGUF key/values; tensor_names settle what metadata does not record
+    (tied embeddings, q/k/v biases, q/k norms)."""
+    architecture = metadata.get("general.architecture")
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported GGUF architecture {architecture!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(
+            "This GGUF stores its rope scaling as a rope_freqs tensor (Llama 3.1 style), which pagedllm "
+            "does not read; load the model's Hugging Face safetensors folder instead"
+        )
+
+    def required(key: str) -> Any:
+        name = f"{architecture}.{key}"
+        if name not in metadata:
+            raise ValueError(f"GGUF metadata lacks {name!r}")
+        return metadata[name]
+
+    def optional(key: str, default: Any) -> Any:
+        return metadata.get(f"{architecture}.{key}", default)
+
+    hidden_size = required("embedding_length")
+    num_attention_heads = required("attention.head_count")
+    scaling_type = optional("rope.scaling.type", None)
+    rope_scaling = {"rope_type": scaling_type, "factor": optional("rope.scaling.factor", None)}
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=optional("vocab_size", None) or len(metadata["tokenizer.ggml.tokens"]),
+        hidden_size=hidden_size,
+        intermediate_size=required("feed_forward_length"),
+        num_hidden_layers=required("block_count"),
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=optional("attention.head_count_kv", num_attention_heads),
+        head_dim=optional("attention.key_length", hidden_size // num_attention_heads),
+        rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(optional("rope.freq_base", 10000.0)),
+        rope_scaling=None if scaling_type in (None, "none") else normalise_rope_scaling(rope_scaling),
+        max_position_embeddings=required("context_length"),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        torch_dtype=_GGUF_FILE_TYPE_DTYPES.get(metadata.get("general.file_type")),
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        # llama.cpp stops at end-of-text, end-of-turn and end-of-message tokens alike.
+        eos_token_ids=_ordered_union(
+            *(_as_ids(metadata.get(f"tokenizer.ggml.{kind}_token_id")) for kind in ("eos", "eot", "eom"))
+        ),
+    )
+
+
+def normalise_rope_scaling(rope: Mapping[str, Any] | None) -> dict | None:
+    """Return rope scaling in HF form keyed by "rope_type" (None for plain rope), rejecting kinds we cannot run."""
+    if not rope:
+        return None
+    scaling = {key: value for key, value in rope.items() if key not in ("type", "rope_type", "rope_theta")}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"Unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return None
+    missing = [key for key in _ROPE_PARAMETERS[rope_type] if scaling.get(key) is None]
+    if missing:
+        raise ValueError(f"Rope type {rope_type!r} needs {', '.join(missing)}")
+    return {"rope_type": rope_type, **scaling}
+
+
+def _hf_architecture(config: Mapping[str, Any]) -> str:
+    found = (config.get("architectures") or [None])[0]
+    if found not in HF_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported model architecture {found!r}; supported: {', '.join(HF_ARCHITECTURES)}"
+        )
+    return HF_ARCHITECTURES[found]
+
+
+def _as_ids(value: int | Iterable[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)
+
+
+def _ordered_union(*id_groups: Iterable[int]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(token_id for group in id_groups for token_id in group))

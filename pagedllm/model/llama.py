@@ -1,0 +1,100 @@
+"""The Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) as one module.
+
+The variants differ only in flags of ModelConfig: q/k/v bias (Qwen2), per-head
+q/k RMSNorm (Qwen3), rope scaling (Llama 3.1) and tied embeddings. Q/K/V and
+gate/up projections are fused at load time so each layer does two big matmuls
+instead of five.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model.attention import AttentionMetadata, paged_attention
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.rope import RotaryEmbedding
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = _frozen(weight)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        attn = prefix + "self_attn."
+        self.qkv_weight = _frozen(torch.cat([w[attn + n + "_proj.weight"] for n in "qkv"]))
+        self.qkv_bias = (_frozen(torch.cat([w[attn + n + "_proj.bias"] for n in "qkv"]))
+                         if config.attention_bias else None)
+        self.o_weight = _frozen(w[attn + "o_proj.weight"])
+        self.q_norm = RMSNorm(w[attn + "q_norm.weight"], config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(w[attn + "k_norm.weight"], config.rms_norm_eps) if config.qk_norm else None
+        mlp = prefix + "mlp."
+        self.gate_up_weight = _frozen(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
+        self.down_weight = _frozen(w[mlp + "down_proj.weight"])
+        self.input_norm = RMSNorm(w[prefix + "input_layernorm.weight"], config.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(w[prefix + "post_attention_layernorm.weight"],
+                                           config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = F.linear(self.input_norm(hidden), self.qkv_weight, self.qkv_bias)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        hidden = hidden + F.linear(attn.reshape(num_tokens, q_size), self.o_weight)
+        gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_weight).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class CausalLM(nn.Module):
+    """Runs a flat batch of tokens from many sequences; returns logits only where asked."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, max_positions: int):
+        super().__init__()
+        self.config = config
+        w = {name: tensor.to(dtype=dtype, device=device) for name, tensor in weights.items()}
+        self.embed_tokens = _frozen(w["model.embed_tokens.weight"])
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _frozen(w["lm_head.weight"])
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, w, f"model.layers.{i}.") for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(w["model.norm.weight"], config.rms_norm_eps)
+        self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+                                    config.rope_scaling, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """Returns float32 logits [len(logits_indices), vocab] for the rows that sample."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, self.rope, positions, kv_cache, meta)
+        hidden = self.norm(hidden[logits_indices])
+        return F.linear(hidden, self.lm_head).float()

