@@ -91,12 +91,12 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed)
         if self.is_greedy:
-            # As vLLM: truncation cannot change an argmax, and n greedy copies would be identical.
+            # As vLLM: truncation cannot change an argmax, and best_of greedy copies would tie.
+            # n > 1 stays allowed, as in OpenAI's API: the n answers are simply identical.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-            for name in ("n", "best_of"):
-                if (getattr(self, name) or 1) > 1:
-                    raise ValueError(
-                        f"{name} must be 1 when temperature is 0 (greedy sampling), got {getattr(self, name)}")
+            if (self.best_of or 1) > 1:
+                raise ValueError(
+                    f"best_of must be 1 when temperature is 0 (greedy sampling), got {self.best_of}")
 
     def _normalise_and_check_stopping(self) -> None:
         if self.stop is None:

@@ -45,8 +45,11 @@ class Tokenizer:
         tools=None,
         **kwargs,
     ) -> list[int]:
-        """Token ids of the rendered conversation; the template writes its own special tokens, so none are added."""
-        text = self.apply_chat_template_text(conversation, add_generation_prompt, chat_template, tools, **kwargs)
+        """Token ids of the rendered conversation; the template writes its own special tokens, so none
+        are added."""
+        text = self.apply_chat_template_text(
+            conversation, add_generation_prompt, chat_template, tools, **kwargs
+        )
         return self.encode(text, add_special_tokens=False)
 
     def apply_chat_template_text(
@@ -108,7 +111,8 @@ def tokenizer_cache_dir() -> Path:
 def _gguf_cache_key(path: Path) -> str:
     """Changes whenever the file, or the code that converts its tokenizer, changes."""
     stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{tokenizers.__version__}"
+    versions = f"{transformers.__version__}|{tokenizers.__version__}"
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{versions}"
     return hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 

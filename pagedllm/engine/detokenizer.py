@@ -15,6 +15,8 @@ class IncrementalDetokenizer:
     tokens[prefix_offset:read_offset] is what the tokens after read_offset add.
     Decoding only this short window keeps each step O(1), and decoding it with its
     left context lets the tokenizer place spaces and merge bytes as a full decode would.
+    spaces_between_special_tokens changes nothing here, as in vLLM: it only affects slow
+    (Python) tokenizers, and a fast tokenizer's decoder joins special tokens without spaces.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):

@@ -124,6 +124,10 @@ class LLMEngine:
             raise ValueError(f"prompt + max_tokens = {total} tokens need more KV blocks than the whole "
                              f"cache has ({self.kv_manager.pool.num_blocks} blocks of "
                              f"{self.kv_manager.block_size}); raise kv_cache_memory")
+        vocab = self.model_config.vocab_size
+        if any(token_id >= vocab for token_id in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}, "
+                             f"got {params.stop_token_ids}")
         eos_ids = self.model_config.eos_token_ids
         num_children = params.best_of or params.n
         children = []
@@ -171,11 +175,12 @@ class LLMEngine:
             token_logprobs = samples.logprobs.tolist()
             top_ids = samples.top_logprob_ids.tolist() if samples.top_logprob_ids is not None else None
             top_values = samples.top_logprobs.tolist() if samples.top_logprobs is not None else None
+            ranks = samples.token_ranks.tolist() if samples.token_ranks is not None else None
             for row, request in enumerate(sampled_requests):
                 child = self.children[request.request_id]
                 top = None
                 if request.sampling_params.logprobs is not None:
-                    top = self._logprob_entry(token_ids[row], token_logprobs[row], top_ids[row],
+                    top = self._logprob_entry(token_ids[row], token_logprobs[row], ranks[row], top_ids[row],
                                               top_values[row], request.sampling_params.logprobs)
                 status = append_token(child, token_ids[row], token_logprobs[row], top)
                 if status is not None:
@@ -188,15 +193,14 @@ class LLMEngine:
                 self._forget(parent)
         return outputs
 
-    def _logprob_entry(self, token_id: int, token_logprob: float, top_ids: list[int],
+    def _logprob_entry(self, token_id: int, token_logprob: float, rank: int, top_ids: list[int],
                        top_values: list[float], k: int) -> dict[int, Logprob]:
-        """The sampled token's logprob plus the k most likely tokens, ranked from 1."""
-        entry = {token_id: Logprob(token_logprob, None, self.tokenizer.decode([token_id], False))}
-        for rank, (tid, value) in enumerate(zip(top_ids[:k], top_values[:k]), start=1):
-            if tid == token_id:
-                entry[tid].rank = rank
-            else:
-                entry[tid] = Logprob(value, rank, self.tokenizer.decode([tid], False))
+        """The sampled token's logprob and rank, plus the k most likely tokens ranked from 1."""
+        decode = self.tokenizer.decode
+        entry = {token_id: Logprob(token_logprob, rank, decode([token_id], skip_special_tokens=False))}
+        for top_rank, (top_id, value) in enumerate(zip(top_ids[:k], top_values[:k]), start=1):
+            if top_id not in entry:
+                entry[top_id] = Logprob(value, top_rank, decode([top_id], skip_special_tokens=False))
         return entry
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

@@ -63,23 +63,28 @@ def _completion(child: ChildState, index: int) -> CompletionOutput:
 
 def append_token(child: ChildState, token_id: int, token_logprob: float,
                  top_logprobs: dict[int, Logprob] | None) -> RequestStatus | None:
-    """Adds a sampled token; returns the finishing status if the request is now done."""
+    """Adds a sampled token; returns the finishing status if the request is now done.
+
+    A token that ends the request (EOS or a stop_token_id) stays in token_ids but,
+    as in vLLM, adds no text unless include_stop_str_in_output is set.
+    """
     request = child.request
     params = request.sampling_params
     request.all_token_ids.append(token_id)
     request.cumulative_logprob += token_logprob
     if top_logprobs is not None:
         request.logprobs.append(top_logprobs)
-    stop_string = child.detokenizer.append([token_id])
     if request.num_output_tokens >= params.min_tokens:
-        if token_id in request.eos_token_ids and not params.ignore_eos:
+        stops_on_eos = token_id in request.eos_token_ids and not params.ignore_eos
+        if stops_on_eos or token_id in params.stop_token_ids:
+            if params.include_stop_str_in_output:
+                child.detokenizer.append([token_id])
+            request.stop_reason = None if stops_on_eos else token_id
             return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if stop_string is not None:
-            request.stop_reason = stop_string
-            return RequestStatus.FINISHED_STOPPED
+    stop_string = child.detokenizer.append([token_id])
+    if stop_string is not None:
+        request.stop_reason = stop_string
+        return RequestStatus.FINISHED_STOPPED
     if request.num_output_tokens >= request.max_tokens:
         return RequestStatus.FINISHED_LENGTH
     return None

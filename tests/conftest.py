@@ -1,0 +1,81 @@
+"""Shared fixtures: the bundled GGUF model, a saved copy of its tokenizer, and tiny random HF checkpoints."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from pagedllm.model.loader import bundled_model_path
+from pagedllm.tokenizer import load_tokenizer_from_gguf
+
+_TINY_SHAPE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,  # the bundled tokenizer's <|im_start|> and <|im_end|>
+    eos_token_id=2,
+)
+# With head_dim 16 and these settings the llama3 rule leaves some frequencies alone, blends some and
+# divides the rest by the factor, so all three branches are exercised.
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+TINY_ARCHS = {
+    "llama": (LlamaConfig, {"rope_theta": 10000.0}),
+    "llama3": (LlamaConfig, {"rope_theta": 10000.0, "rope_scaling": _LLAMA3_ROPE}),
+    "mistral": (MistralConfig, {"head_dim": 16, "sliding_window": 4096}),
+    "qwen2": (Qwen2Config, {}),
+    # head_dim differs from hidden_size // num_attention_heads, as in real Qwen3 models.
+    "qwen3": (Qwen3Config, {"head_dim": 32}),
+}
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf_path() -> Path:
+    return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(bundled_gguf_path, tmp_path_factory) -> Path:
+    """The bundled model's tokenizer saved as tokenizer.json & co, to drop into HF checkpoint folders."""
+    folder = tmp_path_factory.mktemp("bundled-tokenizer")
+    load_tokenizer_from_gguf(bundled_gguf_path).hf.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model_dir(hf_tokenizer_dir):
+    """Factory: make_tiny_model_dir(tmp_path, arch, *, dtype=torch.float32, max_shard_size=None,
+    **config_overrides) saves a seeded random model of arch (a TINY_ARCHS key) with the bundled tokenizer
+    and returns the folder."""
+
+    def make(tmp_path: Path, arch: str, *, dtype=torch.float32, max_shard_size=None, **overrides) -> Path:
+        config_class, arch_settings = TINY_ARCHS[arch]
+        config = config_class(**{**_TINY_SHAPE, **arch_settings, **overrides})
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            # Default init leaves norms at one and biases at zero: that would hide an unused norm or bias.
+            for name, param in model.named_parameters():
+                param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1)
+        folder = tmp_path / f"tiny-{arch}"
+        sharding = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.to(dtype).save_pretrained(folder, **sharding)
+        for file in hf_tokenizer_dir.iterdir():
+            shutil.copy(file, folder / file.name)
+        return folder
+
+    return make

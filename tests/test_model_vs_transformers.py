@@ -1,0 +1,154 @@
+"""Greedy tokens and per-step logprobs against transformers' own implementation (float32)."""
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from pagedllm import LLM, SamplingParams
+
+MAX_NEW_TOKENS = 64
+LOGPROB_TOLERANCE = 2e-3
+
+
+def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int):
+    """transformers' generate, one prompt at a time, EOS not stopping; returns tokens and step logprobs."""
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         min_new_tokens=0, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=0)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
+    return tokens, logprobs
+
+
+def assert_matches_reference(llm_outputs, reference_model, prompts):
+    for prompt_ids, output in zip(prompts, llm_outputs):
+        ref_tokens, ref_logprobs = reference_greedy(reference_model, prompt_ids, MAX_NEW_TOKENS)
+        completion = output.outputs[0]
+        assert completion.token_ids == ref_tokens
+        ours = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, ref_tokens)])
+        theirs = ref_logprobs[torch.arange(len(ref_tokens)), torch.tensor(ref_tokens)]
+        torch.testing.assert_close(ours, theirs, atol=LOGPROB_TOLERANCE, rtol=0)
+        for step, ref_step in zip(completion.logprobs, ref_logprobs):
+            for token_id, logprob in step.items():
+                assert logprob.logprob == pytest.approx(ref_step[token_id].item(), abs=LOGPROB_TOLERANCE)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def bundled_reference(bundled_gguf_path):
+    return AutoModelForCausalLM.from_pretrained(bundled_gguf_path.parent, gguf_file=bundled_gguf_path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def bundled_llm():
+    return LLM(dtype="float32", kv_cache_memory="256MiB")
+
+
+TEXTS = [
+    "Hi",
+    "The capital of France is",
+    "Write a haiku about paged memory in operating systems.",
+    "def fibonacci(n):\n    ",
+    "List three prime numbers and explain why each one is prime, step by step.",
+    "Translate to French: The cat sat on the mat because it was warm and the sun was shining brightly.",
+    "PagedAttention stores the key-value cache in fixed-size blocks. " * 6,
+    "Once upon a time, in a land far away, there lived a dragon who loved to read books about "
+    "mathematics, astronomy, poetry and the history of forgotten kingdoms. Every morning she",
+]
+
+
+def test_bundled_model_matches_transformers_greedy(bundled_llm, bundled_reference):
+    tokenizer = bundled_llm.get_tokenizer()
+    prompts = [tokenizer.encode(text) for text in TEXTS]
+    assert len({len(p) for p in prompts}) == len(prompts), "prompts should differ in length"
+    outputs = bundled_llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, bundled_reference, prompts)
+
+
+def test_gguf_and_safetensors_give_the_same_logits(bundled_llm, bundled_reference, hf_tokenizer_dir,
+                                                    tmp_path_factory):
+    # transformers' own dequantized weights, written as a plain safetensors checkpoint
+    # (its save_pretrained refuses GGUF-quantized models).
+    folder = tmp_path_factory.mktemp("smollm2-safetensors")
+    config = bundled_reference.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(bundled_reference).__name__]
+    (folder / "config.json").write_text(json.dumps(config))
+    state = {name: tensor.contiguous() for name, tensor in bundled_reference.state_dict().items()
+             if not (config.get("tie_word_embeddings") and name == "lm_head.weight")}
+    save_file(state, folder / "model.safetensors")
+    for file in hf_tokenizer_dir.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    from_folder = LLM(str(folder), dtype="float32", kv_cache_memory="64MiB")
+    prompt = {"prompt_token_ids": bundled_llm.get_tokenizer().encode(TEXTS[5])}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    a = bundled_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    b = from_folder.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert a.token_ids == b.token_ids
+    for step_a, step_b in zip(a.logprobs, b.logprobs):
+        assert step_a.keys() == step_b.keys()
+        for token_id in step_a:
+            assert step_a[token_id].logprob == pytest.approx(step_b[token_id].logprob, abs=1e-4)
+
+
+TINY_ARCHS = ["llama3", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tiny_random_models_match_transformers(arch, make_tiny_model_dir, tmp_path):
+    folder = make_tiny_model_dir(tmp_path, arch)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    vocab = reference.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (length,), generator=generator).tolist()
+               for length in (1, 5, 17, 33, 70, 130, 9, 48)]
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", block_size=16)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, reference, prompts)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(make_tiny_model_dir, tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama3")
+
+
+def test_same_tokens_alone_together_and_for_every_block_size(tiny_llama_dir):
+    generator = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=generator).tolist()}
+               for n in (3, 20, 41, 64, 100)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    results = {}
+    for block_size in (8, 16, 32):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory="8MiB", block_size=block_size)
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        alone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        assert together == alone
+        results[block_size] = together
+        pool = llm.llm_engine.kv_manager.pool
+        assert pool.num_free_blocks == pool.num_blocks
+    assert results[8] == results[16] == results[32]
+
+
+def test_block_tables_hold_ceil_of_length_while_running(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory="8MiB", block_size=8,
+              max_num_batched_tokens=64)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for i, length in enumerate((5, 31, 90)):
+        engine.add_request(str(i), {"prompt_token_ids": list(range(10, 10 + length))}, params)
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.scheduler.running:
+            table = engine.kv_manager.get_block_table(request.request_id)
+            assert len(table) == math.ceil(request.num_computed_tokens / 8)
+            checked += 1
+    assert checked > 0
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks

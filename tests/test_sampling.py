@@ -1,0 +1,287 @@
+"""SamplingParams validation and the batched sampler, checked against hand computations and torch references."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedllm.model.sampler import SamplingBatch, _apply_penalties, sample
+from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# ---------------------------------------------------------------- SamplingParams
+
+STOP_TEXT = st.text(alphabet="ab\n 好😀", min_size=1, max_size=4)
+VALID = {
+    "n": st.integers(1, 8),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(1e-3, 10),
+    "temperature": st.floats(0.01, 5),
+    "top_p": st.floats(1e-6, 1),
+    "top_k": st.integers(-1, 1000),
+    "min_p": st.floats(0, 1),
+    "seed": st.none() | st.integers(0, 2**32),
+    "stop": st.none() | STOP_TEXT | st.lists(STOP_TEXT, max_size=3),
+    "stop_token_ids": st.none() | st.lists(st.integers(0, 50000), max_size=3),
+    "max_tokens": st.none() | st.integers(20, 4096),
+    "min_tokens": st.integers(0, 16),
+    "logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
+    "ignore_eos": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+}
+
+INVALID = {
+    "n": st.integers(max_value=0) | st.just(1.5) | st.just(True) | st.just("2"),
+    "best_of": st.integers(-3, 0),
+    "presence_penalty": st.floats(2.001, 1e6) | st.floats(-1e6, -2.001) | st.just(math.nan),
+    "frequency_penalty": st.floats(2.001, 1e6) | st.floats(-1e6, -2.001) | st.just("high"),
+    "repetition_penalty": st.floats(-1e6, 0) | st.just(math.inf),
+    "temperature": st.floats(-1e6, -1e-9) | st.just("hot") | st.just(math.nan) | st.just(False),
+    "top_p": st.floats(-1e6, 0) | st.floats(1.0001, 1e6) | st.just(None),
+    "top_k": st.integers(max_value=-2) | st.just(2.0) | st.just(True),
+    "min_p": st.floats(-1e6, -1e-9) | st.floats(1.0001, 1e6),
+    "seed": st.just(1.5) | st.just("7"),
+    "stop": st.just("") | st.just(["ok", ""]) | st.just([3]) | st.just(7),
+    "stop_token_ids": st.just([-1]) | st.just(["2"]),
+    "max_tokens": st.integers(max_value=0) | st.just(10.0),
+    "min_tokens": st.integers(max_value=-1),
+    "logprobs": st.integers(max_value=-1) | st.integers(MAX_LOGPROBS + 1, 10**6) | st.just(True),
+    "prompt_logprobs": st.integers(0, 5),
+    "ignore_eos": st.just(1) | st.just("yes"),
+    "include_stop_str_in_output": st.just(None),
+}
+
+
+@settings(max_examples=200)
+@given(st.fixed_dictionaries({}, optional=VALID))
+def test_valid_params_are_accepted_and_normalised(kwargs):
+    params = SamplingParams(**kwargs)
+    assert isinstance(params.stop, list) and isinstance(params.stop_token_ids, list)
+    assert params.top_k >= 0
+    if kwargs.get("top_k") == -1:
+        assert params.top_k == 0
+    if isinstance(kwargs.get("stop"), str):
+        assert params.stop == [kwargs["stop"]]
+
+
+@settings(max_examples=300)
+@given(st.sampled_from(sorted(INVALID)).flatmap(lambda name: st.tuples(st.just(name), INVALID[name])))
+def test_invalid_params_are_rejected_naming_the_field(field_and_value):
+    name, value = field_and_value
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: value})
+
+
+def test_cross_field_checks():
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    with pytest.raises(ValueError, match="best_of must be 1"):
+        SamplingParams(n=2, best_of=2, temperature=0)
+    assert SamplingParams(n=2, temperature=0).n == 2
+    SamplingParams(min_tokens=500, max_tokens=None)
+
+
+def test_message_states_the_allowed_range():
+    with pytest.raises(ValueError, match=r"temperature must be >= 0, got -1"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match=r"not supported"):
+        SamplingParams(prompt_logprobs=1)
+
+
+def test_greedy_disables_truncation():
+    params = SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.2)
+    assert params.is_greedy
+    assert (params.top_k, params.top_p, params.min_p) == (0, 1.0, 0.0)
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=0.01).is_greedy
+
+
+def test_clone_and_children():
+    params = SamplingParams(n=3, best_of=4, seed=10, stop=["x"])
+    copy = params.clone()
+    copy.stop.append("y")
+    assert params.stop == ["x"] and copy.n == 3
+    children = [params.for_child(i) for i in range(3)]
+    assert [c.seed for c in children] == [10, 11, 12]
+    assert all(c.n == 1 and c.best_of is None and c.stop == ["x"] for c in children)
+    assert SamplingParams(n=2).for_child(1).seed is None
+
+
+# ---------------------------------------------------------------- sampler helpers
+
+def build(params, logits, prompts=None, outputs=None, eos=None, generators=None):
+    rows = len(params)
+    return SamplingBatch.build(
+        params=params,
+        prompt_token_ids=prompts or [[] for _ in range(rows)],
+        output_token_ids=outputs or [[] for _ in range(rows)],
+        eos_token_ids=eos or [() for _ in range(rows)],
+        generators=generators or [None] * rows,
+        vocab_size=logits.shape[1],
+        device=logits.device,
+    )
+
+
+def draw_many(row_logits, params, draws=2000):
+    """One batched call with the same row repeated: the empirical distribution of one request."""
+    logits = row_logits.unsqueeze(0).repeat(draws, 1)
+    return sample(logits, build([params] * draws, logits)).token_ids
+
+
+def assert_matches(token_ids, probs):
+    """Pearson chi-square against the expected probs; the bound is far in the tail for these sizes."""
+    counts = torch.bincount(token_ids, minlength=probs.numel()).double()
+    expected = probs.double() * token_ids.numel()
+    assert counts[expected == 0].sum() == 0, "drew a token that has probability 0"
+    support = expected > 0
+    chi2 = ((counts[support] - expected[support]) ** 2 / expected[support]).sum().item()
+    dof = int(support.sum()) - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * dof) + 10, (chi2, counts, expected)
+
+
+PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0])
+LOGITS = PROBS.log()  # the zero probability becomes -inf: a token no setting may pick
+
+
+@pytest.fixture(autouse=True)
+def _fixed_rng():
+    torch.manual_seed(1234)
+
+
+# ---------------------------------------------------------------- sampler
+
+def test_greedy_is_argmax():
+    logits = torch.randn(16, 100)
+    out = sample(logits, build([SamplingParams(temperature=0)] * 16, logits))
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.token_ids.dtype == torch.int64 and out.top_logprobs is None
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(64, 50) * 3
+    out = sample(logits, build([SamplingParams(top_k=1)] * 64, logits))
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("params, kept", [
+    (SamplingParams(top_k=2), [0, 1]),
+    (SamplingParams(top_p=0.6), [0, 1]),
+    (SamplingParams(top_p=0.75), [0, 1, 2]),
+    (SamplingParams(top_p=0.1), [0]),
+    (SamplingParams(min_p=0.3), [0, 1, 2]),
+    (SamplingParams(min_p=0.2, top_k=4), [0, 1, 2, 3]),
+    (SamplingParams(top_k=3, top_p=0.5), [0, 1]),
+    (SamplingParams(), [0, 1, 2, 3, 4]),
+])
+def test_truncation_keeps_exactly_the_allowed_tokens_in_proportion(params, kept):
+    expected = torch.zeros_like(PROBS)
+    expected[kept] = PROBS[kept] / PROBS[kept].sum()
+    assert_matches(draw_many(LOGITS, params), expected)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_distribution_matches_softmax(temperature):
+    row_logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0, 0.2, -3.0])
+    tokens = draw_many(row_logits, SamplingParams(temperature=temperature), draws=20000)
+    assert_matches(tokens, torch.softmax(row_logits / temperature, -1))
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0]])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.3)
+    batch = build([params], logits, prompts=[[0, 4]], outputs=[[1, 1, 2]])
+    processed = logits.clone()
+    _apply_penalties(processed, batch)
+    # repetition on prompt+output ids {0, 1, 2, 4}: positive / 2, negative * 2;
+    # then output counts {1: 2, 2: 1}: frequency 0.5 * count and presence 0.3.
+    expected = [2.0 / 2, -1.0 * 2 - 0.5 * 2 - 0.3, 0.5 / 2 - 0.5 - 0.3, 3.0, -2.0 * 2, 0.0]
+    assert processed[0].tolist() == pytest.approx(expected)
+
+
+def test_penalties_apply_per_row_and_change_the_greedy_choice():
+    logits = torch.tensor([[3.0, 2.0, 1.5]] * 3)
+    params = [SamplingParams(temperature=0),
+              SamplingParams(temperature=0, repetition_penalty=2.0),
+              SamplingParams(temperature=0, presence_penalty=2.0)]
+    out = sample(logits, build(params, logits, prompts=[[0]] * 3, outputs=[[], [], [0, 1]]))
+    assert out.token_ids.tolist() == [0, 1, 2]
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]] * 3)
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    outputs = [[], [7], [7, 7]]
+    out = sample(logits, build([params] * 3, logits, outputs=outputs, eos=[(0,)] * 3))
+    assert out.token_ids.tolist() == [2, 2, 0]
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = torch.randn(4, 30)
+    params = [SamplingParams(temperature=0.3, top_k=3, repetition_penalty=1.5, logprobs=5),
+              SamplingParams(logprobs=2), SamplingParams(temperature=0), SamplingParams(logprobs=0)]
+    out = sample(logits, build(params, logits, outputs=[[1, 2]] * 4))
+    reference = torch.log_softmax(logits, -1)
+    assert torch.allclose(out.logprobs, reference.gather(1, out.token_ids[:, None]).squeeze(1))
+    assert out.logprobs.dtype == torch.float32
+    assert out.top_logprobs.shape == (4, 5)
+    assert torch.allclose(out.top_logprobs, reference.gather(1, out.top_logprob_ids))
+    assert torch.all(out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:])
+    assert torch.equal(out.top_logprob_ids[:, 0], logits.argmax(-1))
+
+
+def test_top_logprobs_only_when_a_row_asks():
+    logits = torch.randn(2, 10)
+    out = sample(logits, build([SamplingParams(logprobs=0), SamplingParams()], logits))
+    assert out.top_logprob_ids.shape == out.top_logprobs.shape == (2, 0)
+    out = sample(logits, build([SamplingParams(), SamplingParams()], logits))
+    assert out.top_logprob_ids is None and out.top_logprobs is None
+
+
+def test_low_precision_input_and_caller_logits_untouched():
+    logits = torch.randn(3, 40).to(torch.bfloat16)
+    before = logits.clone()
+    params = [SamplingParams(repetition_penalty=1.3, temperature=0.7, min_p=0.1)] * 3
+    out = sample(logits, build(params, logits, outputs=[[0, 1]] * 3))
+    assert torch.equal(logits, before)
+    assert out.logprobs.dtype == torch.float32
+
+
+def test_mixed_greedy_and_random_rows():
+    logits = torch.randn(6, 20)
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=5)] * 3
+    out = sample(logits, build(params, logits))
+    assert torch.equal(out.token_ids[0::2], logits[0::2].argmax(-1))
+    top5 = logits[1::2].topk(5).indices
+    assert (top5 == out.token_ids[1::2, None]).any(-1).all()
+
+
+def run_seeded(seed, step_logits, others, position):
+    """The seeded row's tokens over the steps, with `others` rows around it in the batch."""
+    generator = torch.Generator().manual_seed(seed)
+    other_generators = [torch.Generator().manual_seed(100 + i) if p.seed is not None else None
+                        for i, p in enumerate(others)]
+    params = list(others)
+    params.insert(position, SamplingParams(seed=seed, top_p=0.9))
+    generators = list(other_generators)
+    generators.insert(position, generator)
+    tokens = []
+    for logits in step_logits:
+        batch_logits = torch.randn(len(params), logits.numel())
+        batch_logits[position] = logits
+        out = sample(batch_logits, build(params, batch_logits, generators=generators))
+        tokens.append(out.token_ids[position].item())
+    return tokens
+
+
+def test_seeded_rows_ignore_the_rest_of_the_batch():
+    step_logits = [torch.randn(64) for _ in range(12)]
+    alone = run_seeded(7, step_logits, [], 0)
+    crowd = [SamplingParams(), SamplingParams(seed=3), SamplingParams(temperature=0),
+             SamplingParams(top_k=4, seed=5)]
+    assert run_seeded(7, step_logits, crowd, 0) == alone
+    assert run_seeded(7, step_logits, crowd, 3) == alone
+    assert run_seeded(7, step_logits, crowd[:2], 2) == alone
+    assert run_seeded(8, step_logits, [], 0) != alone
