@@ -1,7 +1,7 @@
 """Turns a scheduled step into flat tensors, runs the model once, samples one token per finishing row."""
 from __future__ import annotations
 
-import logging
+import math
 
 import numpy as np
 import torch
@@ -13,12 +13,20 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.sampler import SamplerOutput, SamplingBatch, sample
 
-logger = logging.getLogger(__name__)
-
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. On CPU it comes from calloc (via numpy), so the OS hands out
+    zero pages only as blocks are first written, and start-up need not touch gigabytes.
+    Zeros matter: masked-out slots of a gathered block still enter the attention matmul."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -30,8 +38,7 @@ class ModelRunner:
         self.device = device
         self.vocab_size = config.vocab_size
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
                           for _ in range(config.num_hidden_layers)]
         self.generators: dict[str, torch.Generator] = {}
         torch.manual_seed(seed)
