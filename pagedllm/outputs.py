@@ -1,7 +1,7 @@
 """What generate() returns, in vLLM's shape so code written against vLLM reads it unchanged."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -34,4 +34,4 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: None = None
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
+    error: str | None = None   # set when the request failed inside the engine (finish_reason "error")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,13 @@ def _check_bool(name: str, value) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+    CUMULATIVE = 0   # everything so far
+    DELTA = 1        # only what is new since the last output (streaming)
+    FINAL_ONLY = 2   # nothing until the request finishes
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings; invalid values fail here, at the API edge, not mid-batch."""
@@ -54,6 +62,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._normalise_and_check_sampling()
@@ -133,6 +142,10 @@ class SamplingParams:
                 f"prompt_logprobs is not supported yet; it must be None, got {self.prompt_logprobs!r}")
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.output_kind is RequestOutputKind.DELTA and (self.best_of or self.n) > self.n:
+            raise ValueError("best_of must equal n when streaming: the best samples are only known at the end")
 
     @property
     def is_greedy(self) -> bool:

@@ -77,11 +77,18 @@ class IncrementalDetokenizer:
         self.output_text = self.output_text[:index + len(stop) if self._include_stop else index]
         return stop
 
+    def visible_text(self, finished: bool) -> str:
+        """The text so far, less a tail that could still become a stop string unless finished."""
+        return self.output_text[:self._visible_end(finished)]
+
     def stream_delta(self, finished: bool) -> str:
-        """Text not returned before; holds back a tail that could still become a stop string unless finished."""
-        end = len(self.output_text) if finished else len(self.output_text) - self._hold_back
+        """Visible text not returned by an earlier call."""
+        end = self._visible_end(finished)
         if end <= self._streamed:
             return ""
         delta = self.output_text[self._streamed:end]
         self._streamed = end
         return delta
+
+    def _visible_end(self, finished: bool) -> int:
+        return len(self.output_text) if finished else max(len(self.output_text) - self._hold_back, 0)

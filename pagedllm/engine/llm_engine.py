@@ -182,12 +182,17 @@ class LLMEngine:
                 if request.sampling_params.logprobs is not None:
                     top = self._logprob_entry(token_ids[row], token_logprobs[row], ranks[row], top_ids[row],
                                               top_values[row], request.sampling_params.logprobs)
-                status = append_token(child, token_ids[row], token_logprobs[row], top)
+                try:
+                    status = append_token(child, token_ids[row], token_logprobs[row], top)
+                except Exception as exc:  # one request's failure must not take the batch down
+                    logger.exception("request %s failed", request.request_id)
+                    request.error = f"{type(exc).__name__}: {exc}"
+                    status = RequestStatus.FINISHED_ERROR
                 if status is not None:
                     self._finish(request, status)
                 parent_id = self.parent_of[request.request_id]
                 progressed[parent_id] = self.parents[parent_id]
-        outputs = [parent.make_output() for parent in progressed.values()]
+        outputs = [output for parent in progressed.values() if (output := parent.make_output()) is not None]
         for parent in progressed.values():
             if parent.finished:
                 self._forget(parent)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -19,6 +19,7 @@ class ChildState:
     request: Request
     index: int
     detokenizer: IncrementalDetokenizer
+    num_reported_tokens: int = 0   # for DELTA outputs: tokens already sent
 
 
 class ParentRequest:
@@ -36,27 +37,38 @@ class ParentRequest:
     def finished(self) -> bool:
         return all(child.request.is_finished for child in self.children)
 
-    def make_output(self) -> RequestOutput:
+    def make_output(self) -> RequestOutput | None:
+        """The output the request's output_kind asks for now; None when there is nothing to report."""
+        kind = self.params.output_kind
+        finished = self.finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
         children = self.children
-        if self.finished and len(children) > self.params.n:
+        if finished and len(children) > self.params.n:
             # best_of: keep the n samples the model found most likely.
             children = sorted(children, key=lambda c: c.request.cumulative_logprob, reverse=True)
             children = children[:self.params.n]
-        outputs = [_completion(child, index) for index, child in enumerate(children)]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished)
+        outputs = [_completion(child, index, kind is RequestOutputKind.DELTA)
+                   for index, child in enumerate(children)]
+        error = next((c.request.error for c in self.children if c.request.error), None)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
+                             error=error)
 
 
-def _completion(child: ChildState, index: int) -> CompletionOutput:
+def _completion(child: ChildState, index: int, delta: bool) -> CompletionOutput:
     request = child.request
     status = request.status
+    finished = status.is_finished
+    start = child.num_reported_tokens if delta else 0
+    child.num_reported_tokens = request.num_output_tokens
     wants_logprobs = request.sampling_params.logprobs is not None
     return CompletionOutput(
         index=index,
-        text=child.detokenizer.output_text,
-        token_ids=request.output_token_ids,
+        text=child.detokenizer.stream_delta(finished) if delta else child.detokenizer.visible_text(finished),
+        token_ids=request.all_token_ids[request.num_prompt_tokens + start:],
         cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
-        logprobs=list(request.logprobs) if wants_logprobs else None,
-        finish_reason=status.value if status.is_finished else None,
+        logprobs=request.logprobs[start:] if wants_logprobs else None,
+        finish_reason=status.value if finished else None,
         stop_reason=request.stop_reason,
     )
 

@@ -1,6 +1,7 @@
 """The offline API: `LLM(...).generate(prompts, sampling_params)`, shaped like vLLM's."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -9,7 +10,7 @@ from tqdm import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict]
 
@@ -52,7 +53,8 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; "
                                  "pass one SamplingParams or one per prompt")
-        return self._run(prompts, params_list, use_tqdm)
+        final_only = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
+        return self._run(prompts, final_only, use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
