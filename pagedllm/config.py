@@ -5,6 +5,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from pagedllm.engine.scheduler import SCHEDULING_POLICIES
+
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -39,6 +41,9 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -58,6 +63,12 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
 

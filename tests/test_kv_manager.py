@@ -1,19 +1,29 @@
 """Block pool and block tables: hand-computed counts and property-based bookkeeping checks."""
 import math
+from collections import Counter
 
 import pytest
-from hypothesis import given, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, precondition
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedllm.kv.block_pool import BlockPool
+from pagedllm.kv.block_pool import BlockPool, hash_block
 from pagedllm.kv.manager import KVCacheManager
+
+
+def new_request(manager, request_id, token_ids):
+    """What the scheduler does for a new request: prefix lookup, then slots for all tokens."""
+    cached = manager.get_computed_blocks(request_id, token_ids)
+    num_computed = len(cached) * manager.block_size
+    if not manager.allocate_slots(request_id, len(token_ids), num_computed, cached):
+        return None
+    return num_computed
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("length", [1, 7, 8, 9, 16, 17, 100, 256])
 def test_table_holds_ceil_length_over_block_size(block_size, length):
     manager = KVCacheManager(num_blocks=64, block_size=block_size)
-    assert manager.allocate_slots("r", length)
+    assert manager.allocate_slots("r", length, 0)
     assert len(manager.get_block_table("r")) == math.ceil(length / block_size)
     assert manager.pool.num_free_blocks == 64 - math.ceil(length / block_size)
 
@@ -22,38 +32,107 @@ def test_grows_one_block_only_when_the_last_is_full():
     manager = KVCacheManager(num_blocks=8, block_size=16)
     sizes = []
     for length in range(1, 50):
-        assert manager.allocate_slots("r", length)
+        assert manager.allocate_slots("r", length, length - 1)
         sizes.append(len(manager.get_block_table("r")))
     assert sizes == [1] * 16 + [2] * 16 + [3] * 16 + [4]
 
 
 def test_refuses_without_side_effects_when_pool_is_short():
     manager = KVCacheManager(num_blocks=4, block_size=16)
-    assert manager.allocate_slots("a", 48)
-    assert not manager.allocate_slots("b", 32)
+    assert manager.allocate_slots("a", 48, 0)
+    assert not manager.allocate_slots("b", 32, 0)
     assert "b" not in manager.block_tables
     assert manager.pool.num_free_blocks == 1
 
 
 def test_free_returns_every_block():
-    manager = KVCacheManager(num_blocks=10, block_size=8)
-    manager.allocate_slots("a", 30)
-    manager.allocate_slots("b", 17)
+    manager = KVCacheManager(num_blocks=10, block_size=8, enable_prefix_caching=False)
+    manager.allocate_slots("a", 30, 0)
+    manager.allocate_slots("b", 17, 0)
     manager.free("a")
     manager.free("b")
     assert manager.pool.num_free_blocks == 10
-    assert sorted(manager.pool.free_block_queue) == list(range(10))
+    assert sorted(b.block_id for b in manager.pool.free_block_queue) == list(range(10))
     assert manager.usage().num_used_blocks == 0
 
 
 def test_utilization_counts_stored_tokens_over_allocated_slots():
     manager = KVCacheManager(num_blocks=10, block_size=16)
-    manager.allocate_slots("a", 20)   # 2 blocks, 20 tokens
-    manager.allocate_slots("b", 16)   # 1 block, 16 tokens
+    manager.allocate_slots("a", 20, 0)   # 2 blocks, 20 tokens
+    manager.allocate_slots("b", 16, 0)   # 1 block, 16 tokens
     usage = manager.usage()
     assert usage.num_used_blocks == 3
     assert usage.utilization == pytest.approx(36 / 48)
     assert usage.usage == pytest.approx(0.3)
+
+
+def test_fork_shares_every_block_and_copies_only_the_written_partial_one():
+    manager = KVCacheManager(num_blocks=10, block_size=4)
+    manager.allocate_slots("parent", 10, 0)           # blocks [a, b, c], c holds 2 of 4
+    manager.fork("parent", "child")
+    parent_table = manager.get_block_table("parent")
+    assert manager.get_block_table("child") == parent_table
+    assert manager.usage().num_shared_blocks == 3 and manager.pool.num_used_blocks == 3
+    # The child writes token 11 (position 10) into the shared, partly filled block c.
+    assert manager.allocate_slots("child", 11, 10)
+    child_table = manager.get_block_table("child")
+    assert child_table[:2] == parent_table[:2] and child_table[2] != parent_table[2]
+    assert manager.take_block_copies() == [(parent_table[2], child_table[2])]
+    # c is the parent's alone now: writing into it needs no copy.
+    assert manager.allocate_slots("parent", 11, 10)
+    assert manager.take_block_copies() == []
+    assert manager.get_block_table("parent") == parent_table
+    manager.free("parent")
+    manager.free("child")
+    assert manager.pool.num_free_blocks == 10
+
+
+def test_fork_on_a_block_boundary_copies_nothing():
+    manager = KVCacheManager(num_blocks=10, block_size=4)
+    manager.allocate_slots("parent", 8, 0)
+    manager.fork("parent", "child")
+    assert manager.allocate_slots("child", 9, 8)
+    assert manager.take_block_copies() == []
+    assert manager.get_block_table("child")[:2] == manager.get_block_table("parent")
+
+
+def test_prefix_hit_reuses_full_blocks_and_always_leaves_a_token_to_compute():
+    manager = KVCacheManager(num_blocks=20, block_size=4)
+    prompt = list(range(100, 110))                    # 2 full blocks + 2 tokens
+    assert new_request(manager, "a", prompt) == 0
+    manager.cache_full_blocks("a", prompt, len(prompt))
+    manager.free("a")
+    assert manager.usage().num_cached_idle_blocks == 2
+    # Same first 9 tokens, then different: both full blocks hit.
+    assert new_request(manager, "b", prompt[:9] + [7, 7, 7]) == 8
+    assert manager.get_block_table("b")[:2] == [b.block_id for b in manager.block_tables["b"][:2]]
+    # The whole prompt is cached but its last token must still be computed: 8 tokens hit, not 12.
+    exact = prompt[:8]
+    assert new_request(manager, "c", exact) == 4
+    manager.record_prefix_lookup(12, 8)
+    assert manager.usage().prefix_cache_hit_rate == pytest.approx(8 / 12)
+
+
+def test_hash_chains_the_parent():
+    tokens = (1, 2, 3, 4)
+    assert hash_block(None, tokens) != hash_block(hash_block(None, (9, 9, 9, 9)), tokens)
+    assert hash_block(None, tokens) != hash_block(None, tokens, extra_key="lora-1")
+
+
+def test_idle_cached_blocks_are_evicted_least_recently_released_first():
+    manager = KVCacheManager(num_blocks=4, block_size=2)
+    for name, tokens in (("old", [1, 2, 3]), ("new", [4, 5, 6])):
+        new_request(manager, name, tokens)
+        manager.cache_full_blocks(name, tokens, 3)
+        manager.free(name)
+    assert manager.usage().num_cached_idle_blocks == 2   # [1, 2] and [4, 5]
+    # Three of the four free blocks are needed: the partial blocks go first, then [1, 2],
+    # released before [4, 5].
+    assert manager.allocate_slots("x", 6, 0)
+    assert manager.get_computed_blocks("q1", [1, 2, 3]) == []
+    (hit,) = manager.get_computed_blocks("q2", [4, 5, 9])
+    assert hit.block_hash is not None and hit.ref_count == 0
+    assert manager.usage().num_cached_idle_blocks == 1
 
 
 def test_pool_rejects_double_free():
@@ -65,52 +144,91 @@ def test_pool_rejects_double_free():
 
 
 class KVManagerMachine(RuleBasedStateMachine):
-    """Random allocate / grow / free sequences never leak or double-book a block."""
+    """Random allocate / append / fork / free / cache-hit / evict sequences keep the books right."""
+
+    BLOCK_SIZE = 4
 
     def __init__(self):
         super().__init__()
-        self.manager = KVCacheManager(num_blocks=24, block_size=8)
-        self.lengths: dict[str, int] = {}
+        self.manager = KVCacheManager(num_blocks=16, block_size=self.BLOCK_SIZE)
+        self.tokens: dict[str, list[int]] = {}
         self.counter = 0
 
-    @rule(length=st.integers(1, 100))
-    def add(self, length):
-        name = f"r{self.counter}"
+    def _name(self):
         self.counter += 1
-        if self.manager.allocate_slots(name, length):
-            self.lengths[name] = length
+        return f"r{self.counter}"
 
-    @precondition(lambda self: self.lengths)
-    @rule(data=st.data(), extra=st.integers(1, 20))
-    def grow(self, data, extra):
-        name = data.draw(st.sampled_from(sorted(self.lengths)))
-        if self.manager.allocate_slots(name, self.lengths[name] + extra):
-            self.lengths[name] += extra
+    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+          tail=st.lists(st.integers(0, 3), min_size=1, max_size=14))
+    def add(self, prefix, tail):
+        """Prompts drawn from a tiny alphabet with shared heads, so prefix hits are common."""
+        name, tokens = self._name(), prefix + tail
+        if new_request(self.manager, name, tokens) is not None:
+            self.manager.cache_full_blocks(name, tokens, len(tokens))
+            self.tokens[name] = tokens
 
-    @precondition(lambda self: self.lengths)
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def append(self, data, token):
+        name = data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens = self.tokens[name]
+        if self.manager.allocate_slots(name, len(tokens) + 1, len(tokens)):
+            tokens.append(token)
+            self.manager.cache_full_blocks(name, tokens, len(tokens))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        child = self._name()
+        self.manager.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
-        name = data.draw(st.sampled_from(sorted(self.lengths)))
+        name = data.draw(st.sampled_from(sorted(self.tokens)))
         self.manager.free(name)
-        del self.lengths[name]
+        del self.tokens[name]
 
     @invariant()
     def books_balance(self):
-        pool = self.manager.pool
-        tables = self.manager.block_tables
-        used = [b for table in tables.values() for b in table]
-        assert len(used) == len(set(used)), "a block is in two tables"
-        assert set(used).isdisjoint(pool.free_block_queue), "a block is both free and in use"
-        assert len(used) + pool.num_free_blocks == pool.num_blocks
-        assert all(count >= 0 for count in pool.ref_counts)
-        for name, length in self.lengths.items():
-            assert len(tables[name]) == math.ceil(length / 8)
+        manager, pool = self.manager, self.manager.pool
+        manager.take_block_copies()
+        holders = Counter(block.block_id for table in manager.block_tables.values() for block in table)
+        free_ids = {block.block_id for block in pool.free_block_queue}
+        assert all(block.ref_count >= 0 for block in pool.blocks)
+        for block in pool.blocks:
+            assert block.ref_count == holders[block.block_id], "ref count differs from table entries"
+        assert free_ids.isdisjoint(holders), "a block is both free and in use"
+        assert len(free_ids) + len(holders) == pool.num_blocks
+        usage = manager.usage()
+        assert usage.num_free_blocks + usage.num_used_blocks == usage.num_blocks
+        assert usage.num_cached_idle_blocks <= usage.num_free_blocks
+        for block_hash, block in pool.cached_blocks.items():
+            assert block.block_hash == block_hash
+        for name, tokens in self.tokens.items():
+            assert len(manager.block_tables[name]) == math.ceil(len(tokens) / self.BLOCK_SIZE)
+
+    @invariant()
+    def shared_blocks_hold_the_same_tokens(self):
+        """Requests pointing at one block agree on every token in it (no missed copy-on-write)."""
+        size = self.BLOCK_SIZE
+        seen: dict[int, tuple[int, ...]] = {}
+        for name, table in self.manager.block_tables.items():
+            tokens = self.tokens[name]
+            for index, block in enumerate(table):
+                content = tuple(tokens[index * size:(index + 1) * size])
+                other = seen.setdefault(block.block_id, content)
+                shorter = min(len(other), len(content))
+                assert other[:shorter] == content[:shorter]
 
     def teardown(self):
-        for name in list(self.lengths):
+        for name in list(self.tokens):
             self.manager.free(name)
         assert self.manager.pool.num_free_blocks == self.manager.pool.num_blocks
+        assert self.manager.usage().num_used_blocks == 0
 
 
 TestKVManagerMachine = KVManagerMachine.TestCase
-TestKVManagerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestKVManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

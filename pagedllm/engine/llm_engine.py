@@ -11,10 +11,12 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.output_processor import ChildState, ParentRequest, append_token
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
-from pagedllm.kv.manager import KVCacheManager, KVCacheUsage
+from pagedllm.engine.stats import EngineStats, StepStats
+from pagedllm.kv.manager import KVCacheManager
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.model.runner import ModelRunner, kv_bytes_per_block
+from pagedllm.model.sampler import SamplerOutput
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -54,13 +56,14 @@ class LLMEngine:
         model = CausalLM(checkpoint.config, checkpoint.weights, self.dtype, self.device, self.max_model_len)
         del checkpoint
         num_blocks = self._num_kv_blocks()
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self._resolve_token_budget(),
+                                   config.enable_chunked_prefill, config.scheduling_policy)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device, config.seed)
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, ChildState] = {}
         self.parent_of: dict[str, str] = {}
+        self.last_step_stats: StepStats | None = None
         logger.info("model %s (%s) on %s, dtype %s; KV cache: %d blocks of %d tokens = %d tokens",
                     config.model or "bundled SmolLM2-135M-Instruct", self.model_config.architecture,
                     self.device, str(self.dtype).removeprefix("torch."), num_blocks, config.block_size,
@@ -73,6 +76,15 @@ class LLMEngine:
             raise ValueError(f"max_model_len must be <= {limit} (the model's max_position_embeddings), "
                              f"got {wanted}")
         return wanted
+
+    def _resolve_token_budget(self) -> int:
+        budget = self.config.max_num_batched_tokens
+        if self.config.enable_chunked_prefill:
+            return budget or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if budget is not None and budget < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len "
+                             f"({self.max_model_len}) when enable_chunked_prefill is False")
+        return budget or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
 
     def _num_kv_blocks(self) -> int:
         per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
@@ -138,11 +150,15 @@ class LLMEngine:
                               arrival_time=arrival_time or time.monotonic(), priority=priority)
             children.append(ChildState(request, index,
                                        IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)))
-        self.parents[request_id] = ParentRequest(request_id, text, prompt_ids, params, children)
+        parent = ParentRequest(request_id, text, prompt_ids, params, children)
+        self.parents[request_id] = parent
         for child in children:
             self.children[child.request.request_id] = child
             self.parent_of[child.request.request_id] = request_id
-            self.scheduler.add_request(child.request)
+        # Parallel samples share one prefill: the first child runs it, the others are forked
+        # from it when it samples, taking their first tokens from the same logits.
+        self.scheduler.add_request(children[0].request)
+        parent.unforked = [child.request for child in children[1:]]
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their blocks return to the pool at once."""
@@ -163,40 +179,75 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled batch; returns an output for each user request that progressed."""
-        plan = self.scheduler.schedule()
-        if not plan.scheduled:
+        sampled_requests, samples = self.run_step()
+        if samples is None:
             return []
-        sampled_requests, samples = self.runner.execute(plan.scheduled)
-        for row in plan.scheduled:
-            row.request.num_computed_tokens += row.num_new_tokens
         progressed: dict[str, ParentRequest] = {}
-        if samples is not None:
-            token_ids = samples.token_ids.tolist()
-            token_logprobs = samples.logprobs.tolist()
-            top_ids = samples.top_logprob_ids.tolist() if samples.top_logprob_ids is not None else None
-            top_values = samples.top_logprobs.tolist() if samples.top_logprobs is not None else None
-            ranks = samples.token_ranks.tolist() if samples.token_ranks is not None else None
-            for row, request in enumerate(sampled_requests):
-                child = self.children[request.request_id]
-                top = None
-                if request.sampling_params.logprobs is not None:
-                    top = self._logprob_entry(token_ids[row], token_logprobs[row], ranks[row], top_ids[row],
-                                              top_values[row], request.sampling_params.logprobs)
-                try:
-                    status = append_token(child, token_ids[row], token_logprobs[row], top)
-                except Exception as exc:  # one request's failure must not take the batch down
-                    logger.exception("request %s failed", request.request_id)
-                    request.error = f"{type(exc).__name__}: {exc}"
-                    status = RequestStatus.FINISHED_ERROR
-                if status is not None:
-                    self._finish(request, status)
-                parent_id = self.parent_of[request.request_id]
-                progressed[parent_id] = self.parents[parent_id]
+        token_ids = samples.token_ids.tolist()
+        token_logprobs = samples.logprobs.tolist()
+        top_ids = samples.top_logprob_ids.tolist() if samples.top_logprob_ids is not None else None
+        top_values = samples.top_logprobs.tolist() if samples.top_logprobs is not None else None
+        ranks = samples.token_ranks.tolist() if samples.token_ranks is not None else None
+        for row, request in enumerate(sampled_requests):
+            child = self.children[request.request_id]
+            top = None
+            if request.sampling_params.logprobs is not None:
+                top = self._logprob_entry(token_ids[row], token_logprobs[row], ranks[row], top_ids[row],
+                                          top_values[row], request.sampling_params.logprobs)
+            try:
+                status = append_token(child, token_ids[row], token_logprobs[row], top)
+            except Exception as exc:  # one request's failure must not take the batch down
+                logger.exception("request %s failed", request.request_id)
+                request.error = f"{type(exc).__name__}: {exc}"
+                status = RequestStatus.FINISHED_ERROR
+            if status is not None:
+                self._finish(request, status)
+            parent_id = self.parent_of[request.request_id]
+            progressed[parent_id] = self.parents[parent_id]
         outputs = [output for parent in progressed.values() if (output := parent.make_output()) is not None]
         for parent in progressed.values():
             if parent.finished:
                 self._forget(parent)
         return outputs
+
+    def run_step(self) -> tuple[list[Request], SamplerOutput | None]:
+        """Schedules, runs the model and updates KV bookkeeping; returns who sampled what.
+
+        The sampled tokens are not yet appended: step() and beam search each decide that.
+        """
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return [], None
+        for row in plan.scheduled:
+            if row.samples:
+                row.also_sample_for = self.parents[self.parent_of[row.request.request_id]].take_unforked(
+                    row.request)
+        scheduled = time.perf_counter()
+        sampled_requests, samples = self.runner.execute(plan.scheduled, plan.block_copies)
+        computed = time.perf_counter()
+        for row in plan.scheduled:
+            request = row.request
+            request.num_computed_tokens += row.num_new_tokens
+            self.kv_manager.cache_full_blocks(request.request_id, request.all_token_ids,
+                                              request.num_computed_tokens)
+            for sibling in row.also_sample_for:
+                self.fork(request, sibling)
+        self.last_step_stats = StepStats(
+            scheduling_seconds=(scheduled - started) + (time.perf_counter() - computed),
+            model_seconds=computed - scheduled,
+            num_seqs=len(plan.scheduled),
+            num_tokens=plan.num_scheduled_tokens,
+            num_preemptions=len(plan.preempted),
+        )
+        return sampled_requests, samples
+
+    def fork(self, source: Request, target: Request) -> None:
+        """Starts `target` from `source`'s tokens and KV, sharing every block (copy on write)."""
+        target.all_token_ids = list(source.all_token_ids)
+        target.num_computed_tokens = source.num_computed_tokens
+        self.kv_manager.fork(source.request_id, target.request_id)
+        self.scheduler.add_running(target)
 
     def _logprob_entry(self, token_id: int, token_logprob: float, rank: int, top_ids: list[int],
                        top_values: list[float], k: int) -> dict[int, Logprob]:
@@ -218,5 +269,7 @@ class LLMEngine:
             del self.children[child.request.request_id]
             del self.parent_of[child.request.request_id]
 
-    def kv_cache_usage(self) -> KVCacheUsage:
-        return self.kv_manager.usage()
+    def stats(self) -> EngineStats:
+        return EngineStats(kv_cache=self.kv_manager.usage(), num_running=len(self.scheduler.running),
+                           num_waiting=len(self.scheduler.waiting),
+                           num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step_stats)

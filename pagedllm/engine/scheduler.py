@@ -3,17 +3,21 @@
 One rule covers prefill and decode alike: a request is scheduled for the tokens
 it has that have no KV yet (`num_tokens - num_computed_tokens`), cut to the
 step's token budget, so a long prompt is prefilled in chunks while others keep
-decoding. Running requests go first; when one needs a block and none is free,
-the most recently arrived running request is preempted (its blocks freed, its
-tokens recomputed later), so the cache filling up never fails a request.
+decoding (with `enable_chunked_prefill=False` a prompt waits until it fits whole).
+Running requests go first. When one needs a block and none is free (idle
+prefix-cache blocks are evicted first, by the pool), the lowest-priority,
+latest-arrived running request is preempted: its blocks are freed and its tokens
+recomputed later, so a full cache never fails a request.
 """
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.kv.manager import KVCacheManager
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -21,6 +25,8 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_table: list[int]
+    # Pending siblings (parallel samples) that take their first token from this row's logits.
+    also_sample_for: list[Request] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -32,6 +38,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -39,16 +46,31 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs"):
         self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
+        # Both kept sorted by _order_key, so the back of `running` is always the one to preempt.
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def _order_key(self, request: Request) -> tuple:
+        if self.policy == "priority":
+            return request.priority, request.arrival_time
+        return (request.arrival_time,)
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        bisect.insort(self.waiting, request, key=self._order_key)
+
+    def add_running(self, request: Request) -> None:
+        """Admits a request whose KV is already in place (a fork of a running one)."""
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=self._order_key)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -60,42 +82,58 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # waits for siblings (beam search) before it gets a new token
+                index += 1
+                continue
             if not self._reserve(request, num_new, out):
                 break
             budget -= num_new
             index += 1
-        if out.preempted:
-            return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_manager.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(
-                request, num_new, self.kv_manager.get_block_table(request.request_id)))
-            budget -= num_new
+        if not out.preempted:
+            self._admit_waiting(budget, out)
+        out.block_copies = self.kv_manager.take_block_copies()
         return out
 
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        kv = self.kv_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = kv.get_computed_blocks(request.request_id, request.all_token_ids)
+            num_computed = len(cached) * kv.block_size
+            num_new = request.num_tokens - num_computed
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not kv.allocate_slots(request.request_id, num_computed + num_new, num_computed, cached):
+                break
+            kv.record_prefix_lookup(request.num_tokens, num_computed)
+            self.waiting.pop(0)
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self._order_key)
+            out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_table(request.request_id)))
+            budget -= num_new
+
     def _reserve(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Gets blocks for a running request, preempting from the back until they fit."""
-        while not self.kv_manager.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+        """Gets blocks for a running request, preempting the least important until they fit."""
+        kv = self.kv_manager
+        while not kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new,
+                                    request.num_computed_tokens):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:
                 return False
-        out.scheduled.append(ScheduledRequest(
-            request, num_new, self.kv_manager.get_block_table(request.request_id)))
+        out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_table(request.request_id)))
         return True
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request.request_id)
         request.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.add_request(request)
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Takes a request out of the queues and frees its blocks at once."""

@@ -1,51 +1,135 @@
-"""Physical KV blocks: a free list and reference counts.
+"""Physical KV blocks: reference counts, an O(1) free queue, and the prefix cache.
 
 Pure bookkeeping, no tensors: a block id indexes the first dimension of the
 per-layer KV cache tensors owned by the model runner.
+
+A block is free exactly when no request holds it (ref_count 0). A free block may
+still hold the KV of a full block that some request computed; it stays findable
+by its content hash until it is handed out again, so the free queue doubles as
+the LRU list of the prefix cache: blocks are taken from the front (least recently
+released first) and released to the back.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Iterator
+from typing import Hashable
+
+BlockHash = int
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_count", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref_count={self.ref_count}, hash={self.block_hash})"
+
+
+def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...],
+               extra_key: Hashable = None) -> BlockHash:
+    """A full block's identity: its tokens, everything before them (through the parent's
+    hash), and an optional extra key (a LoRA id, a cache salt) that must also match."""
+    return hash((parent_hash, token_ids, extra_key))
+
+
+class FreeBlockQueue:
+    """A doubly linked list of free blocks: pop the front, push the back, unlink any block, all O(1)."""
+
+    def __init__(self, blocks: list[KVBlock]):
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise RuntimeError("no free KV block")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
 
 
 class BlockPool:
-    """Hands out physical block ids and takes them back when no one uses them.
-
-    A block is free exactly when its reference count is zero; the free list
-    holds those ids in the order they were released, so allocation is O(1).
-    """
-
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self.free_block_queue: deque[int] = deque(range(num_blocks))
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.cached_blocks: dict[BlockHash, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_queue)
+        """Blocks nobody holds, idle cached ones included (they are evicted on demand)."""
+        return self.free_block_queue.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    def allocate(self, count: int) -> list[int]:
-        """Takes `count` free blocks, each with a reference count of one."""
-        if count > len(self.free_block_queue):
-            raise RuntimeError(
-                f"asked for {count} KV blocks but only {len(self.free_block_queue)} are free")
-        block_ids = [self.free_block_queue.popleft() for _ in range(count)]
-        for block_id in block_ids:
-            self.ref_counts[block_id] = 1
-        return block_ids
+    def allocate(self, count: int) -> list[KVBlock]:
+        """Takes `count` free blocks (evicting their cached content), each with ref_count 1."""
+        if count > self.num_free_blocks:
+            raise RuntimeError(f"asked for {count} KV blocks but only {self.num_free_blocks} are free")
+        blocks = [self.free_block_queue.popleft() for _ in range(count)]
+        for block in blocks:
+            if block.block_hash is not None:
+                del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+        return blocks
 
-    def free(self, block_ids: list[int]) -> None:
-        """Drops one reference from each block; blocks nobody holds go back to the free list."""
-        for block_id in block_ids:
-            count = self.ref_counts[block_id]
-            if count <= 0:
-                raise RuntimeError(f"KV block {block_id} freed more often than it was taken")
-            self.ref_counts[block_id] = count - 1
-            if count == 1:
-                self.free_block_queue.append(block_id)
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Takes one more reference on each block (a prefix-cache hit or a fork)."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_block_queue.remove(block)
+            block.ref_count += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drops one reference from each block; blocks nobody holds join the back of the free queue."""
+        for block in blocks:
+            if block.ref_count <= 0:
+                raise RuntimeError(f"KV block {block.block_id} freed more often than it was taken")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_queue.append(block)
+
+    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Makes a full, computed block findable by its hash (the first block with a given hash wins)."""
+        if block.block_hash is None and block_hash not in self.cached_blocks:
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block
+
+    def num_cached_idle_blocks(self) -> int:
+        """Free blocks that still hold reusable prefix KV (derived by a walk; for stats, not hot paths)."""
+        return sum(1 for block in self.free_block_queue if block.block_hash is not None)

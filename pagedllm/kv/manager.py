@@ -1,9 +1,17 @@
-"""Per-request block tables on top of the block pool."""
+"""Per-request block tables on top of the block pool: grow on demand, share, copy on write.
+
+A request whose KV holds L tokens owns ceil(L / block_size) table entries; a new
+block is taken only when the last one is full. Entries may point at blocks other
+requests hold too: prefix-cache hits (full blocks with the same tokens before and
+in them) and forks (parallel samples, beams). Full blocks are never written again,
+so only a shared, partly filled last block needs copying, and only when a holder
+writes into it.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.kv.block_pool import BlockPool
+from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_block
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -14,10 +22,15 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 class KVCacheUsage:
     """Figures derived from the pool and the block tables at one instant."""
     num_blocks: int
-    num_used_blocks: int
-    num_free_blocks: int
-    num_tokens_stored: int
+    num_used_blocks: int        # held by at least one request
+    num_free_blocks: int        # held by none (cached-idle ones included)
+    num_cached_idle_blocks: int  # free, but still holding reusable prefix KV
+    num_shared_blocks: int      # held by more than one request
+    num_logical_blocks: int     # table entries over all requests: what no sharing would need
+    num_tokens_stored: int      # filled slots in used blocks
     block_size: int
+    prefix_cache_queries: int   # prompt tokens looked up in the prefix cache, ever
+    prefix_cache_hits: int      # of those, tokens found
 
     @property
     def usage(self) -> float:
@@ -26,58 +39,141 @@ class KVCacheUsage:
 
     @property
     def utilization(self) -> float:
-        """Tokens stored / slots in used blocks: how much of the taken memory holds real KV."""
+        """Filled slots / slots in used blocks: how much of the taken memory holds real KV."""
         slots = self.num_used_blocks * self.block_size
         return self.num_tokens_stored / slots if slots else 1.0
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
 
 class KVCacheManager:
-    """Maps each request's logical blocks to physical ones, growing on demand.
-
-    A request whose KV holds L tokens owns exactly ceil(L / block_size) blocks:
-    a new block is taken only when the last one is full.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[int]] = {}
-        self.num_tokens: dict[str, int] = {}
+        self.block_tables: dict[str, list[KVBlock]] = {}
+        self.num_tokens: dict[str, int] = {}            # tokens whose slots the table covers
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached_blocks: dict[str, int] = {}     # leading table entries already in the cache
+        self._pending_copies: list[tuple[int, int]] = []
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return blocks_needed(num_tokens, self.block_size) <= self.pool.num_blocks
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int) -> bool:
-        """Makes the request's table cover `num_total_tokens` tokens.
+    def get_block_table(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.block_tables[request_id]]
+
+    def _hashes(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[BlockHash]:
+        """Hashes of the full blocks among the first num_tokens tokens, computed once per block."""
+        hashes = self._block_hashes.setdefault(request_id, [])
+        size = self.block_size
+        for index in range(len(hashes), num_tokens // size):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(token_ids[index * size:(index + 1) * size])))
+        return hashes
+
+    def get_computed_blocks(self, request_id: str, token_ids: list[int]) -> list[KVBlock]:
+        """The cached blocks of the longest cached prefix, leaving at least the last token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for block_hash in self._hashes(request_id, token_ids, len(token_ids) - 1):
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one scheduled lookup, for the hit rate (only lookups that led to a run count)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(self, request_id: str, num_total_tokens: int, num_computed_tokens: int,
+                       cached_blocks: list[KVBlock] = ()) -> bool:
+        """Makes the request's table cover num_total_tokens, after taking `cached_blocks` (prefix
+        hits) as its first entries. Copies a shared block that the new tokens would write into.
 
         Returns False, changing nothing, when the pool has too few free blocks.
         """
-        table = self.block_tables.setdefault(request_id, [])
-        missing = blocks_needed(num_total_tokens, self.block_size) - len(table)
-        if missing > self.pool.num_free_blocks:
-            if not table:
-                del self.block_tables[request_id]
+        table = self.block_tables.get(request_id, [])
+        num_new = blocks_needed(num_total_tokens, self.block_size) - len(table) - len(cached_blocks)
+        write_index = num_computed_tokens // self.block_size
+        needs_copy = write_index < len(table) and table[write_index].ref_count > 1
+        reclaimed = sum(1 for block in cached_blocks if block.ref_count == 0)
+        if max(num_new, 0) + needs_copy > self.pool.num_free_blocks - reclaimed:
             return False
-        if missing > 0:
-            table.extend(self.pool.allocate(missing))
+        self.pool.touch(list(cached_blocks))
+        table.extend(cached_blocks)
+        if needs_copy:
+            shared = table[write_index]
+            (copy,) = self.pool.allocate(1)
+            self._pending_copies.append((shared.block_id, copy.block_id))
+            self.pool.free([shared])
+            table[write_index] = copy
+        if num_new > 0:
+            table.extend(self.pool.allocate(num_new))
+        self.block_tables[request_id] = table
+        self._num_cached_blocks.setdefault(request_id, len(cached_blocks))
         self.num_tokens[request_id] = max(num_total_tokens, self.num_tokens.get(request_id, 0))
         return True
 
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Registers the request's blocks that became full and computed, for later prefix hits."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._hashes(request_id, token_ids, num_computed_tokens)
+        num_full = num_computed_tokens // self.block_size
+        table = self.block_tables[request_id]
+        for index in range(self._num_cached_blocks[request_id], num_full):
+            self.pool.cache(table[index], hashes[index])
+        self._num_cached_blocks[request_id] = num_full
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Gives the child the parent's table: every block shared, one more reference each."""
+        table = list(self.block_tables[parent_id])
+        self.pool.touch(table)
+        self.block_tables[child_id] = table
+        self.num_tokens[child_id] = self.num_tokens[parent_id]
+        self._block_hashes[child_id] = list(self._block_hashes.get(parent_id, []))
+        self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) block copies the runner must make before the next forward pass."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
     def free(self, request_id: str) -> None:
-        """Releases the request's blocks, last block first so the earliest stay warm longest."""
+        """Releases the request's blocks, last block first so a prefix's head stays cached longest."""
         table = self.block_tables.pop(request_id, None)
         self.num_tokens.pop(request_id, None)
+        self._block_hashes.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
         if table:
             self.pool.free(table[::-1])
 
-    def get_block_table(self, request_id: str) -> list[int]:
-        return self.block_tables[request_id]
-
     def usage(self) -> KVCacheUsage:
+        filled: dict[int, int] = {}
+        for request_id, table in self.block_tables.items():
+            num_tokens = self.num_tokens[request_id]
+            for index, block in enumerate(table):
+                slots = min(self.block_size, num_tokens - index * self.block_size)
+                filled[block.block_id] = max(filled.get(block.block_id, 0), slots)
+        pool = self.pool
         return KVCacheUsage(
-            num_blocks=self.pool.num_blocks,
-            num_used_blocks=self.pool.num_used_blocks,
-            num_free_blocks=self.pool.num_free_blocks,
-            num_tokens_stored=sum(self.num_tokens.values()),
+            num_blocks=pool.num_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_idle_blocks=pool.num_cached_idle_blocks(),
+            num_shared_blocks=sum(1 for block in pool.blocks if block.ref_count > 1),
+            num_logical_blocks=sum(len(table) for table in self.block_tables.values()),
+            num_tokens_stored=sum(filled.values()),
             block_size=self.block_size,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )

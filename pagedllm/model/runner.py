@@ -58,12 +58,18 @@ class ModelRunner:
         return generator
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[Request], SamplerOutput | None]:
-        """Runs one forward pass; returns the requests that sampled and their samples, row for row."""
+    def execute(self, scheduled: list[ScheduledRequest], block_copies: list[tuple[int, int]] = ()
+                ) -> tuple[list[Request], SamplerOutput | None]:
+        """Makes the copy-on-write block copies, runs one forward pass, and samples.
+
+        Returns the requests that sampled and their samples, row for row.
+        """
+        if block_copies:
+            self._copy_blocks(block_copies)
         rows = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, logits_indices = self._prepare(rows)
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
-        sampling_rows = [row.request for row in rows if row.samples]
+        sampling_rows = [r for row in rows if row.samples for r in (row.request, *row.also_sample_for)]
         if not sampling_rows:
             return [], None
         batch = SamplingBatch.build(
@@ -76,6 +82,12 @@ class ModelRunner:
             device=self.device,
         )
         return sampling_rows, sample(logits, batch)
+
+    def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        sources, destinations = (torch.tensor(ids, device=self.device) for ids in zip(*block_copies))
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, destinations, k_cache.index_select(0, sources))
+            v_cache.index_copy_(0, destinations, v_cache.index_select(0, sources))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
@@ -101,8 +113,8 @@ class ModelRunner:
             (t for row in rows for t in row.request.all_token_ids[
                 row.request.num_computed_tokens:row.request.num_computed_tokens + row.num_new_tokens]),
             dtype=np.int64, count=num_tokens)
-        samples = np.array([row.samples for row in rows], dtype=bool)
-        logits_indices = row_ends[samples] - 1
+        samples_per_row = np.array([(1 + len(row.also_sample_for)) * row.samples for row in rows])
+        logits_indices = np.repeat(row_ends - 1, samples_per_row)
 
         num_decodes = int((num_new == 1).sum())
         seq_lens = context + num_new

@@ -1,0 +1,191 @@
+"""AsyncLLM: an asyncio front over LLMEngine, for servers with many concurrent callers.
+
+The engine is not thread-safe and its steps block for as long as the model
+computes, so every engine call (add_request, abort_request, step) runs on one
+dedicated worker thread: a single-thread executor serialises them in the order
+they were submitted, and the event loop stays free to serve HTTP meanwhile.
+One background task drives the steps and routes each RequestOutput by
+request_id to its caller's asyncio.Queue; it sleeps while the engine is idle.
+
+One AsyncLLM belongs to one event loop (its queues and event bind to it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineRequestError(RuntimeError):
+    """The engine failed this request (alone, or with its whole batch when a step raised)."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(f"request {request_id!r} failed: {message}")
+        self.request_id = request_id
+
+
+class EngineDeadError(RuntimeError):
+    """The AsyncLLM was shut down (or its loop died): in-flight and new requests get this."""
+
+
+class _StepFailed(Exception):
+    """Raised on the engine thread when a whole step failed; names the requests it aborted."""
+
+    def __init__(self, failed_ids: list[str]):
+        super().__init__(f"step failed; aborted {len(failed_ids)} requests")
+        self.failed_ids = failed_ids
+
+
+# Put in a request's queue by abort(): its stream ends without a finished output.
+_ABORTED = None
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._new_work = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._dead: EngineDeadError | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLM:
+        """Loads the model (blocking: call it before serving) and wraps the engine."""
+        return cls(LLMEngine(config))
+
+    @property
+    def num_running(self) -> int:
+        """Sequences in the running batch (a snapshot, read without stopping the engine)."""
+        return len(self.engine.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for their first (or, after preemption, next) schedule."""
+        return len(self.engine.scheduler.waiting)
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as the engine makes them, as sampling_params.output_kind asks,
+        ending after the finished one.
+
+        Raises ValueError for a request that can never run, EngineRequestError when the engine fails
+        it, EngineDeadError after shutdown(). A stream ended by abort() just stops, with no finished
+        output. Closing or cancelling the iterator aborts the request, freeing its KV blocks.
+        """
+        if self._dead is not None:
+            raise self._dead
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._start_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        done = False   # True once the engine holds nothing more of this request
+        try:
+            await self._on_engine_thread(self.engine.add_request, request_id, prompt, sampling_params,
+                                         None, priority)
+            self._new_work.set()
+            while not done:
+                item = await queue.get()
+                done = item is _ABORTED or isinstance(item, Exception) or item.finished
+                if item is _ABORTED:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                if item.error is not None:
+                    raise EngineRequestError(request_id, item.error)
+                yield item
+        finally:
+            if self._streams.get(request_id) is queue:
+                del self._streams[request_id]
+            if not done and self._dead is None:
+                # No await here: this also runs while the caller's task is being cancelled.
+                self._executor.submit(self.engine.abort_request, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Drops the request in the engine (freeing its blocks) and ends its stream quietly."""
+        if self._dead is not None:
+            return
+        await self._on_engine_thread(self.engine.abort_request, request_id)
+        queue = self._streams.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(_ABORTED)
+
+    async def shutdown(self) -> None:
+        """Stops the step loop and aborts every request; their iterators raise EngineDeadError."""
+        if self._dead is not None:
+            return
+        self._dead = EngineDeadError("engine shut down")
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.wait([self._loop_task])
+        # Queued behind any step still running on the engine thread.
+        await self._on_engine_thread(self._abort_all_in_engine)
+        self._executor.shutdown()
+        self._fail_streams(list(self._streams), lambda request_id: EngineDeadError("engine shut down"))
+
+    def _start_loop(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop(),
+                                                                     name="pagedllm-engine-loop")
+
+    async def _engine_loop(self) -> None:
+        try:
+            while True:
+                # Cleared before the step: a request added while it runs sets it again.
+                self._new_work.clear()
+                try:
+                    outputs, has_unfinished = await self._on_engine_thread(self._step)
+                except _StepFailed as failure:
+                    logger.error("engine step failed; failing %d in-flight requests",
+                                 len(failure.failed_ids), exc_info=failure.__cause__)
+                    self._fail_streams(failure.failed_ids, lambda request_id: _step_error(request_id, failure))
+                    continue
+                for output in outputs:
+                    queue = self._streams.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+                if not has_unfinished:
+                    await self._new_work.wait()
+        except Exception as exc:   # a bug here would otherwise leave every caller waiting forever
+            logger.exception("engine loop died")
+            self._dead = EngineDeadError("engine loop died")
+            self._dead.__cause__ = exc
+            self._fail_streams(list(self._streams), lambda request_id: EngineDeadError("engine loop died"))
+
+    def _step(self) -> tuple[list[RequestOutput], bool]:
+        """On the engine thread: one step; a failed step aborts everything it held, in the same job,
+        so requests added after the failure are not touched."""
+        try:
+            return self.engine.step(), self.engine.has_unfinished_requests()
+        except Exception as exc:
+            raise _StepFailed(self._abort_all_in_engine()) from exc
+
+    def _abort_all_in_engine(self) -> list[str]:
+        request_ids = list(self.engine.parents)
+        self.engine.abort_request(request_ids)
+        return request_ids
+
+    def _fail_streams(self, request_ids: list[str], make_error: Callable[[str], Exception]) -> None:
+        for request_id in request_ids:
+            queue = self._streams.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(make_error(request_id))
+
+    async def _on_engine_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+def _step_error(request_id: str, failure: _StepFailed) -> EngineRequestError:
+    cause = failure.__cause__
+    error = EngineRequestError(request_id, f"engine step failed: {type(cause).__name__}: {cause}")
+    error.__cause__ = cause
+    return error

@@ -1,0 +1,262 @@
+"""AsyncLLM on a tiny random Llama: many concurrent callers, streaming, cancellation, failure isolation."""
+import asyncio
+import random
+import time
+
+import pytest
+
+import pagedllm.engine.llm_engine as llm_engine_module
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import RequestOutputKind
+
+ENGINE_SETTINGS = dict(dtype="float32", kv_cache_memory="16MiB")
+TIMEOUT = 30   # seconds: a stream that never ends must fail the test, not hang it
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_tiny_model_dir, tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("async-llm"), "llama")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_SETTINGS))
+
+
+@pytest.fixture(autouse=True)
+def engine_left_idle(engine):
+    """Every test must leave the shared engine with no requests and every KV block free."""
+    yield
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
+
+
+def serve(engine, scenario):
+    """Runs scenario(llm) on a fresh event loop with an AsyncLLM over the shared engine."""
+    async def main():
+        llm = AsyncLLM(engine)
+        try:
+            return await asyncio.wait_for(scenario(llm), TIMEOUT)
+        finally:
+            await llm.shutdown()
+    return asyncio.run(main())
+
+
+def random_prompts(count, seed=0, min_len=2, max_len=40):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 256) for _ in range(rng.randint(min_len, max_len))]}
+            for _ in range(count)]
+
+
+def greedy(max_tokens, **kwargs):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+async def collect(llm, prompt, params, request_id):
+    return [output async for output in llm.generate(prompt, params, request_id)]
+
+
+async def wait_until_idle(engine, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine still holds the request"
+        await asyncio.sleep(0.01)
+
+
+def test_many_concurrent_callers_match_the_offline_api(engine, model_dir):
+    prompts = random_prompts(120)
+    params = [greedy(8 + i % 9) for i in range(len(prompts))]
+
+    async def scenario(llm):
+        return await asyncio.gather(*(collect(llm, prompt, p, f"req-{i}")
+                                      for i, (prompt, p) in enumerate(zip(prompts, params))))
+
+    streams = serve(engine, scenario)
+    offline = LLM(str(model_dir), **ENGINE_SETTINGS).generate(prompts, params, use_tqdm=False)
+    for i, (stream, expected) in enumerate(zip(streams, offline)):
+        final = stream[-1]
+        assert final.finished and not any(o.finished for o in stream[:-1])
+        assert final.request_id == f"req-{i}"
+        assert final.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert final.outputs[0].text == expected.outputs[0].text
+        assert final.outputs[0].finish_reason == "length"
+
+
+def test_delta_streams_add_up_to_the_cumulative_output(engine):
+    prompts = random_prompts(6, seed=1)
+
+    async def scenario(llm):
+        deltas = [collect(llm, p, greedy(20, output_kind=RequestOutputKind.DELTA), f"delta-{i}")
+                  for i, p in enumerate(prompts)]
+        cumulative = [collect(llm, p, greedy(20), f"cumulative-{i}") for i, p in enumerate(prompts)]
+        return await asyncio.gather(*deltas, *cumulative)
+
+    results = serve(engine, scenario)
+    for delta_stream, cumulative_stream in zip(results[:6], results[6:]):
+        assert len(delta_stream) > 1
+        assert sum((o.outputs[0].token_ids for o in delta_stream), []) == \
+            cumulative_stream[-1].outputs[0].token_ids
+        assert "".join(o.outputs[0].text for o in delta_stream) == cumulative_stream[-1].outputs[0].text
+
+
+def test_final_only_yields_one_output(engine):
+    prompt = random_prompts(1, seed=2)[0]
+    stream = serve(engine, lambda llm: collect(llm, prompt, greedy(12, output_kind=RequestOutputKind.FINAL_ONLY),
+                                               "final"))
+    assert len(stream) == 1 and stream[0].finished and len(stream[0].outputs[0].token_ids) == 12
+
+
+@pytest.mark.parametrize("how", ["break", "aclose", "cancel", "abort"])
+def test_stopping_a_stream_mid_way_aborts_the_request(engine, how):
+    prompt = random_prompts(1, seed=3)[0]
+    long_run = greedy(400)
+
+    async def scenario(llm):
+        if how == "break":
+            async for output in llm.generate(prompt, long_run, "r"):
+                if len(output.outputs[0].token_ids) >= 3:
+                    break
+        elif how == "aclose":
+            stream = llm.generate(prompt, long_run, "r")
+            await anext(stream)
+            await stream.aclose()
+        elif how == "cancel":
+            consumer = asyncio.create_task(collect(llm, prompt, long_run, "r"))
+            while not engine.has_unfinished_requests():
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.05)
+            consumer.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await consumer
+        else:
+            consumer = asyncio.create_task(collect(llm, prompt, long_run, "r"))
+            while not engine.has_unfinished_requests():
+                await asyncio.sleep(0.001)
+            await llm.abort("r")
+            stream = await consumer
+            assert not any(o.finished for o in stream)
+        await wait_until_idle(engine)
+        # The request id is free again and the engine still serves.
+        return await collect(llm, prompt, greedy(4), "r")
+
+    assert serve(engine, scenario)[-1].finished
+
+
+def test_an_invalid_request_fails_alone(engine):
+    good = random_prompts(4, seed=4)
+    too_long = {"prompt_token_ids": [5] * 500}
+
+    async def scenario(llm):
+        return await asyncio.gather(collect(llm, too_long, greedy(100), "bad"),
+                                    *(collect(llm, p, greedy(10), f"good-{i}") for i, p in enumerate(good)),
+                                    return_exceptions=True)
+
+    bad, *goods = serve(engine, scenario)
+    assert isinstance(bad, ValueError) and "max_model_len" in str(bad)
+    assert all(stream[-1].finished and len(stream[-1].outputs[0].token_ids) == 10 for stream in goods)
+
+
+def test_duplicate_request_id_is_refused(engine):
+    prompt = random_prompts(1, seed=5)[0]
+
+    async def scenario(llm):
+        first = asyncio.create_task(collect(llm, prompt, greedy(30), "same"))
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="already in use"):
+            await collect(llm, prompt, greedy(30), "same")
+        return await first
+
+    assert serve(engine, scenario)[-1].finished
+
+
+def test_a_request_failing_inside_the_engine_fails_alone(engine, monkeypatch):
+    real_append_token = llm_engine_module.append_token
+
+    def append_token(child, *args):
+        if child.request.request_id == "doomed" and child.request.num_output_tokens == 2:
+            raise RuntimeError("injected failure")
+        return real_append_token(child, *args)
+
+    monkeypatch.setattr(llm_engine_module, "append_token", append_token)
+    prompts = random_prompts(5, seed=6)
+
+    async def scenario(llm):
+        return await asyncio.gather(collect(llm, prompts[0], greedy(10), "doomed"),
+                                    *(collect(llm, p, greedy(10), f"fine-{i}") for i, p in enumerate(prompts[1:])),
+                                    return_exceptions=True)
+
+    doomed, *fine = serve(engine, scenario)
+    assert isinstance(doomed, EngineRequestError) and doomed.request_id == "doomed"
+    assert "injected failure" in str(doomed)
+    assert all(stream[-1].finished and len(stream[-1].outputs[0].token_ids) == 10 for stream in fine)
+
+
+def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypatch):
+    real_execute = engine.runner.execute
+    failed_batch = []
+
+    def execute(scheduled, *args):
+        if not failed_batch:
+            failed_batch.extend(row.request.request_id for row in scheduled)
+            raise RuntimeError("injected step failure")
+        return real_execute(scheduled, *args)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    prompts = random_prompts(4, seed=7)
+
+    async def scenario(llm):
+        in_flight = await asyncio.gather(*(collect(llm, p, greedy(10), f"r{i}") for i, p in enumerate(prompts[:3])),
+                                         return_exceptions=True)
+        return in_flight, await collect(llm, prompts[3], greedy(10), "after")
+
+    in_flight, after = serve(engine, scenario)
+    assert sorted(failed_batch) == ["r0", "r1", "r2"]
+    for request_id, result in zip(["r0", "r1", "r2"], in_flight):
+        assert isinstance(result, EngineRequestError) and result.request_id == request_id
+        assert isinstance(result.__cause__, RuntimeError) and "injected step failure" in str(result)
+    assert after[-1].finished and len(after[-1].outputs[0].token_ids) == 10
+
+
+def test_the_event_loop_keeps_running_while_the_engine_steps(engine, monkeypatch):
+    real_execute = engine.runner.execute
+    step_seconds = 0.3
+
+    def slow_execute(scheduled, *args):
+        time.sleep(step_seconds)   # a blocking step, as a big model's forward pass would be
+        return real_execute(scheduled, *args)
+
+    monkeypatch.setattr(engine.runner, "execute", slow_execute)
+    prompts = random_prompts(4, seed=8)
+
+    async def scenario(llm):
+        ticks = []
+        generation = asyncio.gather(*(collect(llm, p, greedy(3), f"t{i}") for i, p in enumerate(prompts)))
+        while not generation.done():
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.01)
+        await generation
+        return ticks
+
+    ticks = serve(engine, scenario)
+    assert ticks[-1] - ticks[0] >= 2 * step_seconds
+    assert max(b - a for a, b in zip(ticks, ticks[1:])) < step_seconds / 2
+
+
+def test_shutdown_ends_in_flight_streams_and_refuses_new_ones(engine):
+    prompt = random_prompts(1, seed=9)[0]
+
+    async def scenario():
+        llm = AsyncLLM(engine)
+        consumer = asyncio.create_task(collect(llm, prompt, greedy(400), "r"))
+        while not engine.has_unfinished_requests():
+            await asyncio.sleep(0.001)
+        await llm.shutdown()
+        with pytest.raises(EngineDeadError):
+            await consumer
+        with pytest.raises(EngineDeadError):
+            await collect(llm, prompt, greedy(4), "late")
+
+    asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
