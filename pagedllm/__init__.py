@@ -11,6 +11,8 @@ _PUBLIC = {
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",
+    "BeamSearchParams": "pagedllm.engine.beam_search",
+    "BeamSearchOutput": "pagedllm.engine.beam_search",
 }
 __all__ = list(_PUBLIC)
 

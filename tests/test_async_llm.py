@@ -34,6 +34,20 @@ def engine_left_idle(engine):
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
 
 
+@pytest.fixture
+def step_count(engine, monkeypatch):
+    """Counts engine steps: steps[0] grows by one per engine.step() call."""
+    steps = [0]
+    real_step = engine.step
+
+    def counted_step():
+        steps[0] += 1
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", counted_step)
+    return steps
+
+
 def serve(engine, scenario):
     """Runs scenario(llm) on a fresh event loop with an AsyncLLM over the shared engine."""
     async def main():
@@ -110,7 +124,7 @@ def test_final_only_yields_one_output(engine):
 
 
 @pytest.mark.parametrize("how", ["break", "aclose", "cancel", "abort"])
-def test_stopping_a_stream_mid_way_aborts_the_request(engine, how):
+def test_stopping_a_stream_mid_way_aborts_the_request(engine, step_count, how):
     prompt = random_prompts(1, seed=3)[0]
     long_run = greedy(400)
 
@@ -139,8 +153,22 @@ def test_stopping_a_stream_mid_way_aborts_the_request(engine, how):
             stream = await consumer
             assert not any(o.finished for o in stream)
         await wait_until_idle(engine)
+        assert step_count[0] < 100, "the request ran on instead of being aborted"
         # The request id is free again and the engine still serves.
         return await collect(llm, prompt, greedy(4), "r")
+
+    assert serve(engine, scenario)[-1].finished
+
+
+def test_the_loop_sleeps_while_idle_and_wakes_for_new_requests(engine, step_count):
+    prompt = random_prompts(1, seed=10)[0]
+
+    async def scenario(llm):
+        await collect(llm, prompt, greedy(5), "first")
+        steps_before = step_count[0]
+        await asyncio.sleep(0.2)
+        assert step_count[0] - steps_before <= 1
+        return await collect(llm, prompt, greedy(5), "second")
 
     assert serve(engine, scenario)[-1].finished
 

@@ -63,6 +63,7 @@ class LLMEngine:
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, ChildState] = {}
         self.parent_of: dict[str, str] = {}
+        self.pending_forks: dict[str, list[Request]] = {}   # first child's id -> siblings to fork from it
         self.last_step_stats: StepStats | None = None
         logger.info("model %s (%s) on %s, dtype %s; KV cache: %d blocks of %d tokens = %d tokens",
                     config.model or "bundled SmolLM2-135M-Instruct", self.model_config.architecture,
@@ -120,6 +121,30 @@ class LLMEngine:
         """Validates and queues a request; raises ValueError (naming the numbers) if it can never run."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        text, prompt_ids, max_tokens = self.check_prompt(prompt, params)
+        num_children = params.best_of or params.n
+        arrival_time = arrival_time or time.monotonic()
+        children = []
+        for index in range(num_children):
+            child_params = params.for_child(index) if num_children > 1 else params
+            child_id = request_id if num_children == 1 else f"{index}_{request_id}"
+            request = Request(child_id, prompt_ids, child_params, self.model_config.eos_token_ids, max_tokens,
+                              arrival_time=arrival_time, priority=priority)
+            children.append(ChildState(request, index,
+                                       IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)))
+        self.parents[request_id] = ParentRequest(request_id, text, prompt_ids, params, children)
+        for child in children:
+            self.children[child.request.request_id] = child
+            self.parent_of[child.request.request_id] = request_id
+        # Parallel samples share one prefill: the first child runs it, the others are forked
+        # from it when it samples, taking their first tokens from the same logits.
+        first = children[0].request
+        self.scheduler.add_request(first)
+        if num_children > 1:
+            self.pending_forks[first.request_id] = [child.request for child in children[1:]]
+
+    def check_prompt(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int], int]:
+        """Tokenizes and validates a prompt; returns its text, token ids and the max_tokens it gets."""
         text, prompt_ids = self._tokenize(prompt)
         if not prompt_ids:
             raise ValueError("prompt must not be empty")
@@ -140,25 +165,7 @@ class LLMEngine:
         if any(token_id >= vocab for token_id in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}, "
                              f"got {params.stop_token_ids}")
-        eos_ids = self.model_config.eos_token_ids
-        num_children = params.best_of or params.n
-        children = []
-        for index in range(num_children):
-            child_params = params.for_child(index) if num_children > 1 else params
-            child_id = request_id if num_children == 1 else f"{index}_{request_id}"
-            request = Request(child_id, prompt_ids, child_params, eos_ids, max_tokens,
-                              arrival_time=arrival_time or time.monotonic(), priority=priority)
-            children.append(ChildState(request, index,
-                                       IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)))
-        parent = ParentRequest(request_id, text, prompt_ids, params, children)
-        self.parents[request_id] = parent
-        for child in children:
-            self.children[child.request.request_id] = child
-            self.parent_of[child.request.request_id] = request_id
-        # Parallel samples share one prefill: the first child runs it, the others are forked
-        # from it when it samples, taking their first tokens from the same logits.
-        self.scheduler.add_request(children[0].request)
-        parent.unforked = [child.request for child in children[1:]]
+        return text, prompt_ids, max_tokens
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their blocks return to the pool at once."""
@@ -168,7 +175,7 @@ class LLMEngine:
                 continue
             for child in parent.children:
                 if not child.request.is_finished:
-                    self._finish(child.request, RequestStatus.FINISHED_ABORTED)
+                    self.finish_request(child.request, RequestStatus.FINISHED_ABORTED)
             self._forget(parent)
 
     def has_unfinished_requests(self) -> bool:
@@ -201,7 +208,7 @@ class LLMEngine:
                 request.error = f"{type(exc).__name__}: {exc}"
                 status = RequestStatus.FINISHED_ERROR
             if status is not None:
-                self._finish(request, status)
+                self.finish_request(request, status)
             parent_id = self.parent_of[request.request_id]
             progressed[parent_id] = self.parents[parent_id]
         outputs = [output for parent in progressed.values() if (output := parent.make_output()) is not None]
@@ -221,8 +228,7 @@ class LLMEngine:
             return [], None
         for row in plan.scheduled:
             if row.samples:
-                row.also_sample_for = self.parents[self.parent_of[row.request.request_id]].take_unforked(
-                    row.request)
+                row.also_sample_for = self.pending_forks.pop(row.request.request_id, [])
         scheduled = time.perf_counter()
         sampled_requests, samples = self.runner.execute(plan.scheduled, plan.block_copies)
         computed = time.perf_counter()
@@ -259,12 +265,14 @@ class LLMEngine:
                 entry[top_id] = Logprob(value, top_rank, decode([top_id], skip_special_tokens=False))
         return entry
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Ends one sequence and frees its blocks at once."""
         self.scheduler.finish(request, status)
         self.runner.release(request.request_id)
 
     def _forget(self, parent: ParentRequest) -> None:
         del self.parents[parent.request_id]
+        self.pending_forks.pop(parent.children[0].request.request_id, None)
         for child in parent.children:
             del self.children[child.request.request_id]
             del self.parent_of[child.request.request_id]

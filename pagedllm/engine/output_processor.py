@@ -32,14 +32,6 @@ class ParentRequest:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.children = children
-        self.unforked: list[Request] = []   # children waiting to be forked from the first one
-
-    def take_unforked(self, first_child: Request) -> list[Request]:
-        """The children to fork from `first_child` now that it samples (once, after its prefill)."""
-        if not self.unforked or first_child is not self.children[0].request:
-            return []
-        unforked, self.unforked = self.unforked, []
-        return unforked
 
     @property
     def finished(self) -> bool:

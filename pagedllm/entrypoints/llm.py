@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -67,6 +69,18 @@ class LLM:
                         conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template)}
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search for each prompt; beams share KV blocks. Returns outputs in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return beam_search(self.llm_engine, list(prompts), params)
+
+    def stats(self) -> EngineStats:
+        """KV-cache figures (blocks total / free / used / cached / shared, utilisation, prefix hit
+        rate) and queue sizes, derived from the engine's state now."""
+        return self.llm_engine.stats()
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
