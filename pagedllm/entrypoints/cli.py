@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from pagedllm.bench import memory as memory_bench
+from pagedllm.bench import scheduling as scheduling_bench
 from pagedllm.config import DTYPES
 
 
@@ -50,6 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     generate.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                           help="wrap the prompt in the model's chat template (default: on)")
     generate.set_defaults(handler=_generate)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
+    for name, module, text in (("memory", memory_bench, "KV utilisation, sharing and concurrency figures"),
+                               ("scheduling", scheduling_bench, "scheduler + KV bookkeeping time per step")):
+        sub = bench.add_parser(name, help=text, description=module.__doc__)
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.run)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args.handler(args)

@@ -1,0 +1,74 @@
+"""The engine's scheduler and KV manager driven without a model, for memory and overhead figures.
+
+Every request runs to its max_tokens (as with ignore_eos), each sampled token is a
+placeholder: what is measured is bookkeeping, which does not depend on token values.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.bench.workload import BenchRequest
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.kv.manager import KVCacheManager
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SimulationResult:
+    steps: int = 0
+    peak_running: int = 0
+    used_slots: int = 0           # summed over steps: used blocks * block_size
+    stored_tokens: int = 0        # summed over steps: tokens in the KV cache
+    running_seq_steps: int = 0    # summed over steps: running sequences
+    oracle_slots: int = 0         # summed over steps: prompt + max_tokens of each running sequence
+    preemptions: int = 0
+    step_seconds: list[float] = field(default_factory=list)   # schedule + KV bookkeeping per step
+
+    @property
+    def utilization(self) -> float:
+        """Time-averaged tokens stored / slots in allocated blocks."""
+        return self.stored_tokens / self.used_slots if self.used_slots else 1.0
+
+    def reserved_utilization(self, reserved_tokens_per_seq: int) -> float:
+        """The same tokens over a contiguous reservation of a fixed length per sequence."""
+        return self.stored_tokens / (self.running_seq_steps * reserved_tokens_per_seq)
+
+    @property
+    def oracle_utilization(self) -> float:
+        """The same tokens over a reservation of exactly prompt + max_tokens per sequence."""
+        return self.stored_tokens / self.oracle_slots
+
+
+def simulate(workload: list[BenchRequest], num_blocks: int, block_size: int, max_num_seqs: int = 256,
+             max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True) -> SimulationResult:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens)
+    for index, item in enumerate(workload):
+        params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=True)
+        scheduler.add_request(Request(str(index), item.prompt_token_ids, params, (), item.max_tokens,
+                                      arrival_time=float(index)))
+    result = SimulationResult()
+    while scheduler.has_unfinished_requests():
+        started = time.perf_counter()
+        plan = scheduler.schedule()
+        for row in plan.scheduled:
+            request = row.request
+            samples = row.samples
+            request.num_computed_tokens += row.num_new_tokens
+            kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            if samples:
+                request.all_token_ids.append(0)
+                if request.num_output_tokens >= request.max_tokens:
+                    scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+        result.step_seconds.append(time.perf_counter() - started)
+        usage = kv.usage()
+        result.steps += 1
+        result.peak_running = max(result.peak_running, len(scheduler.running))
+        result.used_slots += usage.num_used_blocks * block_size
+        result.stored_tokens += usage.num_tokens_stored
+        result.running_seq_steps += len(scheduler.running)
+        result.oracle_slots += sum(r.num_prompt_tokens + r.max_tokens for r in scheduler.running)
+        result.preemptions += len(plan.preempted)
+    return result
