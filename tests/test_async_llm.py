@@ -288,3 +288,31 @@ def test_shutdown_ends_in_flight_streams_and_refuses_new_ones(engine):
             await collect(llm, prompt, greedy(4), "late")
 
     asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
+
+
+def test_if_the_loop_dies_every_caller_gets_engine_dead_error(engine, monkeypatch):
+    real_abort_request = engine.abort_request
+    abort_calls = []
+
+    def execute(*args):
+        raise RuntimeError("injected step failure")
+
+    def abort_request(request_ids):
+        abort_calls.append(request_ids)
+        if len(abort_calls) == 1:
+            raise RuntimeError("injected abort failure")   # the clean-up after the failed step fails too
+        real_abort_request(request_ids)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine, "abort_request", abort_request)
+    prompts = random_prompts(2, seed=11)
+
+    async def scenario(llm):
+        in_flight = await asyncio.gather(*(collect(llm, p, greedy(5), f"r{i}") for i, p in enumerate(prompts)),
+                                         return_exceptions=True)
+        with pytest.raises(EngineDeadError):
+            await collect(llm, prompts[0], greedy(5), "late")
+        return in_flight
+
+    in_flight = serve(engine, scenario)   # shutdown() still clears the engine
+    assert all(isinstance(result, EngineDeadError) for result in in_flight)

@@ -55,22 +55,13 @@ class AsyncLLM:
         self._streams: dict[str, asyncio.Queue] = {}
         self._new_work = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        self._dead: EngineDeadError | None = None
+        self._dead: EngineDeadError | None = None   # set, new and in-flight requests fail with it
+        self._closed = False                          # set by shutdown(): the engine thread is gone
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLM:
         """Loads the model (blocking: call it before serving) and wraps the engine."""
         return cls(LLMEngine(config))
-
-    @property
-    def num_running(self) -> int:
-        """Sequences in the running batch (a snapshot, read without stopping the engine)."""
-        return len(self.engine.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        """Sequences queued for their first (or, after preemption, next) schedule."""
-        return len(self.engine.scheduler.waiting)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -106,13 +97,13 @@ class AsyncLLM:
         finally:
             if self._streams.get(request_id) is queue:
                 del self._streams[request_id]
-            if not done and self._dead is None:
+            if not done and not self._closed:
                 # No await here: this also runs while the caller's task is being cancelled.
                 self._executor.submit(self.engine.abort_request, request_id)
 
     async def abort(self, request_id: str) -> None:
         """Drops the request in the engine (freeing its blocks) and ends its stream quietly."""
-        if self._dead is not None:
+        if self._closed:
             return
         await self._on_engine_thread(self.engine.abort_request, request_id)
         queue = self._streams.pop(request_id, None)
@@ -121,9 +112,10 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         """Stops the step loop and aborts every request; their iterators raise EngineDeadError."""
-        if self._dead is not None:
+        if self._closed:
             return
-        self._dead = EngineDeadError("engine shut down")
+        self._closed = True
+        self._dead = self._dead or EngineDeadError("engine shut down")
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.wait([self._loop_task])

@@ -105,6 +105,9 @@ class KVCacheManager:
         num_new = blocks_needed(num_total_tokens, self.block_size) - len(table) - len(cached_blocks)
         write_index = num_computed_tokens // self.block_size
         needs_copy = write_index < len(table) and table[write_index].ref_count > 1
+        if num_new <= 0 and not needs_copy and not cached_blocks:   # the common decode step
+            self.num_tokens[request_id] = max(num_total_tokens, self.num_tokens[request_id])
+            return True
         reclaimed = sum(1 for block in cached_blocks if block.ref_count == 0)
         if max(num_new, 0) + needs_copy > self.pool.num_free_blocks - reclaimed:
             return False
@@ -127,8 +130,10 @@ class KVCacheManager:
         """Registers the request's blocks that became full and computed, for later prefix hits."""
         if not self.enable_prefix_caching:
             return
-        hashes = self._hashes(request_id, token_ids, num_computed_tokens)
         num_full = num_computed_tokens // self.block_size
+        if num_full == self._num_cached_blocks[request_id]:
+            return
+        hashes = self._hashes(request_id, token_ids, num_computed_tokens)
         table = self.block_tables[request_id]
         for index in range(self._num_cached_blocks[request_id], num_full):
             self.pool.cache(table[index], hashes[index])
