@@ -73,6 +73,12 @@ async def collect(llm, prompt, params, request_id):
     return [output async for output in llm.generate(prompt, params, request_id)]
 
 
+async def collect_many(llm, prompts, params, prefix):
+    """Streams every prompt at once; a failed request's entry is its exception."""
+    return await asyncio.gather(*(collect(llm, p, params, f"{prefix}{i}") for i, p in enumerate(prompts)),
+                                return_exceptions=True)
+
+
 async def wait_until_idle(engine, timeout=5.0):
     deadline = time.monotonic() + timeout
     while engine.has_unfinished_requests():
@@ -118,8 +124,8 @@ def test_delta_streams_add_up_to_the_cumulative_output(engine):
 
 def test_final_only_yields_one_output(engine):
     prompt = random_prompts(1, seed=2)[0]
-    stream = serve(engine, lambda llm: collect(llm, prompt, greedy(12, output_kind=RequestOutputKind.FINAL_ONLY),
-                                               "final"))
+    final_only = greedy(12, output_kind=RequestOutputKind.FINAL_ONLY)
+    stream = serve(engine, lambda llm: collect(llm, prompt, final_only, "final"))
     assert len(stream) == 1 and stream[0].finished and len(stream[0].outputs[0].token_ids) == 12
 
 
@@ -179,10 +185,9 @@ def test_an_invalid_request_fails_alone(engine):
 
     async def scenario(llm):
         return await asyncio.gather(collect(llm, too_long, greedy(100), "bad"),
-                                    *(collect(llm, p, greedy(10), f"good-{i}") for i, p in enumerate(good)),
-                                    return_exceptions=True)
+                                    collect_many(llm, good, greedy(10), "good-"), return_exceptions=True)
 
-    bad, *goods = serve(engine, scenario)
+    bad, goods = serve(engine, scenario)
     assert isinstance(bad, ValueError) and "max_model_len" in str(bad)
     assert all(stream[-1].finished and len(stream[-1].outputs[0].token_ids) == 10 for stream in goods)
 
@@ -213,10 +218,10 @@ def test_a_request_failing_inside_the_engine_fails_alone(engine, monkeypatch):
 
     async def scenario(llm):
         return await asyncio.gather(collect(llm, prompts[0], greedy(10), "doomed"),
-                                    *(collect(llm, p, greedy(10), f"fine-{i}") for i, p in enumerate(prompts[1:])),
+                                    collect_many(llm, prompts[1:], greedy(10), "fine-"),
                                     return_exceptions=True)
 
-    doomed, *fine = serve(engine, scenario)
+    doomed, fine = serve(engine, scenario)
     assert isinstance(doomed, EngineRequestError) and doomed.request_id == "doomed"
     assert "injected failure" in str(doomed)
     assert all(stream[-1].finished and len(stream[-1].outputs[0].token_ids) == 10 for stream in fine)
@@ -236,8 +241,7 @@ def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypat
     prompts = random_prompts(4, seed=7)
 
     async def scenario(llm):
-        in_flight = await asyncio.gather(*(collect(llm, p, greedy(10), f"r{i}") for i, p in enumerate(prompts[:3])),
-                                         return_exceptions=True)
+        in_flight = await collect_many(llm, prompts[:3], greedy(10), "r")
         return in_flight, await collect(llm, prompts[3], greedy(10), "after")
 
     in_flight, after = serve(engine, scenario)
@@ -308,8 +312,7 @@ def test_if_the_loop_dies_every_caller_gets_engine_dead_error(engine, monkeypatc
     prompts = random_prompts(2, seed=11)
 
     async def scenario(llm):
-        in_flight = await asyncio.gather(*(collect(llm, p, greedy(5), f"r{i}") for i, p in enumerate(prompts)),
-                                         return_exceptions=True)
+        in_flight = await collect_many(llm, prompts, greedy(5), "r")
         with pytest.raises(EngineDeadError):
             await collect(llm, prompts[0], greedy(5), "late")
         return in_flight

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
@@ -81,8 +82,8 @@ class AsyncLLM:
         self._streams[request_id] = queue
         done = False   # True once the engine holds nothing more of this request
         try:
-            await self._on_engine_thread(self.engine.add_request, request_id, prompt, sampling_params,
-                                         None, priority)
+            await self._on_engine_thread(partial(self.engine.add_request, request_id, prompt, sampling_params,
+                                                 priority=priority))
             self._new_work.set()
             while not done:
                 item = await queue.get()
@@ -139,7 +140,7 @@ class AsyncLLM:
                 except _StepFailed as failure:
                     logger.error("engine step failed; failing %d in-flight requests",
                                  len(failure.failed_ids), exc_info=failure.__cause__)
-                    self._fail_streams(failure.failed_ids, lambda request_id: _step_error(request_id, failure))
+                    self._fail_streams(failure.failed_ids, lambda failed_id: _step_error(failed_id, failure))
                     continue
                 for output in outputs:
                     queue = self._streams.get(output.request_id)

@@ -1,15 +1,24 @@
-"""Paged attention in plain PyTorch: K/V live in blocks, reached through block tables.
+"""Paged attention: K/V live in blocks, reached through block tables.
 
 The runner orders a step's tokens so that all single-token rows (decodes) come
-first; they are attended in one batched call. Multi-token rows (prefill chunks)
-follow, one call each: there are few of them per step, bounded by the token budget.
+first; they are attended in one batched call: on CPU by the C++ kernel in
+csrc/paged_attention.cpp, which reads K/V in place through the block tables, else
+(CUDA, or no compiled kernel) by gathering each row's blocks and running SDPA.
+Multi-token rows (prefill chunks) follow, one SDPA call each: there are few of
+them per step, bounded by the token budget.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+
+try:
+    from pagedllm import _C
+except ImportError:   # not built: the PyTorch path below serves
+    _C = None
 
 
 @dataclass
@@ -23,11 +32,29 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
+    """One step's attention layout, built once by the runner and shared by every layer."""
     slot_mapping: torch.Tensor          # [num_tokens] flat cache slot each new K/V goes to
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor   # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor           # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_block_tables: torch.Tensor   # [num_decodes, max_blocks] int64
+    decode_seq_lens: torch.Tensor       # [num_decodes] int64: keys each decode token attends to
     prefills: list[PrefillChunk]
+    block_size: int
+    use_kernel: bool                    # the C++ kernel serves the decodes
+
+    @cached_property
+    def decode_rows(self) -> torch.Tensor:
+        return torch.arange(self.num_decode_tokens, device=self.decode_seq_lens.device)
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size] bool: which gathered slots are real."""
+        slots = self.decode_block_tables.shape[1] * self.block_size
+        key_index = torch.arange(slots, device=self.decode_seq_lens.device)
+        return (key_index[None, :] < self.decode_seq_lens[:, None])[:, None, None, :]
+
+
+def kernel_available(device: torch.device) -> bool:
+    return _C is not None and device.type == "cpu"
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -44,6 +71,19 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return tokens.transpose(-3, -2)
 
 
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.use_kernel:
+        out = torch.empty_like(q)
+        _C.paged_attention(out, q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                           meta.decode_rows, meta.decode_seq_lens, scale)
+        return out
+    keys = _gather(k_cache, meta.decode_block_tables)
+    values = _gather(v_cache, meta.decode_block_tables)
+    return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                          scale=scale, enable_gqa=True).squeeze(2)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] for the new tokens.
@@ -52,14 +92,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     cached keys up to and including its own position. Returns [tokens, heads, head_dim].
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens
+    if not meta.prefills:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
     if num_decodes:
-        keys = _gather(k_cache, meta.decode_block_tables)
-        values = _gather(v_cache, meta.decode_block_tables)
-        out[:num_decodes] = F.scaled_dot_product_attention(
-            q[:num_decodes].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-            scale=scale, enable_gqa=True).squeeze(2)
+        out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale)
     for chunk in meta.prefills:
         query = q[chunk.start:chunk.end].transpose(0, 1)
         if chunk.mask is None:

@@ -8,7 +8,7 @@ import torch
 
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest
-from pagedllm.model.attention import AttentionMetadata, PrefillChunk
+from pagedllm.model.attention import AttentionMetadata, PrefillChunk, kernel_available
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.sampler import SamplerOutput, SamplingBatch, sample
@@ -41,6 +41,7 @@ class ModelRunner:
         self.kv_caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
                           for _ in range(config.num_hidden_layers)]
         self.generators: dict[str, torch.Generator] = {}
+        self.use_kernel = kernel_available(device)
         torch.manual_seed(seed)
 
     def release(self, request_id: str) -> None:
@@ -119,9 +120,6 @@ class ModelRunner:
         num_decodes = int((num_new == 1).sum())
         seq_lens = context + num_new
         decode_blocks = -(-int(seq_lens[:num_decodes].max()) // block_size) if num_decodes else 0
-        decode_lens = torch.from_numpy(seq_lens[:num_decodes]).to(self.device)
-        key_slots = torch.arange(decode_blocks * block_size, device=self.device)
-        decode_mask = (key_slots[None, :] < decode_lens[:, None])[:, None, None, :]
         tables = self._to_device(block_tables)
         prefills = []
         for i in range(num_decodes, len(rows)):
@@ -136,8 +134,10 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
             num_decode_tokens=num_decodes,
-            decode_block_tables=tables[:num_decodes, :decode_blocks],
-            decode_mask=decode_mask,
+            decode_block_tables=tables[:num_decodes, :decode_blocks].contiguous(),
+            decode_seq_lens=self._to_device(seq_lens[:num_decodes]),
             prefills=prefills,
+            block_size=block_size,
+            use_kernel=self.use_kernel,
         )
         return self._to_device(input_ids), self._to_device(positions), meta, self._to_device(logits_indices)

@@ -1,0 +1,25 @@
+"""Builds the CPU paged-attention kernel at install time; pagedllm falls back to plain PyTorch without it.
+
+Install with `pip install --no-build-isolation -e .` so the build uses the torch that is
+already installed (an isolated build would fetch another, much larger, torch).
+"""
+import os
+import platform
+
+from setuptools import setup
+
+
+def extensions():
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:   # no torch at build time: pure-PyTorch paths only
+        return [], {}
+    flags = ["-O3", "-std=c++17"]
+    if platform.machine() in ("x86_64", "AMD64") and os.environ.get("PAGEDLLM_PORTABLE") != "1":
+        flags.append("-march=native")   # AVX-512 where the building machine has it
+    ext = CppExtension("pagedllm._C", ["csrc/paged_attention.cpp"], extra_compile_args=flags)
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
