@@ -1,0 +1,134 @@
+"""`pagedllm bench throughput`: offline throughput on a fixed workload, ours against transformers.
+
+Every request runs to exactly its max_tokens (ignore_eos), so both backends do the
+same work. `--backend hf` runs transformers' `generate` with static batches (left
+padding; only each request's own tokens are counted), in the same process, which is
+the brief's baseline; `--backend both` measures the two side by side in one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from pagedllm.bench.workload import BenchRequest, load_jsonl, random_workload
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="default: the bundled model")
+    parser.add_argument("--backend", choices=("pagedllm", "hf", "both"), default="pagedllm")
+    parser.add_argument("--dataset", default="random",
+                        help="a JSON Lines workload (shared/bench format) or 'random'")
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=None,
+                        help="random dataset: prompt length (default: the shared workload's 32-512 spread)")
+    parser.add_argument("--output-len", type=int, default=None,
+                        help="random dataset: output length (default: the shared workload's 32-256 spread)")
+    parser.add_argument("--range-ratio", type=float, default=0.0,
+                        help="random dataset with --input-len/--output-len: lengths vary by +- this fraction")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", default=None)
+    parser.add_argument("--hf-max-batch-size", type=int, default=16)
+    parser.add_argument("--output-json", default=None)
+
+
+def build_workload(args: argparse.Namespace, vocab_size: int | None = None) -> list[BenchRequest]:
+    if args.dataset != "random":
+        return load_jsonl(args.dataset)
+    if args.input_len is None and args.output_len is None:
+        return random_workload(num=args.num_prompts, seed=args.seed)
+
+    def spread(length: int) -> tuple[int, int]:
+        return max(1, int(length * (1 - args.range_ratio))), max(1, int(length * (1 + args.range_ratio)))
+
+    in_min, in_max = spread(args.input_len or 256)
+    out_min, out_max = spread(args.output_len or 128)
+    return random_workload(num=args.num_prompts, in_min=in_min, in_max=in_max, out_min=out_min,
+                           out_max=out_max, vocab=vocab_size or 49152, seed=args.seed)
+
+
+def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
+    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = llm.stats()
+    return _figures("pagedllm", workload, generated, elapsed,
+                    dtype=str(llm.llm_engine.dtype).removeprefix("torch."),
+                    preemptions=stats.num_preemptions)
+
+
+def run_hf(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:
+    """transformers' generate in static batches of requests taken in order, left-padded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.engine.llm_engine import resolve_dtype
+    from pagedllm.model.loader import load_checkpoint, resolve_model
+
+    path = resolve_model(args.model)
+    checkpoint_dtype = load_checkpoint(args.model).config.torch_dtype if args.dtype == "auto" else None
+    dtype = resolve_dtype(args.dtype, checkpoint_dtype, torch.device("cpu"))
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    pad = 0
+    generated = 0
+    started = time.perf_counter()
+    size = args.hf_max_batch_size
+    for first in range(0, len(workload), size):
+        batch = workload[first:first + size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
+        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
+                             for r in batch])
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(r.max_tokens for r in batch),
+                           do_sample=False, pad_token_id=pad)
+        generated += sum(r.max_tokens for r in batch)   # the useful tokens; the rest is padding work
+    elapsed = time.perf_counter() - started
+    return _figures(f"transformers (batch {size})", workload, generated, elapsed, dtype=str(dtype).removeprefix("torch."))
+
+
+def _figures(backend: str, workload: list[BenchRequest], generated: int, elapsed: float, **extra) -> dict:
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    return {"backend": backend, "requests": len(workload), "prompt_tokens": prompt_tokens,
+            "output_tokens": generated, "elapsed_s": round(elapsed, 2),
+            "requests_per_s": round(len(workload) / elapsed, 3),
+            "output_tokens_per_s": round(generated / elapsed, 1),
+            "total_tokens_per_s": round((prompt_tokens + generated) / elapsed, 1), **extra}
+
+
+def run(args: argparse.Namespace) -> None:
+    workload = build_workload(args)
+    results = []
+    if args.backend in ("pagedllm", "both"):
+        results.append(run_pagedllm(args, workload))
+    if args.backend in ("hf", "both"):
+        results.append(run_hf(args, workload))
+    print(f"{len(workload)} requests, {results[0]['prompt_tokens']} prompt + "
+          f"{sum(r.max_tokens for r in workload)} output tokens")
+    print("| backend | dtype | wall s | req/s | output tok/s | total tok/s |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['backend']} | {r['dtype']} | {r['elapsed_s']} | {r['requests_per_s']} "
+              f"| {r['output_tokens_per_s']} | {r['total_tokens_per_s']} |")
+    if len(results) == 2:
+        print(f"pagedllm / transformers output tok/s: "
+              f"{results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.1f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
