@@ -19,6 +19,7 @@ from functools import partial
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -110,6 +111,10 @@ class AsyncLLM:
         queue = self._streams.pop(request_id, None)
         if queue is not None:
             queue.put_nowait(_ABORTED)
+
+    async def stats(self) -> EngineStats:
+        """The engine's figures, read on the engine thread so no step changes them mid-read."""
+        return await self._on_engine_thread(self.engine.stats)
 
     async def shutdown(self) -> None:
         """Stops the step loop and aborts every request; their iterators raise EngineDeadError."""

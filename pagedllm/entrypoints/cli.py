@@ -1,38 +1,96 @@
-"""The `pagedllm` command line."""
+"""The `pagedllm` command line: serve, generate, chat and bench.
+
+Engine and server flags map one to one onto EngineConfig and ServerConfig fields. Their
+argparse defaults are suppressed so that a flag absent from the command line cannot mask
+the same key in a `--config` file; the dataclasses' own defaults fill whatever is left.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import logging
+import sys
 
-from pagedllm.bench import memory as memory_bench
-from pagedllm.bench import scheduling as scheduling_bench
-from pagedllm.config import DTYPES
+from pagedllm.bench import accuracy, latency, memory, scheduling, sweep, throughput
+from pagedllm.config import DTYPES, EngineConfig
+from pagedllm.engine.scheduler import SCHEDULING_POLICIES
+from pagedllm.entrypoints.config_file import merge_config
+from pagedllm.entrypoints.openai.server_config import ServerConfig
+
+_UNSET = argparse.SUPPRESS
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
+def _default(settings: type, name: str) -> str:
+    return f"(default: {getattr(settings, name)})"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The EngineConfig flags, shared by every command that loads a model."""
+    parser.add_argument("model", nargs="?", default=_UNSET,
                         help="model folder, GGUF file or cached Hugging Face name (default: bundled SmolLM2)")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", default=None, help="bytes or a size such as 4GiB")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML file with the same keys as these flags (block_size or block-size, "
+                             "optionally under engine_args:); flags on the command line override it")
+    group = parser.add_argument_group("engine")
+    group.add_argument("--dtype", choices=DTYPES, default=_UNSET,
+                       help=f"weights and KV-cache precision {_default(EngineConfig, 'dtype')}")
+    group.add_argument("--device", default=_UNSET, help="cpu or cuda (default: cuda when present)")
+    group.add_argument("--block-size", type=int, default=_UNSET,
+                       help=f"tokens per KV block, a power of two from 8 to 256 {_default(EngineConfig, 'block_size')}")
+    group.add_argument("--max-num-seqs", type=int, default=_UNSET,
+                       help=f"most sequences in one batch {_default(EngineConfig, 'max_num_seqs')}")
+    group.add_argument("--max-num-batched-tokens", type=int, default=_UNSET,
+                       help="most tokens in one step (default: 2048, or max-model-len without chunked prefill)")
+    group.add_argument("--max-model-len", type=int, default=_UNSET,
+                       help="longest prompt + output in tokens (default: the model's context length)")
+    group.add_argument("--kv-cache-memory", default=_UNSET,
+                       help="KV-cache size in bytes or as 4GiB, 512MB... (default: 4GiB on CPU; "
+                            "on CUDA, from --gpu-memory-utilization)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=_UNSET,
+                       help="fraction of GPU memory the engine may take, on CUDA when --kv-cache-memory is not "
+                            f"given {_default(EngineConfig, 'gpu_memory_utilization')}")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=_UNSET,
+                       help=f"reuse the KV blocks of shared prompt prefixes "
+                            f"{_default(EngineConfig, 'enable_prefix_caching')}")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=_UNSET,
+                       help=f"split long prompts across steps {_default(EngineConfig, 'enable_chunked_prefill')}")
+    group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_UNSET,
+                       help=f"order of the waiting queue {_default(EngineConfig, 'scheduling_policy')}")
+    group.add_argument("--seed", type=int, default=_UNSET,
+                       help=f"seed of the sampler's random generator {_default(EngineConfig, 'seed')}")
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    names = ("model", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens",
-             "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "seed")
-    return {name: getattr(args, name) for name in names}
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The ServerConfig flags of `pagedllm serve`."""
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default=_UNSET, help=f"address to listen on {_default(ServerConfig, 'host')}")
+    group.add_argument("--port", type=int, default=_UNSET, help=f"port to listen on {_default(ServerConfig, 'port')}")
+    group.add_argument("--served-model-name", nargs="+", default=_UNSET, metavar="NAME",
+                       help="model name(s) the API accepts; the first is reported (default: the model argument, "
+                            "or the bundled model's name)")
+    group.add_argument("--api-key", default=_UNSET,
+                       help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: none)")
+    group.add_argument("--max-request-body-bytes", type=int, default=_UNSET,
+                       help=f"larger request bodies get 413 {_default(ServerConfig, 'max_request_body_bytes')}")
+    group.add_argument("--shutdown-timeout", type=float, default=_UNSET,
+                       help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted "
+                            f"{_default(ServerConfig, 'shutdown_timeout')}")
+
+
+def resolve_settings(args: argparse.Namespace, settings: dict[str, type]) -> dict[str, object]:
+    """{name: instance} of each settings dataclass, from the --config file and the flags given."""
+    known = set().union(*(cls.field_names() for cls in settings.values()))
+    given = {key: value for key, value in vars(args).items() if key in known}
+    values = merge_config(args.config, given, known)
+    return {name: cls(**{key: value for key, value in values.items() if key in cls.field_names()})
+            for name, cls in settings.items()}
 
 
 def _generate(args: argparse.Namespace) -> None:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(**_engine_kwargs(args))
+    llm = LLM(**dataclasses.asdict(args.engine_config))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
@@ -41,26 +99,119 @@ def _generate(args: argparse.Namespace) -> None:
     print(outputs[0].outputs[0].text)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _chat(args: argparse.Namespace) -> None:
+    """Reads user turns from stdin and streams each answer as the engine makes it."""
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+    engine = LLMEngine(args.engine_config)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            output_kind=RequestOutputKind.DELTA)
+    conversation = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    print("Type a message and press Enter; /exit or Ctrl-D ends the chat.", file=sys.stderr)
+    try:
+        _chat_turns(engine, params, conversation)
+    except KeyboardInterrupt:   # Ctrl-C, even mid-answer, ends the chat without a traceback
+        print(file=sys.stderr)
+
+
+def _chat_turns(engine, params, conversation: list[dict]) -> None:
+    for turn in itertools.count():
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            return
+        if line == "/exit":
+            return
+        if not line:
+            continue
+        conversation.append({"role": "user", "content": line})
+        prompt = {"prompt_token_ids": engine.tokenizer.apply_chat_template(conversation)}
+        try:
+            engine.add_request(str(turn), prompt, params)
+        except ValueError as exc:   # the conversation outgrew max_model_len, for one
+            conversation.pop()
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        reply = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.error is not None:
+                    print(f"\nerror: {output.error}", file=sys.stderr)
+                reply.append(output.outputs[0].text)
+                print(reply[-1], end="", flush=True)
+        print()
+        conversation.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    run_server(args.engine_config, args.server_config)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="PagedAttention LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                                description="Serve a model over an OpenAI-compatible HTTP API "
+                                            "(/v1/completions, /v1/chat/completions, /v1/models, /metrics...).")
+    add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(handler=_serve, settings={"engine_config": EngineConfig, "server_config": ServerConfig})
+
     generate = commands.add_parser("generate", help="generate a completion for one prompt and print it")
     generate.add_argument("prompt")
-    _add_engine_args(generate)
+    add_engine_args(generate)
     generate.add_argument("--max-tokens", type=int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                           help="wrap the prompt in the model's chat template (default: on)")
-    generate.set_defaults(handler=_generate)
+    generate.set_defaults(handler=_generate, settings={"engine_config": EngineConfig})
+
+    chat = commands.add_parser("chat", help="chat with the model in the terminal",
+                               description="Interactive chat: type a message and press Enter; the answer "
+                                           "streams back and the conversation is kept. /exit or EOF ends it.")
+    add_engine_args(chat)
+    chat.add_argument("--system-prompt", default=None, help="a system message to start the conversation with")
+    chat.add_argument("--max-tokens", type=int, default=512, help="longest answer in tokens (default: 512)")
+    chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default: 0.7)")
+    chat.set_defaults(handler=_chat, settings={"engine_config": EngineConfig})
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
-    for name, module, text in (("memory", memory_bench, "KV utilisation, sharing and concurrency figures"),
-                               ("scheduling", scheduling_bench, "scheduler + KV bookkeeping time per step")):
+    benchmarks = (
+        ("throughput", throughput, "offline throughput on a workload, optionally against transformers"),
+        ("latency", latency, "prefill and per-token decode time of one batch"),
+        ("memory", memory, "KV utilisation, sharing and concurrency figures"),
+        ("sweep", sweep, "throughput and KV waste by block size, with a plot"),
+        ("scheduling", scheduling, "scheduler + KV bookkeeping time per step"),
+        ("accuracy", accuracy, "bfloat16 against float32 greedy tokens"),
+    )
+    for name, module, text in benchmarks:
         sub = bench.add_parser(name, help=text, description=module.__doc__)
         module.add_arguments(sub)
-        sub.set_defaults(handler=module.run)
+        sub.set_defaults(handler=module.run, settings={})
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses the command line; for model commands also builds args.engine_config (and, for serve,
+    args.server_config) from the --config file and the flags. Bad settings exit with a usage error."""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.settings:
+        try:
+            resolved = resolve_settings(args, args.settings)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
+        vars(args).update(resolved)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.handler(args)
 
 

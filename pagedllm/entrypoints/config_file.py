@@ -22,7 +22,10 @@ ENGINE_SECTION = "engine_args"
 def load_config_file(path: str | Path, known_keys: Collection[str]) -> dict[str, Any]:
     """The file's settings as {flag_dest: value}; raises ValueError naming any key it does not know."""
     with open(path, encoding="utf-8") as file:
-        document = yaml.safe_load(file)
+        try:
+            document = yaml.safe_load(file)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from exc
     if document is None:
         return {}
     if not isinstance(document, Mapping):

@@ -1,0 +1,148 @@
+"""The FastAPI app (routes, middleware, lifespan) and `run_server`, which `pagedllm serve` calls."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import logging
+import signal
+import sys
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
+from pagedllm.entrypoints.openai.body_limit import RequestSizeLimitMiddleware
+from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  DetokenizeResponse, ModelCard, ModelList,
+                                                  TokenizeChatRequest, TokenizeCompletionRequest,
+                                                  TokenizeResponse, VersionResponse)
+from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
+from pagedllm.entrypoints.openai.serving_completion import create_completion
+from pagedllm.entrypoints.openai.serving_engine import ServerState
+from pagedllm.entrypoints.openai.stats_logger import log_stats_periodically
+from pagedllm.model.loader import bundled_model_path
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def pagedllm_version() -> str:
+    return importlib.metadata.version("pagedllm")
+
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> VersionResponse:
+    return VersionResponse(version=pagedllm_version())
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> ModelList:
+    state = _state(request)
+    root = state.engine.config.model or str(bundled_model_path())
+    return ModelList(data=[ModelCard(id=name, root=root, max_model_len=state.engine.max_model_len)
+                           for name in state.model_names])
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    return await create_completion(body, request, _state(request))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    return await create_chat_completion(body, request, _state(request))
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> TokenizeResponse:
+    """vLLM's: token ids of a prompt, or of a conversation through the chat template."""
+    state = _state(request)
+    state.check_model(body.model)
+    if isinstance(body, TokenizeChatRequest):
+        tokens = state.chat_prompt_ids(body.messages, body.add_generation_prompt)
+    else:
+        tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    state = _state(request)
+    state.check_model(body.model)
+    vocab_size = state.engine.model_config.vocab_size
+    if not all(0 <= token < vocab_size for token in body.tokens):
+        raise APIError(400, f"tokens must be integers in [0, {vocab_size})", param="tokens")
+    return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    body = state.metrics.exposition(await state.engine_stats())
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+    """The app over an engine that is already loaded; its lifespan shuts the engine down."""
+    model_names = config.served_model_name or [llm.engine.config.model or bundled_model_path().stem]
+    state = ServerState(llm=llm, model_names=model_names, metrics=ServerMetrics(model_names[0]),
+                        system_fingerprint=f"pagedllm-{pagedllm_version()}")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        stats_task = asyncio.create_task(log_stats_periodically(state))
+        try:
+            yield
+        finally:
+            # uvicorn gets here after in-flight requests finished or were cancelled (aborting them).
+            stats_task.cancel()
+            await llm.shutdown()
+
+    app = FastAPI(title="pagedllm", version=pagedllm_version(), lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(router)
+    # The last added runs first: the key is checked before the body is even counted.
+    app.add_middleware(RequestSizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+def _exit_cleanly(signum: int, frame) -> None:
+    sys.exit(0)
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
+    """Loads the model, then serves until SIGINT/SIGTERM: uvicorn stops accepting connections, gives
+    in-flight requests shutdown_timeout seconds, cancels the rest, and the lifespan stops the engine."""
+    llm = AsyncLLM.from_config(engine_config)
+    app = build_app(llm, config)
+    kv = llm.engine.stats().kv_cache
+    logger.info("serving %s (dtype %s) with %d KV blocks of %d tokens (%d tokens) at http://%s:%d",
+                app.state.server.model_name, str(llm.engine.dtype).removeprefix("torch."), kv.num_blocks,
+                kv.block_size, kv.num_blocks * kv.block_size, config.host, config.port)
+    # uvicorn re-raises the signal that stopped it once its graceful shutdown is over; by then
+    # everything is done, so the process exits 0 instead of dying by the signal.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _exit_cleanly)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
+                                           timeout_graceful_shutdown=config.shutdown_timeout))
+    server.run()

@@ -1,0 +1,35 @@
+"""API-key check (`--api-key`): every request but /health must carry `Authorization: Bearer <key>`.
+
+A pure ASGI middleware, so a request without the key is refused before its body is read.
+"""
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm.entrypoints.openai.errors import error_response
+
+OPEN_PATHS = frozenset({"/health"})   # load balancers probe it without credentials
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization")
+        if given is None:
+            response = error_response(401, "missing API key: send it as 'Authorization: Bearer <key>'",
+                                      code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
+        elif not hmac.compare_digest(given, self.expected):   # constant time: no guessing byte by byte
+            response = error_response(401, "invalid API key", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+        else:
+            await self.app(scope, receive, send)
+            return
+        await response(scope, receive, send)

@@ -1,0 +1,111 @@
+"""Prometheus metrics for /metrics, with vLLM's names under a `pagedllm:` prefix.
+
+Request figures (tokens, latencies, finished requests) are counted here as outputs stream
+past; engine figures (queues, KV-cache usage, prefix-cache lookups, preemptions) are read
+from a fresh EngineStats at each scrape, so they never drift from the engine's own state.
+Each app has its own CollectorRegistry, so several servers can live in one process.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagedllm.engine.stats import EngineStats
+from pagedllm.outputs import RequestOutput
+
+PREFIX = "pagedllm:"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector:
+    """Yields the engine's gauges and counters from the latest snapshot it was given."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: EngineStats | None = None
+
+    def collect(self):
+        stats = self.stats
+        if stats is None:
+            return
+        for kind, name, text, value in (
+                (GaugeMetricFamily, "num_requests_running", "Number of requests in model execution batches.",
+                 stats.num_running),
+                (GaugeMetricFamily, "num_requests_waiting", "Number of requests waiting to be processed.",
+                 stats.num_waiting),
+                (GaugeMetricFamily, "kv_cache_usage_perc",
+                 "KV-cache usage: the fraction of KV blocks in use (1 = 100 percent).", stats.kv_cache.usage),
+                (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 stats.kv_cache.prefix_cache_queries),
+                (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 stats.kv_cache.prefix_cache_hits),
+                (CounterMetricFamily, "num_preemptions", "Cumulative number of preemptions by the engine.",
+                 stats.num_preemptions)):
+            family = kind(PREFIX + name, text, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._engine = _EngineCollector(model_name)
+        self.registry.register(self._engine)
+
+        def counter(name: str, text: str, labelnames: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, text, ("model_name", *labelnames), registry=self.registry)
+
+        def histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, text, ("model_name",), buckets=buckets, registry=self.registry)
+
+        labels = {"model_name": model_name}
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(**labels)
+        self.generation_tokens = counter("generation_tokens",
+                                         "Number of generation tokens processed.").labels(**labels)
+        self._request_success = counter("request_success", "Count of successfully processed requests.",
+                                        ("finished_reason",))
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Histogram of time to first token "
+                                             "in seconds.", _LATENCY_BUCKETS).labels(**labels)
+        self.time_per_output_token = histogram("time_per_output_token_seconds", "Histogram of time per output "
+                                               "token in seconds.", _TOKEN_LATENCY_BUCKETS).labels(**labels)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Histogram of end to end request "
+                                             "latency in seconds.", _LATENCY_BUCKETS).labels(**labels)
+
+    def exposition(self, stats: EngineStats) -> bytes:
+        """The Prometheus text format, with the engine figures of `stats`."""
+        self._engine.stats = stats
+        return generate_latest(self.registry)
+
+    def token_totals(self) -> tuple[float, float]:
+        """(prompt, generation) tokens counted so far."""
+        labels = {"model_name": self.model_name}
+        return tuple(self.registry.get_sample_value(f"{PREFIX}{name}_total", labels) or 0.0
+                     for name in ("prompt_tokens", "generation_tokens"))
+
+    async def track(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Passes a DELTA-kind output stream through, counting its tokens and timing it."""
+        arrival = time.monotonic()
+        first_token_at = last_token_at = None
+        num_token_steps = 0
+        async for output in stream:
+            new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+            if new_tokens:
+                last_token_at = time.monotonic()
+                num_token_steps += 1
+                if first_token_at is None:
+                    first_token_at = last_token_at
+                    self.time_to_first_token.observe(first_token_at - arrival)
+                    self.prompt_tokens.inc(len(output.prompt_token_ids))
+                self.generation_tokens.inc(new_tokens)
+            if output.finished:
+                self.e2e_request_latency.observe(time.monotonic() - arrival)
+                if num_token_steps > 1:
+                    self.time_per_output_token.observe((last_token_at - first_token_at) / (num_token_steps - 1))
+                reason = output.outputs[0].finish_reason if output.outputs else None
+                self._request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+            yield output

@@ -1,0 +1,277 @@
+"""Request and response bodies of the OpenAI API (and vLLM's extras), as pydantic models.
+
+Requests validate strictly (no "5" for 5, no true for 1) so that a wrong type is a 400
+naming the field; value ranges are left to SamplingParams, which already checks them.
+"""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedllm.entrypoints.openai.errors import APIError, sampling_field_named_in
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+# Request fields passed to SamplingParams under the same name, when the client sets them.
+_SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
+                    "stop", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(RequestModel):
+    """Fields shared by completions and chat; the sampling ones map onto SamplingParams fields of the same name."""
+
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # Accepted by OpenAI, not by this engine: refused rather than silently ignored.
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, aliases: dict[str, str] | None = None, **overrides) -> SamplingParams:
+        """SamplingParams from the fields the client set, plus overrides; its ValueError becomes a 400
+        naming the field (as the client called it: aliases maps SamplingParams names to request names)."""
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        values = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        values = {"output_kind": RequestOutputKind.DELTA, **values, **overrides}
+        try:
+            return SamplingParams(**values)
+        except ValueError as exc:
+            message = str(exc)
+            field = sampling_field_named_in(message)
+            if field is None:
+                raise APIError(400, message) from exc
+            param = (aliases or {}).get(field, field)
+            raise APIError(400, param + message[len(field):], param=param) from exc
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16   # OpenAI's default for completions
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (it needs prompt logprobs)", param="echo")
+        # DELTA outputs cannot pick the best of best_of samples (known only at the end): a whole
+        # answer then comes as one FINAL_ONLY output; streaming it stays refused by SamplingParams.
+        picks_best = not self.stream and (self.best_of or self.n) > self.n
+        return self.sampling_params(best_of=self.best_of, logprobs=self.logprobs,
+                                    output_kind=RequestOutputKind.FINAL_ONLY if picks_best else RequestOutputKind.DELTA)
+
+
+class TextContentPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextContentPart]
+
+    def as_template_message(self) -> dict:
+        """What the chat template reads: text parts are joined with newlines, as vLLM does."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True   # vLLM's extra
+    tools: list | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        """max_completion_tokens is OpenAI's new name for max_tokens and wins over it; without either,
+        the answer may fill the model's context."""
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+        aliases = {"logprobs": "top_logprobs"}
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None:
+            max_tokens = self.max_completion_tokens
+            aliases["max_tokens"] = "max_completion_tokens"
+        return self.sampling_params(aliases, max_tokens=max_tokens,
+                                    logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TokenizeCompletionRequest(RequestModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(RequestModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ----
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None   # vLLM's: the stop string or token id that ended the text
+
+
+class CompletionResponse(BaseModel):
+    """Both the whole answer and each streamed chunk (OpenAI uses one shape for both)."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedllm"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

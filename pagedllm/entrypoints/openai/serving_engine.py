@@ -1,0 +1,108 @@
+"""What every endpoint shares: the engine, the served model names, prompt checks, tracked generation."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import jinja2
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.stats import EngineStats
+from pagedllm.entrypoints.openai.errors import APIError, sampling_field_named_in
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import ChatMessage, UsageInfo
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import Tokenizer
+
+
+@dataclass
+class ServerState:
+    llm: AsyncLLM
+    model_names: list[str]      # the first is the one responses report
+    metrics: ServerMetrics
+    system_fingerprint: str
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.llm.engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.llm.engine.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        """A request may name any served name, or none."""
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
+
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """The conversation through the model's own chat template (rendered sandboxed by the tokenizer)."""
+        conversation = [message.as_template_message() for message in messages]
+        try:
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        except (ValueError, jinja2.TemplateError) as exc:   # no template, or it refused the conversation
+            raise APIError(400, str(exc), param="messages") from exc
+
+    def engine_prompt(self, token_ids: list[int], text: str | None, params: SamplingParams, param: str) -> dict:
+        """The engine's prompt, checked now (length, token ids, KV room) so a bad one is a 400, even before
+        a stream has started; the engine's ValueError names the numbers."""
+        prompt = {"prompt_token_ids": token_ids} if text is None else {"prompt_token_ids": token_ids, "prompt": text}
+        try:
+            self.engine.check_prompt(prompt, params)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=sampling_field_named_in(str(exc)) or param) from exc
+        return prompt
+
+    def generate(self, prompt: dict, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        return self.metrics.track(self.llm.generate(prompt, params, request_id))
+
+    async def engine_stats(self) -> EngineStats:
+        """engine.stats() walks block tables that steps change, so it runs on the engine's own thread."""
+        return await self.llm.stats()
+
+
+@dataclass
+class ChoiceState:
+    """One choice as built up from the engine's outputs (DELTA kind, or one FINAL_ONLY output)."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
+
+
+def usage(prompt_token_counts: list[int], choices: list[ChoiceState]) -> UsageInfo:
+    prompt_tokens = sum(prompt_token_counts)
+    completion_tokens = sum(len(choice.token_ids) for choice in choices)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+async def collect_choices(merged: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int,
+                          n: int) -> list[list[ChoiceState]]:
+    """Every prompt's n choices, built up until all of its requests have finished."""
+    choices = [[ChoiceState() for _ in range(n)] for _ in range(num_prompts)]
+    async for prompt_index, output in merged:
+        for delta in output.outputs:
+            choices[prompt_index][delta.index].add(delta)
+    return choices
+
+
+def has_news(choice: ChoiceState, delta: CompletionOutput) -> bool:
+    """Whether a streamed delta is worth a chunk: a finished choice keeps appearing, empty, in its
+    siblings' outputs, and a step may add a token whose text is still held back."""
+    return choice.finish_reason is None and bool(delta.text or delta.token_ids or delta.finish_reason)

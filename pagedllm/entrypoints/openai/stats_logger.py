@@ -1,0 +1,34 @@
+"""A log line every few seconds while the server is busy: throughput, queues, KV cache, prefix cache."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from pagedllm.entrypoints.openai.serving_engine import ServerState
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_SECONDS = 10.0
+
+
+async def log_stats_periodically(state: ServerState, interval: float = STATS_INTERVAL_SECONDS) -> None:
+    """Runs until cancelled; logs nothing for an interval in which the engine stayed idle."""
+    last_time = time.monotonic()
+    last_prompt, last_generation = state.metrics.token_totals()
+    last_queries = last_hits = 0
+    while True:
+        await asyncio.sleep(interval)
+        stats = await state.engine_stats()
+        now = time.monotonic()
+        prompt, generation = state.metrics.token_totals()
+        queries, hits = stats.kv_cache.prefix_cache_queries, stats.kv_cache.prefix_cache_hits
+        busy = prompt > last_prompt or generation > last_generation or stats.num_running or stats.num_waiting
+        if busy:
+            elapsed = now - last_time
+            logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                        "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                        (prompt - last_prompt) / elapsed, (generation - last_generation) / elapsed,
+                        stats.num_running, stats.num_waiting, 100 * stats.kv_cache.usage,
+                        100 * (hits - last_hits) / (queries - last_queries) if queries > last_queries else 0.0)
+        last_time, last_prompt, last_generation, last_queries, last_hits = now, prompt, generation, queries, hits

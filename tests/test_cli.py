@@ -1,0 +1,115 @@
+"""The `pagedllm` command line: --config files merged under flags, serve's help, the terminal chat."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.cli import parse_args
+from pagedllm.entrypoints.config_file import load_config_file, merge_config
+from pagedllm.entrypoints.openai.server_config import ServerConfig
+
+# The brief's example, as it appears in the product article.
+BRIEF_YAML = """\
+engine_args:
+  max_num_seqs: 256
+  block_size: 32
+  gpu_memory_utilization: 0.9
+"""
+KNOWN = EngineConfig.field_names() | ServerConfig.field_names()
+
+
+@pytest.fixture
+def brief_config(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(BRIEF_YAML)
+    return path
+
+
+def test_config_file_is_read_and_flags_override_it(brief_config):
+    assert load_config_file(brief_config, KNOWN) == {"max_num_seqs": 256, "block_size": 32,
+                                                     "gpu_memory_utilization": 0.9}
+    merged = merge_config(brief_config, {"block_size": 64, "port": 9000}, KNOWN)
+    assert merged == {"max_num_seqs": 256, "block_size": 64, "gpu_memory_utilization": 0.9, "port": 9000}
+    assert merge_config(None, {"seed": 3}, KNOWN) == {"seed": 3}
+
+
+def test_both_spellings_and_top_level_keys(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("block-size: 64\nkv-cache-memory: 256MiB\nengine_args:\n  max-num-seqs: 8\nhost: 0.0.0.0\n")
+    assert load_config_file(path, KNOWN) == {"block_size": 64, "kv_cache_memory": "256MiB", "max_num_seqs": 8,
+                                             "host": "0.0.0.0"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("engine_args:\n  max_num_seq: 8\n", "unknown key 'max_num_seq'"),
+    ("blok_size: 32\n", "unknown key 'blok_size'"),
+    ("block_size: 32\nblock-size: 64\n", "given twice"),
+    ("- block_size\n", "expected a mapping"),
+    ("block_size: [32\n", "not valid YAML"),
+])
+def test_bad_config_files_name_the_problem(tmp_path, text, message):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config_file(path, KNOWN)
+
+
+def test_serve_builds_its_configs_from_file_and_flags(brief_config):
+    args = parse_args(["serve", "--config", str(brief_config), "--block-size", "16", "--max-model-len", "512",
+                       "--no-enable-prefix-caching", "--port", "9001", "--api-key", "k"])
+    assert args.engine_config == EngineConfig(max_num_seqs=256, block_size=16, gpu_memory_utilization=0.9,
+                                              max_model_len=512, enable_prefix_caching=False)
+    assert args.server_config == ServerConfig(port=9001, api_key="k")
+    from_file_only = parse_args(["serve", "some/model", "--config", str(brief_config)])
+    assert from_file_only.engine_config == EngineConfig(model="some/model", max_num_seqs=256, block_size=32)
+
+
+def test_bad_settings_are_usage_errors_naming_them(tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text("engine_args:\n  max_num_seq: 8\n")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["serve", "--config", str(path)])
+    assert exit_info.value.code == 2 and "unknown key 'max_num_seq'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--block-size", "24"])
+    assert "block_size must be a power of two" in capsys.readouterr().err
+
+
+def test_serve_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    for field in dataclasses.fields(EngineConfig) + dataclasses.fields(ServerConfig):
+        if field.name != "model":
+            assert f"--{field.name.replace('_', '-')}" in text
+    assert "--config" in text and "--no-enable-prefix-caching" in text
+
+
+def test_generate_and_chat_share_the_engine_flags(brief_config):
+    for argv in (["generate", "Hi", "--config", str(brief_config)], ["chat", "--config", str(brief_config)]):
+        args = parse_args([*argv, "--seed", "5"])
+        assert args.engine_config == EngineConfig(max_num_seqs=256, block_size=32, seed=5)
+
+
+def test_chat_streams_answers_and_keeps_the_conversation():
+    questions = ["My name is Ada.", "What is my name?"]
+    result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "chat", "--temperature", "0",
+                             "--max-tokens", "12", "--kv-cache-memory", "64MiB"],
+                            input="\n".join([*questions, "/exit", "never read"]) + "\n",
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    prompts = result.stdout.split("> ")
+    assert prompts[0] == "" and prompts[-1] == ""   # the last prompt read /exit
+    answers = [answer.removesuffix("\n") for answer in prompts[1:-1]]
+    assert len(answers) == 2 and all(answers)
+    # The second answer is the one the offline API gives with the first exchange in the conversation.
+    history = [{"role": "user", "content": questions[0]}, {"role": "assistant", "content": answers[0]},
+               {"role": "user", "content": questions[1]}]
+    expected = LLM(kv_cache_memory="64MiB").chat(history, SamplingParams(temperature=0, max_tokens=12),
+                                                 use_tqdm=False)[0].outputs[0].text
+    assert answers[1] == expected

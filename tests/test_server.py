@@ -1,0 +1,360 @@
+"""`pagedllm serve` as a real process on loopback, driven by the official openai client and raw httpx.
+
+One server (bundled model, 256 MiB of KV cache, --api-key) serves every test in this module;
+tests that need the engine idle wait for /metrics to say so.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedllm import LLM, SamplingParams
+
+API_KEY = "test-key"
+MODEL = "smollm2"
+MAX_MODEL_LEN = 1024
+MAX_BODY_BYTES = 2**20
+KV_CACHE_MEMORY = "256MiB"
+STARTUP_TIMEOUT = 180   # seconds: loading the model on a busy 2-core machine
+
+
+class ServerProcess:
+    """A `pagedllm serve` subprocess on a free loopback port, its log in a file."""
+
+    def __init__(self, log_path: Path, *flags: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port),
+                   "--kv-cache-memory", KV_CACHE_MEMORY, "--max-model-len", str(MAX_MODEL_LEN),
+                   "--served-model-name", MODEL, *flags]
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self._wait_until_healthy()
+
+    def _wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample's value from Prometheus text (0 if absent, as a counter not yet touched)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--api-key", API_KEY,
+                            "--max-request-body-bytes", str(MAX_BODY_BYTES))
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as http:
+        yield http
+
+
+def wait_until_idle(http: httpx.Client, timeout: float = 10.0) -> str:
+    """Polls /metrics until no request runs or waits and the KV pool is whole; returns the last scrape."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = http.get("/metrics").text
+        busy = (metric(text, "pagedllm:num_requests_running") + metric(text, "pagedllm:num_requests_waiting")
+                + metric(text, "pagedllm:kv_cache_usage_perc"))
+        if busy == 0 or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
+# ---- endpoints ----
+
+def test_health_version_models(server, client, http):
+    assert httpx.get(f"{server.url}/health").status_code == 200   # open even with --api-key
+    assert http.get("/version").json() == {"version": "0.1.0"}
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == MAX_MODEL_LEN
+    startup = next(line for line in server.log().splitlines() if "serving smollm2" in line)
+    assert "(dtype " in startup and "KV blocks" in startup and server.url in startup
+
+
+def test_tokenize_and_detokenize_round_trip(http):
+    tokens = http.post("/tokenize", json={"prompt": "Paged attention, block by block."}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 3
+    assert tokens["max_model_len"] == MAX_MODEL_LEN
+    text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": "Paged attention, block by block."}
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > 5   # the chat template adds its role markers
+
+
+def test_greedy_completion_matches_the_offline_api(client):
+    prompt = "The three primary colours are"
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    offline = LLM(kv_cache_memory=KV_CACHE_MEMORY, max_model_len=MAX_MODEL_LEN).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    choice = response.choices[0]
+    assert choice.text == offline.outputs[0].text
+    assert choice.finish_reason == "length"
+    assert response.usage.prompt_tokens == len(offline.prompt_token_ids)
+    assert response.usage.completion_tokens == 8
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 8
+    assert response.id.startswith("cmpl-") and response.object == "text_completion" and response.model == MODEL
+
+
+def test_streamed_completion_equals_whole_one_and_reports_usage(client):
+    kwargs = dict(model=MODEL, prompt="Hello, my name is", max_tokens=6, temperature=0)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_and_prompt_lists_give_one_choice_per_sample(client):
+    response = client.completions.create(model=MODEL, prompt=["Once upon a time", "The sea is"], n=2,
+                                         max_tokens=4, temperature=1.0, seed=7)
+    assert sorted(c.index for c in response.choices) == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" for c in response.choices)
+    assert response.usage.completion_tokens == 16
+
+
+def test_stop_string_truncates_and_is_reported(client):
+    kwargs = dict(model=MODEL, prompt="Hello, my name is", max_tokens=10, temperature=0)
+    text = client.completions.create(**kwargs).choices[0].text
+    stop = text.split()[2]   # a word inside the greedy answer
+    choice = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    assert choice.text == text[:text.index(stop)]
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == stop
+
+
+def test_completion_logprobs_in_the_legacy_shape(client):
+    choice = client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=5, temperature=0,
+                                       logprobs=2).choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(5)]
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert value <= 0 and 2 <= len(top) <= 3 and top[token] == value
+        assert value == max(top.values())   # greedy picks the most likely token
+
+
+def test_echo_prepends_the_prompt(client):
+    choice = client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=3, temperature=0,
+                                       echo=True).choices[0]
+    assert choice.text.startswith("Hello, my name is") and len(choice.text) > len("Hello, my name is")
+
+
+def test_chat_completion_with_logprobs(client):
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "You are brief."},
+                               {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}],
+        max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    choice = response.choices[0]
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    content = choice.logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                 reverse=True)
+        assert entry.top_logprobs[0].token == entry.token and entry.bytes == list(entry.token.encode())
+
+
+def test_streamed_chat_with_n_2_and_usage(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say something."}], n=2, max_tokens=5,
+        temperature=1.0, seed=3, stream=True, stream_options={"include_usage": True})
+    texts, roles, finish = {0: "", 1: ""}, {}, {}
+    chunks = list(stream)
+    for chunk in chunks:
+        assert chunk.object == "chat.completion.chunk"
+        for choice in chunk.choices:
+            roles.setdefault(choice.index, choice.delta.role)
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert set(finish) == {0, 1} and all(texts.values())
+    usage = chunks[-1].usage
+    assert usage.completion_tokens <= 10 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_metrics_count_exactly_what_a_request_used(http, client):
+    before = wait_until_idle(http)
+    response = client.completions.create(model=MODEL, prompt="Counting tokens, one by one:", max_tokens=7,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    after = wait_until_idle(http)
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("pagedllm:generation_tokens_total", model_name=MODEL) == response.usage.completion_tokens == 7
+    assert delta("pagedllm:prompt_tokens_total", model_name=MODEL) == response.usage.prompt_tokens
+    assert delta("pagedllm:request_success_total", finished_reason="length") == 1
+    assert delta("pagedllm:time_to_first_token_seconds_count") == 1
+    assert delta("pagedllm:time_per_output_token_seconds_count") == 1
+    assert delta("pagedllm:e2e_request_latency_seconds_count") == 1
+    assert delta("pagedllm:prefix_cache_queries_total") > 0
+    for name in ("pagedllm:num_preemptions_total", "pagedllm:prefix_cache_hits_total"):
+        assert name in after
+
+
+# ---- disconnects free their blocks ----
+
+def test_streaming_client_that_leaves_is_aborted(server, http):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        events = response.iter_lines()
+        assert next(e for e in events if e.startswith("data:"))
+        busy = http.get("/metrics").text
+        assert metric(busy, "pagedllm:num_requests_running") == 1
+        assert metric(busy, "pagedllm:kv_cache_usage_perc") > 0
+    idle = wait_until_idle(http, timeout=5)
+    assert metric(idle, "pagedllm:num_requests_running") == 0
+    assert metric(idle, "pagedllm:kv_cache_usage_perc") == 0
+
+
+def test_non_streaming_client_that_leaves_is_aborted(server, http):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.5,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    idle = wait_until_idle(http, timeout=5)
+    assert metric(idle, "pagedllm:num_requests_running") == 0
+    assert metric(idle, "pagedllm:kv_cache_usage_perc") == 0
+
+
+# ---- bad input: OpenAI's error body, and the server carries on ----
+
+def _completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "Hi", "max_tokens": 2, **fields}
+
+
+BAD_REQUESTS = {
+    "malformed JSON": ("/v1/completions", b'{"prompt": "Hi",', 400, None, "not valid JSON"),
+    "not an object": ("/v1/completions", b"[1, 2]", 400, None, "valid dictionary"),
+    "missing prompt": ("/v1/completions", {"model": MODEL}, 400, "prompt", "Field required"),
+    "wrong type": ("/v1/completions", _completion(max_tokens="ten"), 400, "max_tokens", "valid integer"),
+    "bool for an int": ("/v1/completions", _completion(n=True), 400, "n", "valid integer"),
+    "negative max_tokens": ("/v1/completions", _completion(max_tokens=-1), 400, "max_tokens", ">= 1, got -1"),
+    "temperature out of range": ("/v1/completions", _completion(temperature=-0.5), 400, "temperature", ">= 0"),
+    "top_p out of range": ("/v1/completions", _completion(top_p=1.5), 400, "top_p", "(0, 1]"),
+    "too many logprobs": ("/v1/completions", _completion(logprobs=21), 400, "logprobs", "[0, 20]"),
+    "empty prompt list": ("/v1/completions", _completion(prompt=[]), 400, "prompt", "empty"),
+    "token id outside the vocabulary": ("/v1/completions", _completion(prompt=[10**9]), 400, "prompt",
+                                        "prompt_token_ids"),
+    "prompt + max_tokens too long": ("/v1/completions", _completion(max_tokens=2000), 400, "prompt",
+                                     f"max_tokens (2000) = 2001 exceeds max_model_len ({MAX_MODEL_LEN})"),
+    "prompt alone too long": ("/v1/completions", _completion(prompt="hello " * 1500), 400, "prompt",
+                              f"max_model_len is {MAX_MODEL_LEN}"),
+    "unknown model": ("/v1/completions", _completion(model="gpt-4"), 404, "model", "'gpt-4' does not exist"),
+    "chat: unknown role": ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "Hi"}]}, 400,
+                           "messages.0.role", "'system', 'user' or 'assistant'"),
+    "chat: image part": ("/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+                         400, "messages.0.content", "Input should be 'text'"),
+    "chat: no messages": ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    "chat: bad max_completion_tokens": ("/v1/chat/completions",
+                                        {"messages": [{"role": "user", "content": "Hi"}],
+                                         "max_completion_tokens": 0}, 400, "max_completion_tokens", ">= 1"),
+    "chat: top_logprobs without logprobs": ("/v1/chat/completions",
+                                            {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2},
+                                            400, "top_logprobs", "logprobs"),
+    "detokenize: id outside the vocabulary": ("/detokenize", {"tokens": [-1]}, 400, "tokens", "[0, "),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS)
+def test_bad_request_gets_an_openai_error_and_the_server_carries_on(http, case):
+    path, body, status, param, message = BAD_REQUESTS[case]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = http.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and message in error["message"]
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert http.post("/v1/completions", json=_completion(max_tokens=1)).status_code == 200
+
+
+def test_oversized_bodies_are_refused_with_413(http):
+    too_big = json.dumps(_completion(prompt="a" * MAX_BODY_BYTES)).encode()
+    declared = http.post("/v1/completions", content=too_big, headers={"Content-Type": "application/json"})
+
+    def chunked():   # no Content-Length: the server must count the bytes as they come
+        for start in range(0, len(too_big), 64 * 1024):
+            yield too_big[start:start + 64 * 1024]
+
+    streamed = http.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
+    for response in (declared, streamed):
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "request_too_large"
+    assert http.post("/v1/completions", json=_completion(max_tokens=1)).status_code == 200
+
+
+def test_api_key_is_required_and_checked(server):
+    body = _completion(max_tokens=1)
+    missing = httpx.post(f"{server.url}/v1/completions", json=body)
+    wrong = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    for response, code in ((missing, "missing_api_key"), (wrong, "invalid_api_key")):
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == code
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(f"{server.url}/metrics").status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200
