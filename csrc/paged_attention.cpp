@@ -15,14 +15,25 @@ namespace {
 
 constexpr int kLanes = 16;  // one AVX-512 register of floats; the loops below vectorise to it
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-// Widens one row of head_dim values to float, so the hot loops run on floats only.
+// One row of head_dim values as floats: float rows are read in place, others are widened
+// into `buffer`, so the hot loops run on floats only.
 template <typename scalar_t>
-inline void widen(const scalar_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+inline const float* as_float(const scalar_t* src, float* buffer, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(src[i]);
+  return buffer;
+}
+
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
+
+// bfloat16 is the top half of a float: a shift the compiler turns into vector code
+// (the generic cast goes through a call per element).
+template <>
+inline const float* as_float<c10::BFloat16>(const c10::BFloat16* src, float* buffer, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(buffer);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+  return buffer;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -44,6 +55,8 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
+  const int64_t row_size = num_kv_heads * head_dim;     // one slot: every kv head, contiguous
+  const int64_t block_stride = block_size * row_size;
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
   const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
@@ -51,47 +64,55 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* rows = token_rows.data_ptr<int64_t>();
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
-  const int64_t token_stride = num_kv_heads * head_dim;     // between slots of one block
-  const int64_t block_stride = block_size * token_stride;
 
-  at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), key(head_dim), value(head_dim);
-    std::vector<float> acc(group * head_dim), scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t token = task / num_kv_heads, kv_head = task % num_kv_heads;
+  // One task per query token, all its heads at once: each cached slot is read as one
+  // contiguous row of every kv head, once for K and once for V.
+  at::parallel_for(0, num_tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query_buffer(num_heads * head_dim), row_buffer(row_size);
+    std::vector<float> acc(num_heads * head_dim), scores;
+    for (int64_t token = begin; token < end; ++token) {
       const int64_t kv_len = lens[token];
       const int64_t* table = tables + rows[token] * max_blocks;
-      const int64_t first_head = kv_head * group;
-      widen(q_ptr + (token * num_heads + first_head) * head_dim, query.data(), group * head_dim);
-      scores.assign(group * kv_len, 0.f);
-      for (int64_t t = 0; t < kv_len; ++t) {
-        const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * token_stride
-                               + kv_head * head_dim;
-        widen(k_ptr + offset, key.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g)
-          scores[g * kv_len + t] = dot(query.data() + g * head_dim, key.data(), head_dim) * scale;
+      const float* query = as_float(q_ptr + token * num_heads * head_dim, query_buffer.data(),
+                                    num_heads * head_dim);
+      scores.resize(num_heads * kv_len);
+      // Walk the table block by block: no division per slot.
+      for (int64_t t = 0, b = 0; t < kv_len; ++b) {
+        const scalar_t* block = k_ptr + table[b] * block_stride;
+        const int64_t n = std::min(block_size, kv_len - t);
+        for (int64_t j = 0; j < n; ++j, ++t) {
+          const float* key = as_float(block + j * row_size, row_buffer.data(), row_size);
+          for (int64_t h = 0; h < num_heads; ++h)
+            scores[h * kv_len + t] = dot(query + h * head_dim, key + (h / group) * head_dim, head_dim) * scale;
+        }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * kv_len;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * kv_len;
         const float peak = *std::max_element(s, s + kv_len);
         float total = 0;
-        for (int64_t t = 0; t < kv_len; ++t) total += (s[t] = std::exp(s[t] - peak));
+        for (int64_t t = 0; t < kv_len; ++t) {
+          s[t] = std::exp(s[t] - peak);
+          total += s[t];
+        }
         const float inv = 1.f / total;
         for (int64_t t = 0; t < kv_len; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < kv_len; ++t) {
-        const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * token_stride
-                               + kv_head * head_dim;
-        widen(v_ptr + offset, value.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * kv_len + t];
-          float* a = acc.data() + g * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
+      for (int64_t t = 0, b = 0; t < kv_len; ++b) {
+        const scalar_t* block = v_ptr + table[b] * block_stride;
+        const int64_t n = std::min(block_size, kv_len - t);
+        for (int64_t j = 0; j < n; ++j, ++t) {
+          const float* value = as_float(block + j * row_size, row_buffer.data(), row_size);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float p = scores[h * kv_len + t];
+            const float* v = value + (h / group) * head_dim;
+            float* a = acc.data() + h * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+          }
         }
       }
-      scalar_t* o = out_ptr + (token * num_heads + first_head) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<scalar_t>(acc[i]);
+      scalar_t* o = out_ptr + token * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) o[i] = static_cast<scalar_t>(acc[i]);
     }
   });
 }
