@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from pagedllm import LLM, SamplingParams
 
 MAX_NEW_TOKENS = 64
-LOGPROB_TOLERANCE = 2e-3
+LOGPROB_TOLERANCE = 1e-4
 
 
 def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int):
