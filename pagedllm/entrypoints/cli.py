@@ -12,7 +12,7 @@ import itertools
 import logging
 import sys
 
-from pagedllm.bench import accuracy, latency, memory, scheduling, sweep, throughput
+from pagedllm.bench import accuracy, latency, memory, scheduling, serving, sweep, throughput
 from pagedllm.config import DTYPES, EngineConfig
 from pagedllm.engine.scheduler import SCHEDULING_POLICIES
 from pagedllm.entrypoints.config_file import merge_config
@@ -183,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     benchmarks = (
         ("throughput", throughput, "offline throughput on a workload, optionally against transformers"),
         ("latency", latency, "prefill and per-token decode time of one batch"),
+        ("serving", serving, "TTFT / TPOT / ITL / latency against a running server"),
         ("memory", memory, "KV utilisation, sharing and concurrency figures"),
         ("sweep", sweep, "throughput and KV waste by block size, with a plot"),
         ("scheduling", scheduling, "scheduler + KV bookkeeping time per step"),
