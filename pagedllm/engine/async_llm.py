@@ -145,7 +145,7 @@ class AsyncLLM:
                 except _StepFailed as failure:
                     logger.error("engine step failed; failing %d in-flight requests",
                                  len(failure.failed_ids), exc_info=failure.__cause__)
-                    self._fail_streams(failure.failed_ids, lambda failed_id: _step_error(failed_id, failure))
+                    self._fail_streams(failure.failed_ids, partial(_step_error, failure=failure))
                     continue
                 for output in outputs:
                     queue = self._streams.get(output.request_id)
