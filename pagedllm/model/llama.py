@@ -13,7 +13,7 @@ from torch import nn
 
 from pagedllm.model.attention import AttentionMetadata, paged_attention
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.rope import RotaryEmbedding
+from pagedllm.model.rope import RotaryEmbedding, apply_rope
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(w[prefix + "post_attention_layernorm.weight"],
                                            config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = F.linear(self.input_norm(hidden), self.qkv_weight, self.qkv_bias)
@@ -66,7 +66,7 @@ class DecoderLayer(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, *rope)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         hidden = hidden + F.linear(attn.reshape(num_tokens, q_size), self.o_weight)
         gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_weight).chunk(2, dim=-1)
@@ -94,7 +94,8 @@ class CausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits [len(logits_indices), vocab] for the rows that sample."""
         hidden = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rope.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, self.rope, positions, kv_cache, meta)
+            hidden = layer(hidden, rope, kv_cache, meta)
         hidden = self.norm(hidden[logits_indices])
         return F.linear(hidden, self.lm_head).float()
