@@ -12,14 +12,13 @@ import argparse
 import statistics
 
 from pagedllm.bench.simulate import simulate
-from pagedllm.bench.workload import BenchRequest, load_jsonl, random_workload
+from pagedllm.bench.workload import BenchRequest, add_workload_arguments, workload_from_args
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", default="random",
-                        help="a JSON Lines workload (shared/bench format) or 'random' (the same defaults)")
+    add_workload_arguments(parser)
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="what a contiguous cache reserves per sequence (transformers' static cache)")
     parser.add_argument("--kv-budget-tokens", type=int, default=32768,
@@ -31,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    workload = random_workload() if args.dataset == "random" else load_jsonl(args.dataset)
+    workload = workload_from_args(args)
     print(f"workload: {len(workload)} requests, {sum(len(r.prompt_token_ids) for r in workload)} prompt + "
           f"{sum(r.max_tokens for r in workload)} output tokens\n")
     print_utilization(workload, args.max_model_len)

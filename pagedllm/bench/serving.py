@@ -20,20 +20,14 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from pagedllm.bench.scheduling import percentile
-from pagedllm.bench.throughput import build_workload
-from pagedllm.bench.workload import BenchRequest
+from pagedllm.bench.workload import BenchRequest, add_workload_arguments, workload_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="served model name (default: the server's first)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--dataset", default="random")
-    parser.add_argument("--num-prompts", type=int, default=128)
-    parser.add_argument("--input-len", type=int, default=None)
-    parser.add_argument("--output-len", type=int, default=None)
-    parser.add_argument("--range-ratio", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser)
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--request-rate", type=float, default=None, help="open loop: requests per second")
     load.add_argument("--max-concurrency", type=int, default=None, help="closed loop: clients at once")
@@ -107,7 +101,7 @@ async def _run_load(args: argparse.Namespace, workload: list[BenchRequest]) -> t
 
 def run(args: argparse.Namespace) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)   # not one log line per request
-    workload = build_workload(args)
+    workload = workload_from_args(args)
     timings, elapsed = asyncio.run(_run_load(args, workload))
     done = [t for t in timings if t.ok]
     errors = [t for t in timings if not t.ok]

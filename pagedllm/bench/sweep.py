@@ -8,26 +8,22 @@ from __future__ import annotations
 import argparse
 
 from pagedllm.bench.simulate import simulate
-from pagedllm.bench.throughput import build_workload, run_pagedllm
+from pagedllm.bench.throughput import run_pagedllm
+from pagedllm.bench.workload import add_workload_arguments, workload_from_args
 
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="default: the bundled model")
-    parser.add_argument("--dataset", default="random")
-    parser.add_argument("--num-prompts", type=int, default=128)
-    parser.add_argument("--input-len", type=int, default=None)
-    parser.add_argument("--output-len", type=int, default=None)
-    parser.add_argument("--range-ratio", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=list(BLOCK_SIZES))
     parser.add_argument("--plot", default="block_size_sweep.png")
 
 
 def run(args: argparse.Namespace) -> None:
-    workload = build_workload(args)
+    workload = workload_from_args(args)
     rows = []
     for block_size in args.block_sizes:
         options = argparse.Namespace(**vars(args), block_size=block_size, max_num_seqs=256,

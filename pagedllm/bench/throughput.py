@@ -11,22 +11,13 @@ import argparse
 import json
 import time
 
-from pagedllm.bench.workload import BenchRequest, load_jsonl, random_workload
+from pagedllm.bench.workload import BenchRequest, add_workload_arguments, workload_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="default: the bundled model")
     parser.add_argument("--backend", choices=("pagedllm", "hf", "both"), default="pagedllm")
-    parser.add_argument("--dataset", default="random",
-                        help="a JSON Lines workload (shared/bench format) or 'random'")
-    parser.add_argument("--num-prompts", type=int, default=128)
-    parser.add_argument("--input-len", type=int, default=None,
-                        help="random dataset: prompt length (default: the shared workload's 32-512 spread)")
-    parser.add_argument("--output-len", type=int, default=None,
-                        help="random dataset: output length (default: the shared workload's 32-256 spread)")
-    parser.add_argument("--range-ratio", type=float, default=0.0,
-                        help="random dataset with --input-len/--output-len: lengths vary by +- this fraction")
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -34,21 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default=None)
     parser.add_argument("--hf-max-batch-size", type=int, default=16)
     parser.add_argument("--output-json", default=None)
-
-
-def build_workload(args: argparse.Namespace, vocab_size: int | None = None) -> list[BenchRequest]:
-    if args.dataset != "random":
-        return load_jsonl(args.dataset)
-    if args.input_len is None and args.output_len is None:
-        return random_workload(num=args.num_prompts, seed=args.seed)
-
-    def spread(length: int) -> tuple[int, int]:
-        return max(1, int(length * (1 - args.range_ratio))), max(1, int(length * (1 + args.range_ratio)))
-
-    in_min, in_max = spread(args.input_len or 256)
-    out_min, out_max = spread(args.output_len or 128)
-    return random_workload(num=args.num_prompts, in_min=in_min, in_max=in_max, out_min=out_min,
-                           out_max=out_max, vocab=vocab_size or 49152, seed=args.seed)
 
 
 def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:
@@ -113,7 +89,7 @@ def _figures(backend: str, workload: list[BenchRequest], generated: int, elapsed
 
 
 def run(args: argparse.Namespace) -> None:
-    workload = build_workload(args)
+    workload = workload_from_args(args)
     results = []
     if args.backend in ("pagedllm", "both"):
         results.append(run_pagedllm(args, workload))

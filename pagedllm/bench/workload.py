@@ -1,6 +1,7 @@
 """Benchmark requests: the shared JSON Lines format, or the same distribution generated here."""
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from dataclasses import dataclass
@@ -38,3 +39,31 @@ def random_workload(num: int = 128, in_min: int = 32, in_max: int = 512, out_min
         n_out = rng.randint(out_min, out_max)
         requests.append(BenchRequest([rng.randrange(first_id, vocab) for _ in range(n_in)], n_out))
     return requests
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", default="random",
+                        help="a JSON Lines workload (shared/bench format) or 'random'")
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=None,
+                        help="random dataset: prompt length (default: the shared workload's 32-512 spread)")
+    parser.add_argument("--output-len", type=int, default=None,
+                        help="random dataset: output length (default: the shared workload's 32-256 spread)")
+    parser.add_argument("--range-ratio", type=float, default=0.0,
+                        help="random dataset with --input-len/--output-len: lengths vary by +- this fraction")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def workload_from_args(args: argparse.Namespace, vocab_size: int | None = None) -> list[BenchRequest]:
+    if args.dataset != "random":
+        return load_jsonl(args.dataset)
+    if args.input_len is None and args.output_len is None:
+        return random_workload(num=args.num_prompts, seed=args.seed)
+
+    def spread(length: int) -> tuple[int, int]:
+        return max(1, int(length * (1 - args.range_ratio))), max(1, int(length * (1 + args.range_ratio)))
+
+    in_min, in_max = spread(args.input_len or 256)
+    out_min, out_max = spread(args.output_len or 128)
+    return random_workload(num=args.num_prompts, in_min=in_min, in_max=in_max, out_min=out_min,
+                           out_max=out_max, vocab=vocab_size or 49152, seed=args.seed)
