@@ -3,7 +3,8 @@
 The variants differ only in flags of ModelConfig: q/k/v bias (Qwen2), per-head
 q/k RMSNorm (Qwen3), rope scaling (Llama 3.1) and tied embeddings. Q/K/V and
 gate/up projections are fused at load time so each layer does two big matmuls
-instead of five.
+instead of five; on CPUs with fast bfloat16 their weights are laid out once for oneDNN
+(see linear.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from pagedllm.model.attention import AttentionMetadata, paged_attention
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.linear import Linear
 from pagedllm.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -41,15 +43,15 @@ class DecoderLayer(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         attn = prefix + "self_attn."
-        self.qkv_weight = _frozen(torch.cat([w[attn + n + "_proj.weight"] for n in "qkv"]))
-        self.qkv_bias = (_frozen(torch.cat([w[attn + n + "_proj.bias"] for n in "qkv"]))
-                         if config.attention_bias else None)
-        self.o_weight = _frozen(w[attn + "o_proj.weight"])
+        self.qkv_proj = Linear(torch.cat([w[attn + n + "_proj.weight"] for n in "qkv"]),
+                               torch.cat([w[attn + n + "_proj.bias"] for n in "qkv"])
+                               if config.attention_bias else None)
+        self.o_proj = Linear(w[attn + "o_proj.weight"])
         self.q_norm = RMSNorm(w[attn + "q_norm.weight"], config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(w[attn + "k_norm.weight"], config.rms_norm_eps) if config.qk_norm else None
         mlp = prefix + "mlp."
-        self.gate_up_weight = _frozen(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
-        self.down_weight = _frozen(w[mlp + "down_proj.weight"])
+        self.gate_up_proj = Linear(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
+        self.down_proj = Linear(w[mlp + "down_proj.weight"])
         self.input_norm = RMSNorm(w[prefix + "input_layernorm.weight"], config.rms_norm_eps)
         self.post_attention_norm = RMSNorm(w[prefix + "post_attention_layernorm.weight"],
                                            config.rms_norm_eps)
@@ -57,7 +59,7 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = F.linear(self.input_norm(hidden), self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv_proj(self.input_norm(hidden))
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -68,9 +70,9 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, *rope)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        hidden = hidden + F.linear(attn.reshape(num_tokens, q_size), self.o_weight)
-        gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_weight).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_weight)
+        hidden = hidden + self.o_proj(attn.reshape(num_tokens, q_size))
+        gate, up = self.gate_up_proj(self.post_attention_norm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
 
 
 class CausalLM(nn.Module):
@@ -82,7 +84,7 @@ class CausalLM(nn.Module):
         self.config = config
         w = {name: tensor.to(dtype=dtype, device=device) for name, tensor in weights.items()}
         self.embed_tokens = _frozen(w["model.embed_tokens.weight"])
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _frozen(w["lm_head.weight"])
+        self.lm_head = Linear(w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
         self.layers = nn.ModuleList(
             DecoderLayer(config, w, f"model.layers.{i}.") for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(w["model.norm.weight"], config.rms_norm_eps)
@@ -98,4 +100,4 @@ class CausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, rope, kv_cache, meta)
         hidden = self.norm(hidden[logits_indices])
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
