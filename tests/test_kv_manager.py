@@ -16,6 +16,7 @@ def new_request(manager, request_id, token_ids):
     num_computed = len(cached) * manager.block_size
     if not manager.allocate_slots(request_id, len(token_ids), num_computed, cached):
         return None
+    manager.record_prefix_lookup(len(token_ids), num_computed)
     return num_computed
 
 
@@ -101,16 +102,17 @@ def test_prefix_hit_reuses_full_blocks_and_always_leaves_a_token_to_compute():
     prompt = list(range(100, 110))                    # 2 full blocks + 2 tokens
     assert new_request(manager, "a", prompt) == 0
     manager.cache_full_blocks("a", prompt, len(prompt))
+    first_blocks = manager.get_block_table("a")[:2]
     manager.free("a")
     assert manager.usage().num_cached_idle_blocks == 2
-    # Same first 9 tokens, then different: both full blocks hit.
+    # Same first 9 tokens, then different: both full blocks are reused, the very same ones.
     assert new_request(manager, "b", prompt[:9] + [7, 7, 7]) == 8
-    assert manager.get_block_table("b")[:2] == [b.block_id for b in manager.block_tables["b"][:2]]
-    # The whole prompt is cached but its last token must still be computed: 8 tokens hit, not 12.
-    exact = prompt[:8]
-    assert new_request(manager, "c", exact) == 4
-    manager.record_prefix_lookup(12, 8)
-    assert manager.usage().prefix_cache_hit_rate == pytest.approx(8 / 12)
+    assert manager.get_block_table("b")[:2] == first_blocks
+    # An 8-token prompt whose 2 blocks are both cached: its last token must still be
+    # computed, so only the first block (4 tokens) is reused.
+    assert new_request(manager, "c", prompt[:8]) == 4
+    # Lookups: 10 tokens / 0 hit, 12 / 8, 8 / 4.
+    assert manager.usage().prefix_cache_hit_rate == pytest.approx(12 / 30)
 
 
 def test_hash_chains_the_parent():
