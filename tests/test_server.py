@@ -6,87 +6,26 @@ tests that need the engine idle wait for /metrics to say so.
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.reliability.server import ServerProcess, metric
 
 API_KEY = "test-key"
 MODEL = "smollm2"
 MAX_MODEL_LEN = 1024
 MAX_BODY_BYTES = 2**20
 KV_CACHE_MEMORY = "256MiB"
-STARTUP_TIMEOUT = 180   # seconds: loading the model on a busy 2-core machine
-
-
-class ServerProcess:
-    """A `pagedllm serve` subprocess on a free loopback port, its log in a file."""
-
-    def __init__(self, log_path: Path, *flags: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port),
-                   "--kv-cache-memory", KV_CACHE_MEMORY, "--max-model-len", str(MAX_MODEL_LEN),
-                   "--served-model-name", MODEL, *flags]
-        with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        self._wait_until_healthy()
-
-    def _wait_until_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample's value from Prometheus text (0 if absent, as a counter not yet touched)."""
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
+SERVER_FLAGS = ("--kv-cache-memory", KV_CACHE_MEMORY, "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--api-key", API_KEY,
-                            "--max-request-body-bytes", str(MAX_BODY_BYTES))
+    process = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", *SERVER_FLAGS,
+                            "--max-request-body-bytes", str(MAX_BODY_BYTES), api_key=API_KEY)
     yield process
     process.stop()
 
@@ -100,18 +39,6 @@ def client(server) -> openai.OpenAI:
 def http(server):
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as http:
         yield http
-
-
-def wait_until_idle(http: httpx.Client, timeout: float = 10.0) -> str:
-    """Polls /metrics until no request runs or waits and the KV pool is whole; returns the last scrape."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = http.get("/metrics").text
-        busy = (metric(text, "pagedllm:num_requests_running") + metric(text, "pagedllm:num_requests_waiting")
-                + metric(text, "pagedllm:kv_cache_usage_perc"))
-        if busy == 0 or time.monotonic() > deadline:
-            return text
-        time.sleep(0.1)
 
 
 # ---- endpoints ----
@@ -233,11 +160,11 @@ def test_streamed_chat_with_n_2_and_usage(client):
     assert usage.completion_tokens <= 10 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def test_metrics_count_exactly_what_a_request_used(http, client):
-    before = wait_until_idle(http)
+def test_metrics_count_exactly_what_a_request_used(server, client):
+    before = server.wait_until_idle(timeout=10).text
     response = client.completions.create(model=MODEL, prompt="Counting tokens, one by one:", max_tokens=7,
                                          temperature=0, extra_body={"ignore_eos": True})
-    after = wait_until_idle(http)
+    after = server.wait_until_idle(timeout=10).text
 
     def delta(name, **labels):
         return metric(after, name, **labels) - metric(before, name, **labels)
@@ -264,9 +191,8 @@ def test_streaming_client_that_leaves_is_aborted(server, http):
         busy = http.get("/metrics").text
         assert metric(busy, "pagedllm:num_requests_running") == 1
         assert metric(busy, "pagedllm:kv_cache_usage_perc") > 0
-    idle = wait_until_idle(http, timeout=5)
-    assert metric(idle, "pagedllm:num_requests_running") == 0
-    assert metric(idle, "pagedllm:kv_cache_usage_perc") == 0
+    idle = server.wait_until_idle(timeout=5)
+    assert idle.running == 0 and idle.pool_whole
 
 
 def test_non_streaming_client_that_leaves_is_aborted(server, http):
@@ -274,9 +200,8 @@ def test_non_streaming_client_that_leaves_is_aborted(server, http):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.5,
                    headers={"Authorization": f"Bearer {API_KEY}"})
-    idle = wait_until_idle(http, timeout=5)
-    assert metric(idle, "pagedllm:num_requests_running") == 0
-    assert metric(idle, "pagedllm:kv_cache_usage_perc") == 0
+    idle = server.wait_until_idle(timeout=5)
+    assert idle.running == 0 and idle.pool_whole
 
 
 # ---- bad input: OpenAI's error body, and the server carries on ----

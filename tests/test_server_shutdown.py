@@ -10,14 +10,16 @@ import time
 
 import httpx
 import pytest
-from test_server import MODEL, ServerProcess
+from test_server import MODEL, SERVER_FLAGS
+
+from pagedllm.bench.reliability.server import ServerProcess
 
 SHUTDOWN_TIMEOUT = 1.0   # seconds the streaming request gets to finish before it is aborted
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServerProcess(tmp_path_factory.mktemp("server") / "server.log",
+    process = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", *SERVER_FLAGS,
                             "--shutdown-timeout", str(SHUTDOWN_TIMEOUT))
     yield process
     process.stop()
