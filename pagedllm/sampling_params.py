@@ -10,25 +10,52 @@ from dataclasses import dataclass
 _SAMPLING_EPS = 1e-5
 # Like vLLM's default max_logprobs: top logprobs cost a topk over the vocabulary per row.
 MAX_LOGPROBS = 20
+# As OpenAI's API: each sample is a sequence of its own, so an unbounded n could hold the engine for hours.
+MAX_SAMPLES = 128
+# Values the sampler puts in int64 tensors or hands to torch.Generator.manual_seed.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
 
-def _check_int(name: str, value, minimum: int | None = None) -> None:
+def _check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> None:
     # bool is an int subclass, but n=True is always a caller's mistake.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise ValueError(f"{name} must be an integer, got {_shown(value)}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be {_allowed_range(minimum, maximum)}, got {_shown(value)}")
+
+
+def _allowed_range(minimum: int | None, maximum: int | None) -> str:
+    if maximum is None:
+        return f">= {minimum}"
+    if minimum is None:
+        return f"<= {maximum}"
+    return f"in [{minimum}, {maximum}]"
 
 
 def _to_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a finite number, got {_shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:   # an int beyond the float range, such as 10**400
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {_shown(value)}")
+    return number
 
 
 def _check_bool(name: str, value) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+        raise ValueError(f"{name} must be True or False, got {_shown(value)}")
+
+
+def _shown(value) -> str:
+    """The value for an error message, cut short: a client's 4 MB stop list need not come back in its error."""
+    try:
+        text = repr(value)
+    except ValueError:   # an int past Python's 4300-digit limit on int-to-text conversion
+        return f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
 
 
 class RequestOutputKind(enum.Enum):
@@ -70,9 +97,9 @@ class SamplingParams:
         self._check_outputs()
 
     def _normalise_and_check_sampling(self) -> None:
-        _check_int("n", self.n, minimum=1)
+        _check_int("n", self.n, minimum=1, maximum=MAX_SAMPLES)
         if self.best_of is not None:
-            _check_int("best_of", self.best_of)
+            _check_int("best_of", self.best_of, maximum=MAX_SAMPLES)
             if self.best_of < self.n:
                 raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -89,7 +116,7 @@ class SamplingParams:
         self.top_p = _to_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k)
+        _check_int("top_k", self.top_k, maximum=INT64_MAX)
         if self.top_k == -1:
             self.top_k = 0
         if self.top_k < 0:
@@ -98,7 +125,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            _check_int("seed", self.seed, minimum=INT64_MIN, maximum=INT64_MAX)
         if self.is_greedy:
             # As vLLM: truncation cannot change an argmax, and best_of greedy copies would tie.
             # n > 1 stays allowed, as in OpenAI's API: the n answers are simply identical.
@@ -115,10 +142,16 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         else:
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must hold only non-empty strings, got {self.stop!r}")
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+            raise ValueError(f"stop must be a string or a list of strings, got {_shown(self.stop)}")
+        for index, stop in enumerate(self.stop):
+            if not (isinstance(stop, str) and stop):
+                raise ValueError(f"stop must hold only non-empty strings, got {_shown(stop)} at index {index}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {_shown(self.stop_token_ids)}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, minimum=0)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
@@ -128,7 +161,7 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {_shown(self.min_tokens)}")
 
     def _check_outputs(self) -> None:
         if self.logprobs is not None:
@@ -136,14 +169,14 @@ class SamplingParams:
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(
                     f"logprobs must be in [0, {MAX_LOGPROBS}] (at most {MAX_LOGPROBS} top "
-                    f"logprobs per token are supported), got {self.logprobs}")
+                    f"logprobs per token are supported), got {_shown(self.logprobs)}")
         if self.prompt_logprobs is not None:
             raise ValueError(
-                f"prompt_logprobs is not supported yet; it must be None, got {self.prompt_logprobs!r}")
+                f"prompt_logprobs is not supported yet; it must be None, got {_shown(self.prompt_logprobs)}")
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {_shown(self.output_kind)}")
         if self.output_kind is RequestOutputKind.DELTA and (self.best_of or self.n) > self.n:
             raise ValueError("best_of must equal n when streaming: the best samples are only known at the end")
 

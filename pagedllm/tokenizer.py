@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+import jinja2
 import tokenizers
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -68,21 +70,38 @@ class Tokenizer:
         """
         if chat_template is None and not self.hf.chat_template:
             raise ValueError("This model has no chat template; pass one as chat_template")
-        return self.hf.apply_chat_template(
-            conversation,
-            tools=tools,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **kwargs,
-        )
+        try:
+            return self.hf.apply_chat_template(
+                conversation,
+                tools=tools,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **kwargs,
+            )
+        except jinja2.TemplateError:   # the template refused the conversation, or the sandbox refused it
+            raise
+        except Exception as exc:   # the template's own bug ({{ 1/0 }}): the model's fault, not the caller's
+            raise ValueError(f"the model's chat template failed: {type(exc).__name__}: {exc}") from exc
 
 
 def load_tokenizer_from_folder(folder: Path) -> Tokenizer:
     """Load the tokenizer saved beside a model, never running code shipped with it."""
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise FileNotFoundError(f"{folder} has no tokenizer (expected one of {', '.join(_TOKENIZER_FILES)})")
-    return Tokenizer(AutoTokenizer.from_pretrained(folder, trust_remote_code=False, local_files_only=True))
+    try:
+        return Tokenizer(AutoTokenizer.from_pretrained(folder, trust_remote_code=False, local_files_only=True))
+    except ValueError as exc:
+        # transformers' own message asks for trust_remote_code=True, which pagedllm never passes.
+        if _ships_tokenizer_code(folder):
+            raise ValueError(f"{folder}: its tokenizer is custom code (auto_map in tokenizer_config.json), "
+                             "and pagedllm never runs code from a model folder") from exc
+        raise
+
+
+def _ships_tokenizer_code(folder: Path) -> bool:
+    config = folder / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("auto_map"))
 
 
 def load_tokenizer_from_gguf(path: Path) -> Tokenizer:
@@ -94,7 +113,8 @@ def load_tokenizer_from_gguf(path: Path) -> Tokenizer:
     cached = tokenizer_cache_dir() / _gguf_cache_key(path)
     if cached.is_dir():
         return load_tokenizer_from_folder(cached)
-    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False,
+                                       local_files_only=True)
     _save_to_cache(hf, cached)
     return Tokenizer(hf)
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model.linear import Linear, can_prepack
+from pagedllm.model.linear import Linear, can_prepack, padded_rows
 
 
 @pytest.mark.skipif(not can_prepack(torch.bfloat16, torch.device("cpu")), reason="no fast bfloat16 here")
@@ -25,3 +25,11 @@ def test_float32_keeps_the_exact_path():
     assert not layer.prepacked
     x = torch.randn(3, 4)
     assert torch.equal(layer(x), F.linear(x, weight))
+
+
+def test_row_counts_are_padded_to_few_sizes():
+    """oneDNN caches a primitive per shape, so the sizes it sees must stay few, and never shrink a batch."""
+    sizes = {n: padded_rows(n) for n in range(1, 4097)}
+    assert all(n <= padded < n + 256 for n, padded in sizes.items())
+    assert all(padded - n < 8 for n, padded in sizes.items() if n <= 256)
+    assert len(set(sizes.values())) == 32 + 12 + 12

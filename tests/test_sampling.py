@@ -218,6 +218,19 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     assert out.token_ids.tolist() == [2, 2, 0]
 
 
+def test_extreme_values_stay_valid_distributions():
+    """Values SamplingParams accepts but float32 cannot hold must not mask every token or make NaN (which
+    argmax would turn into token 0 every time)."""
+    logits = LOGITS.flip(0)   # token 0 is the impossible one, token 5 the best
+    best_only = draw_many(logits, SamplingParams(temperature=1.0, top_p=1e-300), draws=200)
+    assert set(best_only.tolist()) == {5}
+    for params in (SamplingParams(temperature=1e300, min_tokens=1, stop_token_ids=[1]),
+                   SamplingParams(temperature=1.0, repetition_penalty=1e-300)):
+        rows = logits.unsqueeze(0).repeat(200, 1)
+        drawn = sample(rows, build([params] * 200, rows, prompts=[[2, 3]] * 200)).token_ids
+        assert 0 not in drawn.tolist() and len(set(drawn.tolist())) > 1, (params, drawn)
+
+
 def test_logprobs_are_raw_log_softmax():
     logits = torch.randn(4, 30)
     params = [SamplingParams(temperature=0.3, top_k=3, repetition_penalty=1.5, logprobs=5),

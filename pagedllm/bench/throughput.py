@@ -56,9 +56,10 @@ def run_hf(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:
     checkpoint_dtype = load_checkpoint(args.model).config.torch_dtype if args.dtype == "auto" else None
     dtype = resolve_dtype(args.dtype, checkpoint_dtype, torch.device("cpu"))
     if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
+                                                     trust_remote_code=False)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
     model.eval()
     model.generation_config.eos_token_id = None
     pad = 0

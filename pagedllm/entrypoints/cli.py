@@ -13,6 +13,7 @@ import logging
 import sys
 
 from pagedllm.bench import accuracy, latency, memory, scheduling, serving, sweep, throughput
+from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import DTYPES, EngineConfig
 from pagedllm.engine.scheduler import SCHEDULING_POLICIES
 from pagedllm.entrypoints.config_file import merge_config
@@ -188,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sweep", sweep, "throughput and KV waste by block size, with a plot"),
         ("scheduling", scheduling, "scheduler + KV bookkeeping time per step"),
         ("accuracy", accuracy, "bfloat16 against float32 greedy tokens"),
+        ("reliability", reliability, "load, soak, faults, fuzzing and security checks against real servers"),
     )
     for name, module, text in benchmarks:
         sub = bench.add_parser(name, help=text, description=module.__doc__)

@@ -157,8 +157,12 @@ def normalise_rope_scaling(rope: Mapping[str, Any] | None) -> dict | None:
 def _hf_architecture(config: Mapping[str, Any]) -> str:
     found = (config.get("architectures") or [None])[0]
     if found not in HF_ARCHITECTURES:
+        # A model whose code ships beside it (auto_map) is refused, never imported.
+        remote_code = (
+            " (its auto_map names custom code, which pagedllm never runs)" if config.get("auto_map") else ""
+        )
         raise ValueError(
-            f"Unsupported model architecture {found!r}; supported: {', '.join(HF_ARCHITECTURES)}"
+            f"Unsupported model architecture {found!r}{remote_code}; supported: {', '.join(HF_ARCHITECTURES)}"
         )
     return HF_ARCHITECTURES[found]
 

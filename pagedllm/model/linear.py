@@ -14,6 +14,17 @@ from torch import nn
 _BATCH_SIZE_HINT = 64
 
 
+def padded_rows(num_rows: int) -> int:
+    """num_rows rounded up to one of a few dozen sizes (multiples of 8, then 64, then 256).
+
+    oneDNN builds and caches one primitive per input shape: fed every raw batch size a
+    server sees, its cache grew the process by ~25 MiB per hundred requests (measured).
+    Steps of 8 rows cost no measurable throughput (`pagedllm bench throughput`, within noise).
+    """
+    step = 8 if num_rows <= 256 else 64 if num_rows <= 1024 else 256
+    return -(-num_rows // step) * step
+
+
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -29,6 +40,10 @@ class Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.prepacked:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if not self.prepacked:
+            return F.linear(x, self.weight, self.bias)
+        num_rows = x.shape[0]
+        padding = padded_rows(num_rows) - num_rows
+        if padding:
+            x = F.pad(x, (0, 0, 0, padding))
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:num_rows]

@@ -54,9 +54,15 @@ class SamplingBatch:
             """A per-row parameter as a [num_seqs, 1] column that broadcasts over the vocabulary."""
             return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
 
+        def divisor_column(values: list[float]) -> torch.Tensor:
+            """A column of positive divisors kept inside float32's range: a temperature of 1e300 or a penalty
+            of 1e-300 would round to inf or 0 and turn -inf logits into NaN."""
+            finfo = torch.finfo(torch.float32)
+            return column([min(max(value, finfo.tiny), finfo.max) for value in values])
+
         greedy = [p.is_greedy for p in params]
         batch = cls(
-            temperatures=column([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            temperatures=divisor_column([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
             all_greedy=all(greedy),
             seeded_rows=[(row, gen) for row, (gen, g) in enumerate(zip(generators, greedy))
                          if gen is not None and not g],
@@ -72,7 +78,7 @@ class SamplingBatch:
         if any(p.min_p > 0.0 for p in params):
             batch.log_min_p = column([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params])
         if any(p.repetition_penalty != 1.0 for p in params):
-            batch.repetition_penalties = column([p.repetition_penalty for p in params])
+            batch.repetition_penalties = divisor_column([p.repetition_penalty for p in params])
             seen = [prompt + out for prompt, out in zip(prompt_token_ids, output_token_ids)]
             batch.seen_tokens = _token_counts(seen, vocab_size, device) > 0
         if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
@@ -122,8 +128,11 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_above = probs.cumsum(dim=-1) - probs
-        # Keep a token while the better ones hold less than top_p; the best one always stays.
-        sorted_logits.masked_fill_(mass_above >= top_p, -math.inf)
+        # Keep a token while the better ones hold less than top_p; the best one always stays, even when
+        # top_p is below float32's smallest number.
+        drop = mass_above >= top_p
+        drop[:, 0] = False
+        sorted_logits.masked_fill_(drop, -math.inf)
     logits.scatter_(1, order, sorted_logits)
 
 

@@ -18,9 +18,10 @@ from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.body_limit import RequestSizeLimitMiddleware
 from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  DetokenizeResponse, ModelCard, ModelList,
-                                                  TokenizeChatRequest, TokenizeCompletionRequest,
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompletionRequest,
+                                                  ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                                                  DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
+                                                  ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
                                                   TokenizeResponse, VersionResponse)
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
@@ -33,6 +34,18 @@ logger = logging.getLogger(__name__)
 
 router = APIRouter()
 
+# The OpenAPI schema documents every answer the routes give, so clients and schema-driven fuzzers
+# (schemathesis) can rely on it: failures are OpenAI's error body with 400 (not FastAPI's 422),
+# 401 (API key), 404 (model), 413 (body size); 5xx only when the engine fails or shuts down.
+ERROR_RESPONSES = {"4XX": {"model": ErrorResponse, "description": "The request was refused; the body says why"},
+                   "5XX": {"model": ErrorResponse, "description": "The engine failed the request or is shutting down"}}
+
+
+def generation_responses(answer: type, chunk: type) -> dict:
+    """A whole answer as JSON or, with stream=true, Server-Sent Events: `data: <chunk>` lines, then `data: [DONE]`."""
+    events = {"schema": {"type": "string", "description": f"Server-Sent Events of {chunk.__name__} objects"}}
+    return {200: {"model": answer, "content": {"text/event-stream": events}}, **ERROR_RESPONSES}
+
 
 def _state(request: Request) -> ServerState:
     return request.app.state.server
@@ -42,17 +55,17 @@ def pagedllm_version() -> str:
     return importlib.metadata.version("pagedllm")
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response, responses={200: {"description": "The server is up (empty body)"}})
 async def health() -> Response:
     return Response(status_code=200)
 
 
-@router.get("/version")
+@router.get("/version", responses=ERROR_RESPONSES)
 async def version() -> VersionResponse:
     return VersionResponse(version=pagedllm_version())
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=ERROR_RESPONSES)
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
     root = state.engine.config.model or str(bundled_model_path())
@@ -60,17 +73,17 @@ async def list_models(request: Request) -> ModelList:
                            for name in state.model_names])
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=generation_responses(CompletionResponse, CompletionResponse))
 async def completions(body: CompletionRequest, request: Request):
     return await create_completion(body, request, _state(request))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk))
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await create_chat_completion(body, request, _state(request))
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> TokenizeResponse:
     """vLLM's: token ids of a prompt, or of a conversation through the chat template."""
     state = _state(request)
@@ -82,7 +95,7 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, reques
     return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens)
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=ERROR_RESPONSES)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = _state(request)
     state.check_model(body.model)
@@ -92,7 +105,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
 
 
-@router.get("/metrics")
+@router.get("/metrics", responses={200: {"description": "Prometheus' text format",
+                                         "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                    **ERROR_RESPONSES})
 async def metrics(request: Request) -> Response:
     state = _state(request)
     body = state.metrics.exposition(await state.engine_stats())

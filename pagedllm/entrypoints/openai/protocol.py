@@ -5,10 +5,11 @@ naming the field; value ranges are left to SamplingParams, which already checks 
 """
 from __future__ import annotations
 
+import re
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedllm.entrypoints.openai.errors import APIError, sampling_field_named_in
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -20,8 +21,29 @@ _SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "presence_penalty
                     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
 
 
+# JSON may escape a lone UTF-16 surrogate ("\ud800"); Python's json module lets it into a str, which
+# no tokenizer can encode and no response can carry back as UTF-8.
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _reject_lone_surrogates(value: Any) -> Any:
+    if isinstance(value, str) and _LONE_SURROGATE.search(value):
+        raise ValueError("text must be valid Unicode: lone surrogate escapes such as \\ud800 are not allowed")
+    if isinstance(value, list):
+        for item in value:
+            _reject_lone_surrogates(item)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _reject_lone_surrogates(key)
+            _reject_lone_surrogates(item)
+    return value
+
+
 class RequestModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    # "*": every field of every request model, nested ones included, so the 400 names the field.
+    _valid_unicode = field_validator("*")(_reject_lone_surrogates)
 
 
 class StreamOptions(RequestModel):
@@ -156,6 +178,18 @@ class DetokenizeRequest(RequestModel):
 
 
 # ---- responses ----
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, which every failure carries (errors.error_body builds it); for the OpenAPI schema."""
+    error: ErrorInfo
+
 
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0

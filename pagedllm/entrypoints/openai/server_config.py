@@ -1,7 +1,7 @@
 """The HTTP server's own settings (the engine's are in EngineConfig), with vLLM's flag names."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -9,7 +9,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: list[str] | None = None   # None: the model argument, or the bundled model's name
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)   # a secret: kept out of logged reprs
     max_request_body_bytes: int = 4 * 2**20
     shutdown_timeout: float = 10.0                # seconds in-flight requests get to finish on SIGTERM
 

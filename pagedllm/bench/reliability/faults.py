@@ -1,0 +1,240 @@
+"""Faults: clients that leave at the worst moments, requests that fail inside the engine, KV exhaustion
+forcing preemption storms, SIGTERM under load. After each the server must answer the next request and
+hold no KV block; a scenario that hangs, crashes, leaks or loses a request does not pass."""
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+
+from pagedllm.bench.reliability.clients import RequestSpec, async_client, send
+from pagedllm.bench.reliability.fault_injection import REQUEST_FAULT, STEP_FAULT
+from pagedllm.bench.reliability.server import ServerProcess
+
+RECOVERY_TIMEOUT = 30.0   # seconds the server gets to free everything after a fault
+CLIENT_TIMEOUT = 120.0    # a request still open after this long counts as hanging
+
+
+@dataclass
+class FaultResult:
+    name: str
+    passed: bool
+    detail: str
+
+
+def recovery_problems(server: ServerProcess, model: str) -> list[str]:
+    """What is wrong after a fault: a KV block still held, a request still queued, no answer to the next one."""
+    figures = server.wait_until_idle(RECOVERY_TIMEOUT)
+    problems = [] if figures.idle else [
+        f"not idle after {RECOVERY_TIMEOUT:.0f} s: {figures.free_blocks:.0f}/{figures.total_blocks:.0f} blocks "
+        f"free, {figures.running:.0f} running, {figures.waiting:.0f} waiting"]
+    try:
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key or "none", max_retries=0,
+                      timeout=CLIENT_TIMEOUT).completions.create(model=model, prompt="Hello", max_tokens=2)
+    except openai.OpenAIError as exc:
+        problems.append(f"the next request failed: {exc}")
+    return problems
+
+
+def _result(name: str, server: ServerProcess, model: str, problems: list[str], detail: str) -> FaultResult:
+    problems = problems + recovery_problems(server, model)
+    return FaultResult(name, not problems, "; ".join(problems) if problems else detail)
+
+
+def _stream_body(model: str, prompt: str, max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+
+
+WORDS = ("apple", "river", "stone", "light", "green", "house", "music", "paper", "cloud", "table", "water", "night")
+
+
+def unique_prompt(rng: random.Random, num_words: int) -> str:
+    """About num_words tokens that no other prompt shares a first block with, so the prefix cache cannot
+    shorten their prefill."""
+    return " ".join([str(rng.randrange(10**12)), *(rng.choice(WORDS) for _ in range(num_words))])
+
+
+def disconnect_mid_stream(server: ServerProcess, model: str, clients: int = 8, events: int = 3) -> FaultResult:
+    """Streaming clients read a few events and leave; their requests (long, ignore_eos) must be aborted."""
+
+    async def leave_after_events(http: httpx.AsyncClient, index: int) -> int:
+        seen = 0
+        body = _stream_body(model, f"Story number {index}:", 1000)
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                seen += line.startswith("data:")
+                if seen == events:
+                    break
+        return seen
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=CLIENT_TIMEOUT) as http:
+            return await asyncio.gather(*(leave_after_events(http, index) for index in range(clients)))
+
+    seen = asyncio.run(main())
+    problems = [f"only {sum(s == events for s in seen)}/{clients} streams started"] if min(seen) < events else []
+    return _result("disconnect mid-stream", server, model, problems,
+                   f"{clients} streams of 1000 tokens left after {events} events")
+
+
+def disconnect_before_first_token(server: ServerProcess, model: str, clients: int = 16) -> FaultResult:
+    """Raw connections send a whole request and close at once, before any answer can exist."""
+
+    async def send_and_close(index: int) -> None:
+        body = (f'{{"model": "{model}", "prompt": "Count to a thousand, take {index}:", "max_tokens": 1000, '
+                f'"ignore_eos": true, "stream": {str(index % 2 == 0).lower()}}}').encode()
+        headers = "".join(f"{name}: {value}\r\n" for name, value in server.headers.items())
+        _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + headers.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    async def main() -> None:
+        await asyncio.gather(*(send_and_close(index) for index in range(clients)))
+
+    asyncio.run(main())
+    return _result("disconnect before first token", server, model, [],
+                   f"{clients} connections closed right after sending (1000-token requests)")
+
+
+def disconnect_during_prefill(server: ServerProcess, model: str, clients: int = 4,
+                              prompt_words: int = 600) -> FaultResult:
+    """Clients send long prompts and leave a third of the way into their prefill, timed from a first, complete
+    prefill of the same length (fresh prompts each time, so the prefix cache does not help)."""
+    rng = random.Random(0)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key or "none", max_retries=0,
+                           timeout=CLIENT_TIMEOUT)
+    started = time.perf_counter()
+    client.completions.create(model=model, prompt=unique_prompt(rng, prompt_words), max_tokens=1)
+    prefill_seconds = time.perf_counter() - started
+
+    async def leave_early(http: httpx.AsyncClient) -> bool:
+        """True if the client left before any event arrived, that is, during the prefill."""
+        try:
+            async with http.stream("POST", "/v1/completions",
+                                   json=_stream_body(model, unique_prompt(rng, prompt_words), 1000),
+                                   timeout=httpx.Timeout(CLIENT_TIMEOUT, read=prefill_seconds / 3)) as response:
+                async for _ in response.aiter_lines():
+                    return False
+        except httpx.ReadTimeout:
+            return True
+        return False
+
+    async def main() -> list[bool]:
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers) as http:
+            return [await leave_early(http) for _ in range(clients)]
+
+    left_early = asyncio.run(main())
+    problems = [] if any(left_early) else ["no client left before its first event"]
+    return _result("disconnect during prefill", server, model, problems,
+                   f"{sum(left_early)}/{clients} clients left {prefill_seconds / 3:.2f} s into a "
+                   f"{prefill_seconds:.2f} s prefill")
+
+
+async def _send_all(server: ServerProcess, model: str, specs: list[RequestSpec]) -> list:
+    async with async_client(server.url, server.api_key, CLIENT_TIMEOUT, max_connections=len(specs)) as client:
+        return await asyncio.gather(*(send(client, model, spec) for spec in specs))
+
+
+def injected_request_fault(server: ServerProcess, model: str, bystanders: int = 6,
+                           max_tokens: int = 24) -> FaultResult:
+    """Requests that fail inside the engine's per-request path, streamed and not, among healthy ones: the
+    marked ones get an error, every bystander its whole answer."""
+    healthy = [RequestSpec("completion", f"Healthy request {i}:", max_tokens, stream=i % 2 == 0, ignore_eos=True)
+               for i in range(bystanders)]
+    faulty = [RequestSpec(kind, f"{REQUEST_FAULT} fail me", max_tokens, stream=stream, ignore_eos=True)
+              for kind, stream in (("completion", True), ("chat", False))]
+    records = asyncio.run(_send_all(server, model, healthy + faulty))
+    bystander_records, faulty_records = records[:bystanders], records[bystanders:]
+    problems = [f"bystander lost: {record.error or record.output_tokens}" for record in bystander_records
+                if not (record.ok and record.output_tokens == max_tokens)]
+    problems += ["a marked request succeeded" for record in faulty_records if record.ok]
+    return _result("request fails in the engine", server, model, problems,
+                   f"{len(faulty)} marked requests got errors "
+                   f"({'; '.join(r.error.split(':')[0] for r in faulty_records)}); "
+                   f"{bystanders} bystanders finished whole")
+
+
+def injected_step_fault(server: ServerProcess, model: str, bystanders: int = 6) -> FaultResult:
+    """A request that makes its whole model step raise: everything in flight ends with an error or an
+    answer, none hangs, and the engine serves the requests that follow."""
+
+    async def main() -> list:
+        async with async_client(server.url, server.api_key, CLIENT_TIMEOUT, bystanders + 1) as client:
+            healthy = [asyncio.create_task(send(client, model, RequestSpec(
+                "completion", f"In flight {i}:", 200, ignore_eos=True))) for i in range(bystanders)]
+            await asyncio.sleep(1.0)   # the bystanders are decoding by now
+            faulty = send(client, model, RequestSpec("chat", f"{STEP_FAULT} fail the step", 8))
+            return await asyncio.gather(faulty, *healthy)
+
+    started = time.perf_counter()
+    faulty, *healthy = asyncio.run(main())
+    elapsed = time.perf_counter() - started
+    problems = ["the marked request succeeded"] if faulty.ok else []
+    return _result("step fails in the engine", server, model, problems,
+                   f"marked request failed ({faulty.error.split(':')[0]}); of {bystanders} bystanders "
+                   f"{sum(r.ok for r in healthy)} finished, {sum(not r.ok for r in healthy)} got errors; "
+                   f"all ended in {elapsed:.1f} s")
+
+
+def preemption_storm(server: ServerProcess, model: str, requests: int = 12, max_tokens: int = 48) -> FaultResult:
+    """Far more concurrent greedy requests than the KV cache holds (give this server a small cache and
+    float32): preemptions must happen, and every answer must equal the same request's answer alone."""
+    specs = [RequestSpec("completion", f"Tell me about the number {i * 37}.", max_tokens, ignore_eos=True)
+             for i in range(requests)]
+    before = server.wait_until_idle()
+    together = asyncio.run(_send_all(server, model, specs))
+    preemptions = server.wait_until_idle().preemptions - before.preemptions
+    alone = [asyncio.run(_send_all(server, model, [spec]))[0] for spec in specs]
+    problems = [f"only {sum(r.ok for r in together)}/{requests} finished: "
+                f"{next(r.error for r in together if not r.ok)}"] if not all(r.ok for r in together) else []
+    if preemptions == 0:
+        problems.append("no preemption happened: the cache was not exhausted")
+    differ = sum(a.text != b.text for a, b in zip(together, alone))
+    if differ:
+        problems.append(f"{differ}/{requests} answers differ from the same request alone")
+    return _result("KV exhaustion storm", server, model, problems,
+                   f"{requests} requests x {max_tokens} tokens: {preemptions:.0f} preemptions, all answers "
+                   f"equal to solo runs")
+
+
+def sigterm_under_load(log_path: Path, flags: tuple[str, ...], model: str, clients: int = 32,
+                       shutdown_timeout: float = 2.0) -> FaultResult:
+    """SIGTERM while many clients stream: each gets its whole answer or an error, none hangs, and the
+    process exits 0 within its shutdown timeout (plus start-up slack)."""
+    server = ServerProcess(log_path, *flags, "--shutdown-timeout", str(shutdown_timeout))
+    specs = [RequestSpec("chat" if i % 2 else "completion", f"Long story {i}:", 400, ignore_eos=True)
+             for i in range(clients)]
+
+    async def main() -> list:
+        async with async_client(server.url, None, CLIENT_TIMEOUT, clients) as client:
+            tasks = [asyncio.create_task(send(client, model, spec)) for spec in specs]
+            await asyncio.sleep(3.0)   # some decoding, some waiting
+            sent_at = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            done, pending = await asyncio.wait(tasks, timeout=shutdown_timeout + 30)
+            for task in pending:
+                task.cancel()
+            return [task.result() for task in done], len(pending), time.monotonic() - sent_at
+
+    records, hanging, ended_after = asyncio.run(main())
+    try:
+        exit_code = server.process.wait(timeout=shutdown_timeout + 30)
+    except subprocess.TimeoutExpired:
+        exit_code = server.stop()
+    problems = [f"{hanging} clients hang"] if hanging else []
+    if exit_code != 0:
+        problems.append(f"exit code {exit_code}")
+    completed = sum(record.ok for record in records)
+    detail = (f"{clients} streams: {completed} finished, {len(records) - completed} got errors, all ended "
+              f"{ended_after:.1f} s after SIGTERM; exit code {exit_code}")
+    return FaultResult("SIGTERM under load", not problems, "; ".join(problems) if problems else detail)

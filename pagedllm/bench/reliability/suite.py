@@ -1,0 +1,170 @@
+"""`pagedllm bench reliability`: load, soak, faults, fuzzing and security checks against real `pagedllm serve`
+processes (the bundled model, loopback), printed as one table. `--quick` is the variant CI runs.
+
+Servers: a main one started through the fault-injection hook (load, soak, client and engine faults), one
+with a small float32 KV cache (preemption storm), one that is sent SIGTERM under load, one with a short
+max_model_len for fuzzing, and those the security checks start for themselves.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import secrets
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # the suite's modules load at run time: `pagedllm serve` must not pay for them
+    from pagedllm.bench.reliability.faults import FaultResult
+    from pagedllm.bench.reliability.fuzz import FuzzResult
+    from pagedllm.bench.reliability.load import LoadResult
+    from pagedllm.bench.reliability.security import SecurityCheck
+    from pagedllm.bench.reliability.soak import SoakResult
+
+MODEL = "smollm2"
+MAX_RSS_GROWTH = 0.05
+
+
+@dataclass(frozen=True)
+class SuiteSettings:
+    clients: int = 256
+    load_requests: int = 512
+    soak_requests: int = 2000
+    soak_wave: int = 200
+    soak_concurrency: int = 32
+    fuzz_examples: int = 300
+    storm_requests: int = 12
+    sigterm_clients: int = 64
+    kv_cache_memory: str = "512MiB"
+
+
+QUICK = SuiteSettings(clients=16, load_requests=48, soak_requests=300, soak_wave=50, soak_concurrency=16,
+                      fuzz_examples=40, storm_requests=8, sigterm_clients=16, kv_cache_memory="64MiB")
+
+MAIN_SERVER_FLAGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "512", "--served-model-name", MODEL)
+STORM_SERVER_FLAGS = ("--kv-cache-memory", "12MiB", "--dtype", "float32", "--max-model-len", "256",
+                      "--served-model-name", MODEL)
+SIGTERM_SERVER_FLAGS = ("--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--served-model-name", MODEL)
+FUZZ_SERVER_FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "128", "--served-model-name", MODEL)
+
+
+@dataclass
+class SuiteReport:
+    settings: SuiteSettings
+    load: LoadResult
+    soak: SoakResult
+    faults: list[FaultResult]
+    fuzz: FuzzResult
+    security: list[SecurityCheck]
+
+    def problems(self) -> list[str]:
+        """Every property the suite promises that did not hold; empty when all is well."""
+        problems = []
+        if self.load.errors or self.load.completed != self.load.requests or not self.load.pool_whole_after:
+            problems.append("load: errors or a KV pool not whole afterwards")
+        if self.soak.errors or self.soak.idle_points_whole != self.soak.idle_points:
+            problems.append("soak: errors or a KV pool not whole at an idle point")
+        if self.soak.rss_growth >= MAX_RSS_GROWTH:
+            problems.append(f"soak: RSS grew {self.soak.rss_growth:.1%}")
+        if not self.soak.probe_same:
+            problems.append("soak: the probe's answer changed")
+        problems += [f"fault {fault.name}: {fault.detail}" for fault in self.faults if not fault.passed]
+        problems += [f"fuzz: {violation}" for violation in self.fuzz.violations]
+        problems += [f"security {check.name}: {check.detail}" for check in self.security if not check.passed]
+        return problems
+
+    def table(self) -> str:
+        load, soak, fuzz = self.load, self.soak, self.fuzz
+        rows = [
+            ("load", f"{load.clients} clients, {load.requests} streamed chat + completion requests",
+             f"{load.completed} completed, {len(load.errors)} errors; TTFT p50 {load.ttft_p50:.2f} s, "
+             f"p99 {load.ttft_p99:.2f} s; {load.output_tokens_per_s:.0f} output tok/s; peak "
+             f"{load.peak_running} running / {load.peak_waiting} waiting; {load.preemptions} preemptions; "
+             f"pool whole after: {_yes(load.pool_whole_after)}"),
+            ("soak", f"{soak.requests} requests in waves, {soak.wall_seconds:.0f} s",
+             f"{soak.completed} completed, {len(soak.errors)} errors; pool whole at "
+             f"{soak.idle_points_whole}/{soak.idle_points} idle points; RSS {soak.rss_first_quarter_mib:.0f} -> "
+             f"{soak.rss_last_quarter_mib:.0f} MiB ({soak.rss_growth:+.1%}); probe answer same: "
+             f"{_yes(soak.probe_same)}"),
+            *((f"fault: {fault.name}", "pass" if fault.passed else "FAIL", fault.detail) for fault in self.faults),
+            ("fuzz", f"{fuzz.cases} generated requests",
+             ", ".join(f"{count} {status}" for status, count in sorted(fuzz.status_counts.items()))
+             + f"; {len(fuzz.violations)} violations"),
+            *((f"security: {check.name}", "pass" if check.passed else "FAIL", check.detail)
+              for check in self.security),
+        ]
+        lines = ["| check | run | result |", "|---|---|---|"]
+        lines += [f"| {name} | {run} | {result} |" for name, run, result in rows]
+        return "\n".join(lines)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def run_suite(settings: SuiteSettings, workdir: Path) -> SuiteReport:
+    from pagedllm.bench.reliability import faults
+    from pagedllm.bench.reliability.fuzz import run_fuzz
+    from pagedllm.bench.reliability.load import run_load
+    from pagedllm.bench.reliability.security import run_security_checks
+    from pagedllm.bench.reliability.server import ServerProcess
+    from pagedllm.bench.reliability.soak import run_soak
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    main = ServerProcess(workdir / "main.log", "--kv-cache-memory", settings.kv_cache_memory, *MAIN_SERVER_FLAGS,
+                         api_key=secrets.token_urlsafe(16), fault_injection=True)
+    try:
+        load = run_load(main, MODEL, settings.clients, settings.load_requests)
+        soak = run_soak(main, MODEL, settings.soak_requests, settings.soak_wave, settings.soak_concurrency)
+        fault_results = [scenario(main, MODEL) for scenario in (
+            faults.disconnect_mid_stream, faults.disconnect_before_first_token, faults.disconnect_during_prefill,
+            faults.injected_request_fault, faults.injected_step_fault)]
+    finally:
+        main.stop()
+    storm = ServerProcess(workdir / "storm.log", *STORM_SERVER_FLAGS)
+    try:
+        fault_results.append(faults.preemption_storm(storm, MODEL, settings.storm_requests))
+    finally:
+        storm.stop()
+    fault_results.append(faults.sigterm_under_load(workdir / "sigterm.log", SIGTERM_SERVER_FLAGS, MODEL,
+                                                   settings.sigterm_clients))
+    fuzz_server = ServerProcess(workdir / "fuzz.log", *FUZZ_SERVER_FLAGS, api_key=secrets.token_urlsafe(16))
+    try:
+        fuzz = run_fuzz(fuzz_server.url, fuzz_server.headers, settings.fuzz_examples, seed=0, request_timeout=120)
+    finally:
+        fuzz_server.stop()
+    security = run_security_checks(workdir / "security")
+    return SuiteReport(settings, load, soak, fault_results, fuzz, security)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small counts: the variant the tests run")
+    defaults = SuiteSettings()
+    for field in dataclasses.fields(SuiteSettings):
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=str if field.type == "str" else int,
+                            default=None, help=f"(default: {getattr(defaults, field.name)}, "
+                                               f"--quick: {getattr(QUICK, field.name)})")
+    parser.add_argument("--workdir", type=Path, default=None, help="where server logs go (default: a temp dir)")
+    parser.add_argument("--output-json", type=Path, default=None)
+
+
+def run(args: argparse.Namespace) -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # not one log line per request
+    base = QUICK if args.quick else SuiteSettings()
+    settings = dataclasses.replace(base, **{field.name: getattr(args, field.name)
+                                            for field in dataclasses.fields(SuiteSettings)
+                                            if getattr(args, field.name) is not None})
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="pagedllm-reliability-"))
+    print(f"reliability suite {settings} (server logs in {workdir})", flush=True)
+    report = run_suite(settings, workdir)
+    print(report.table())
+    problems = report.problems()
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    if args.output_json:
+        args.output_json.write_text(json.dumps(dataclasses.asdict(report), indent=2, default=str))
+    sys.exit(1 if problems else 0)

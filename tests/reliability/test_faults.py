@@ -1,0 +1,51 @@
+"""Every fault scenario of the suite, each against its own kind of server: passes only if nothing hangs,
+crashes, leaks a KV block or loses a request, and the server answers the next request."""
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from pagedllm.bench.reliability import faults
+from pagedllm.bench.reliability.suite import MODEL, QUICK, SIGTERM_SERVER_FLAGS
+
+CLIENT_FAULTS = (faults.disconnect_mid_stream, faults.disconnect_before_first_token,
+                 faults.disconnect_during_prefill)
+ENGINE_FAULTS = (faults.injected_request_fault, faults.injected_step_fault)
+
+
+@pytest.mark.parametrize("scenario", CLIENT_FAULTS + ENGINE_FAULTS, ids=lambda scenario: scenario.__name__)
+def test_fault_leaves_the_server_whole(main_server, scenario):
+    result = scenario(main_server, MODEL)
+    assert result.passed, result.detail
+
+
+def test_preemption_storm_loses_nothing(storm_server):
+    result = faults.preemption_storm(storm_server, MODEL, QUICK.storm_requests)
+    assert result.passed, result.detail
+
+
+def test_sigterm_under_load(tmp_path):
+    result = faults.sigterm_under_load(tmp_path / "server.log", SIGTERM_SERVER_FLAGS, MODEL, QUICK.sigterm_clients)
+    assert result.passed, result.detail
+
+
+def test_recovery_check_sees_a_request_still_holding_blocks(main_server, monkeypatch):
+    """The check every scenario ends with can fail: a stream left running is reported as held blocks."""
+    monkeypatch.setattr(faults, "RECOVERY_TIMEOUT", 1.0)
+    started = threading.Event()
+
+    def stream_slowly() -> None:
+        body = {"model": MODEL, "prompt": "Never ending", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{main_server.url}/v1/completions", json=body, headers=main_server.headers,
+                          timeout=120) as response:
+            for _ in response.iter_lines():
+                started.set()
+
+    client = threading.Thread(target=stream_slowly)
+    client.start()
+    assert started.wait(timeout=60)
+    problems = faults.recovery_problems(main_server, MODEL)
+    client.join()
+    assert any("not idle" in problem for problem in problems), problems
