@@ -37,13 +37,15 @@ class SuiteSettings:
     soak_wave: int = 200
     soak_concurrency: int = 32
     fuzz_examples: int = 300
+    schemathesis_examples: int = 40   # per operation, for schema-valid and for schema-invalid cases
     storm_requests: int = 12
     sigterm_clients: int = 64
     kv_cache_memory: str = "512MiB"
 
 
 QUICK = SuiteSettings(clients=16, load_requests=48, soak_requests=300, soak_wave=50, soak_concurrency=16,
-                      fuzz_examples=40, storm_requests=8, sigterm_clients=16, kv_cache_memory="64MiB")
+                      fuzz_examples=40, schemathesis_examples=10, storm_requests=8, sigterm_clients=16,
+                      kv_cache_memory="64MiB")
 
 MAIN_SERVER_FLAGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "512", "--served-model-name", MODEL)
 STORM_SERVER_FLAGS = ("--kv-cache-memory", "12MiB", "--dtype", "float32", "--max-model-len", "256",
@@ -59,6 +61,7 @@ class SuiteReport:
     soak: SoakResult
     faults: list[FaultResult]
     fuzz: FuzzResult
+    schema_fuzz: FuzzResult
     security: list[SecurityCheck]
 
     def problems(self) -> list[str]:
@@ -73,7 +76,7 @@ class SuiteReport:
         if not self.soak.probe_same:
             problems.append("soak: the probe's answer changed")
         problems += [f"fault {fault.name}: {fault.detail}" for fault in self.faults if not fault.passed]
-        problems += [f"fuzz: {violation}" for violation in self.fuzz.violations]
+        problems += [f"fuzz: {violation}" for violation in self.fuzz.violations + self.schema_fuzz.violations]
         problems += [f"security {check.name}: {check.detail}" for check in self.security if not check.passed]
         return problems
 
@@ -91,9 +94,10 @@ class SuiteReport:
              f"{soak.rss_last_quarter_mib:.0f} MiB ({soak.rss_growth:+.1%}); probe answer same: "
              f"{_yes(soak.probe_same)}"),
             *((f"fault: {fault.name}", "pass" if fault.passed else "FAIL", fault.detail) for fault in self.faults),
-            ("fuzz", f"{fuzz.cases} generated requests",
-             ", ".join(f"{count} {status}" for status, count in sorted(fuzz.status_counts.items()))
-             + f"; {len(fuzz.violations)} violations"),
+            *((name, f"{result.cases} requests", ", ".join(f"{count} {status}" for status, count
+                                                            in sorted(result.status_counts.items()))
+               + f"; {len(result.violations)} violations")
+              for name, result in (("fuzz: hypothesis bodies", fuzz), ("fuzz: schemathesis", self.schema_fuzz))),
             *((f"security: {check.name}", "pass" if check.passed else "FAIL", check.detail)
               for check in self.security),
         ]
@@ -108,7 +112,7 @@ def _yes(flag: bool) -> str:
 
 def run_suite(settings: SuiteSettings, workdir: Path) -> SuiteReport:
     from pagedllm.bench.reliability import faults
-    from pagedllm.bench.reliability.fuzz import run_fuzz
+    from pagedllm.bench.reliability.fuzz import run_fuzz, run_schemathesis
     from pagedllm.bench.reliability.load import run_load
     from pagedllm.bench.reliability.security import run_security_checks
     from pagedllm.bench.reliability.server import ServerProcess
@@ -135,10 +139,11 @@ def run_suite(settings: SuiteSettings, workdir: Path) -> SuiteReport:
     fuzz_server = ServerProcess(workdir / "fuzz.log", *FUZZ_SERVER_FLAGS, api_key=secrets.token_urlsafe(16))
     try:
         fuzz = run_fuzz(fuzz_server.url, fuzz_server.headers, settings.fuzz_examples, seed=0, request_timeout=120)
+        schema_fuzz = run_schemathesis(fuzz_server.url, fuzz_server.headers, settings.schemathesis_examples)
     finally:
         fuzz_server.stop()
     security = run_security_checks(workdir / "security")
-    return SuiteReport(settings, load, soak, fault_results, fuzz, security)
+    return SuiteReport(settings, load, soak, fault_results, fuzz, schema_fuzz, security)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    logging.getLogger("httpx").setLevel(logging.WARNING)   # not one log line per request
+    for name in ("httpx", "httpx2"):   # not one log line per request (httpx2: schemathesis' client)
+        logging.getLogger(name).setLevel(logging.WARNING)
     base = QUICK if args.quick else SuiteSettings()
     settings = dataclasses.replace(base, **{field.name: getattr(args, field.name)
                                             for field in dataclasses.fields(SuiteSettings)
