@@ -198,6 +198,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         manager, pool = self.manager, self.manager.pool
         manager.take_block_copies()
         holders = Counter(block.block_id for table in manager.block_tables.values() for block in table)
+        for name, table in manager.block_tables.items():
+            assert manager.get_block_table(name) == [block.block_id for block in table]
         free_ids = {block.block_id for block in pool.free_block_queue}
         assert all(block.ref_count >= 0 for block in pool.blocks)
         for block in pool.blocks:
