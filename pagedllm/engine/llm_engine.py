@@ -233,9 +233,10 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return [], None
-        for row in plan.scheduled:
-            if row.samples:
-                row.also_sample_for = self.pending_forks.pop(row.request.request_id, [])
+        if self.pending_forks:   # rare (n > 1 before its first token): skip the loop on plain steps
+            for row in plan.scheduled:
+                if row.samples:
+                    row.also_sample_for = self.pending_forks.pop(row.request.request_id, [])
         scheduled = time.perf_counter()
         sampled_requests, samples = self.runner.execute(plan.scheduled, plan.block_copies)
         computed = time.perf_counter()
