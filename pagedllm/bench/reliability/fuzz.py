@@ -378,6 +378,14 @@ def _exchange(client: httpx.Client, path: str, content: bytes, timeout: float) -
         return response.status_code, "".join(parts)
 
 
+def _no_answer(result: FuzzResult, shown: str, timeout: float, connection_error: Exception | None = None) -> None:
+    """A request that got no answer: a hang (timed out) or a dropped connection (a crash?)."""
+    result.count("no answer")
+    problem = (f"no answer within {timeout}s (a hang)" if connection_error is None
+               else f"connection failed (the server crashed?): {connection_error!r}")
+    result.violations.append(f"{shown} -> {problem}")
+
+
 def _sent_object(content: bytes) -> dict | None:
     """The body as the server's JSON parser reads it (NaN literals too), if it is an object."""
     try:
@@ -394,12 +402,10 @@ def fire(client: httpx.Client, path: str, body: Any, timeout: float, result: Fuz
     try:
         status, text = _exchange(client, path, content, timeout)
     except (httpx.TimeoutException, _Hang):
-        result.count("no answer")
-        result.violations.append(f"{shown} -> no answer within {timeout}s (a hang)")
+        _no_answer(result, shown, timeout)
         return
     except httpx.TransportError as exc:
-        result.count("no answer")
-        result.violations.append(f"{shown} -> connection failed (the server crashed?): {exc!r}")
+        _no_answer(result, shown, timeout, exc)
         return
     result.count(_status_class(status))
     sent = _sent_object(content)
@@ -481,12 +487,10 @@ def _call_and_check(case: schemathesis.Case, url: str, headers: dict, timeout: f
     try:
         response = case.call(base_url=url, headers=headers, timeout=timeout)
     except requests.Timeout:
-        result.count("no answer")
-        result.violations.append(f"{shown} -> no answer within {timeout}s (a hang)")
+        _no_answer(result, shown, timeout)
         return
     except requests.ConnectionError as exc:
-        result.count("no answer")
-        result.violations.append(f"{shown} -> connection failed (the server crashed?): {exc!r}")
+        _no_answer(result, shown, timeout, exc)
         return
     result.count(_status_class(response.status_code))
     try:
