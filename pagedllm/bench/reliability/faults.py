@@ -36,8 +36,7 @@ def recovery_problems(server: ServerProcess, model: str) -> list[str]:
         f"not idle after {RECOVERY_TIMEOUT:.0f} s: {figures.free_blocks:.0f}/{figures.total_blocks:.0f} blocks "
         f"free, {figures.running:.0f} running, {figures.waiting:.0f} waiting"]
     try:
-        openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key or "none", max_retries=0,
-                      timeout=CLIENT_TIMEOUT).completions.create(model=model, prompt="Hello", max_tokens=2)
+        server.openai_client(CLIENT_TIMEOUT).completions.create(model=model, prompt="Hello", max_tokens=2)
     except openai.OpenAIError as exc:
         problems.append(f"the next request failed: {exc}")
     return problems
@@ -111,10 +110,9 @@ def disconnect_during_prefill(server: ServerProcess, model: str, clients: int = 
     """Clients send long prompts and leave a third of the way into their prefill, timed from a first, complete
     prefill of the same length (fresh prompts each time, so the prefix cache does not help)."""
     rng = random.Random(0)
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key or "none", max_retries=0,
-                           timeout=CLIENT_TIMEOUT)
     started = time.perf_counter()
-    client.completions.create(model=model, prompt=unique_prompt(rng, prompt_words), max_tokens=1)
+    server.openai_client(CLIENT_TIMEOUT).completions.create(model=model, prompt=unique_prompt(rng, prompt_words),
+                                                            max_tokens=1)
     prefill_seconds = time.perf_counter() - started
 
     async def leave_early(http: httpx.AsyncClient) -> bool:

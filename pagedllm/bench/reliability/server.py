@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -56,6 +57,11 @@ class ServerProcess:
             time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log()}")
+
+    def openai_client(self, timeout: float = 120.0) -> openai.OpenAI:
+        """The official client, never retrying: the suite counts every failure."""
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
+                             timeout=timeout)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -9,8 +9,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import openai
-
 from pagedllm.bench.reliability.clients import mixed_requests
 from pagedllm.bench.reliability.load import run_clients
 from pagedllm.bench.reliability.server import ServerProcess
@@ -70,10 +68,8 @@ class RSSSampler:
 
 
 def ask_probe(server: ServerProcess, model: str) -> str:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key or "none", max_retries=0,
-                           timeout=120)
-    response = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROBE}],
-                                              max_tokens=32, temperature=0)
+    response = server.openai_client().chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROBE}], max_tokens=32, temperature=0)
     return response.choices[0].message.content
 
 
