@@ -79,3 +79,23 @@ def make_tiny_model_dir(hf_tokenizer_dir):
         return folder
 
     return make
+
+
+@pytest.fixture
+def fail_request_at(monkeypatch):
+    """fail_request_at(request_id, num_output_tokens): the engine's per-request token processing raises
+    for that request once it holds that many output tokens; every other request is untouched."""
+    from pagedllm.engine import llm_engine
+
+    def install(request_id: str, num_output_tokens: int) -> None:
+        real_append_token = llm_engine.append_token
+
+        def append_token(child, *args):
+            request = child.request
+            if request.request_id == request_id and request.num_output_tokens == num_output_tokens:
+                raise RuntimeError("injected failure")
+            return real_append_token(child, *args)
+
+        monkeypatch.setattr(llm_engine, "append_token", append_token)
+
+    return install

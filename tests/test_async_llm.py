@@ -5,7 +5,6 @@ import time
 
 import pytest
 
-import pagedllm.engine.llm_engine as llm_engine_module
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError
@@ -205,15 +204,8 @@ def test_duplicate_request_id_is_refused(engine):
     assert serve(engine, scenario)[-1].finished
 
 
-def test_a_request_failing_inside_the_engine_fails_alone(engine, monkeypatch):
-    real_append_token = llm_engine_module.append_token
-
-    def append_token(child, *args):
-        if child.request.request_id == "doomed" and child.request.num_output_tokens == 2:
-            raise RuntimeError("injected failure")
-        return real_append_token(child, *args)
-
-    monkeypatch.setattr(llm_engine_module, "append_token", append_token)
+def test_a_request_failing_inside_the_engine_fails_alone(engine, fail_request_at):
+    fail_request_at("doomed", 2)
     prompts = random_prompts(5, seed=6)
 
     async def scenario(llm):

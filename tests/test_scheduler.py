@@ -115,18 +115,9 @@ def test_requests_that_can_never_fit_are_refused_with_the_numbers(tiny_dir):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-def test_a_request_whose_processing_raises_fails_alone(tiny_dir, monkeypatch):
-    import pagedllm.engine.llm_engine as llm_engine
-
+def test_a_request_whose_processing_raises_fails_alone(tiny_dir, fail_request_at):
     llm = make_llm(tiny_dir)
-    original = llm_engine.append_token
-
-    def flaky(child, *args):
-        if child.request.request_id == "bad" and child.request.num_output_tokens == 3:
-            raise RuntimeError("injected failure")
-        return original(child, *args)
-
-    monkeypatch.setattr(llm_engine, "append_token", flaky)
+    fail_request_at("bad", 3)
     engine = llm.llm_engine
     for rid, prompt in zip(("a", "bad", "b"), prompts(3)):
         engine.add_request(rid, prompt, GREEDY)
