@@ -10,33 +10,41 @@ pytestmark = pytest.mark.skipif(attention._C is None, reason="C++ kernel not bui
 
 
 def scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype, generator):
-    """K/V for each sequence placed in shuffled physical blocks, with their block tables."""
+    """Dense K/V per sequence, the same written slot by slot into shuffled physical blocks
+    of the documented cache layout, and the block tables."""
     max_blocks = max(-(-n // block_size) for n in seq_lens)
     num_blocks = len(seq_lens) * max_blocks + 3
     order = torch.randperm(num_blocks, generator=generator)
-    tables = order[:len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype)
-    return k_cache, v_cache, tables.contiguous()
+    tables = order[:len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks).contiguous()
+    k_shape, v_shape = attention.kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(k_shape, generator=generator).to(dtype)   # unwritten slots hold noise
+    v_cache = torch.randn(v_shape, generator=generator).to(dtype)
+    keys = [torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype) for n in seq_lens]
+    values = [torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype) for n in seq_lens]
+    for i, n in enumerate(seq_lens):
+        for t in range(n):
+            block, offset = tables[i, t // block_size], t % block_size
+            k_cache[block, :, :, offset] = keys[i][t]
+            v_cache[block, :, offset, :] = values[i][t]
+    return k_cache, v_cache, tables, keys, values
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_kernel_matches_dense_attention(dtype, block_size):
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (20, 2, 128)])
+def test_kernel_matches_dense_attention(dtype, block_size, heads, kv_heads, head_dim):
     generator = torch.Generator().manual_seed(0)
-    heads, kv_heads, head_dim = 9, 3, 64
     seq_lens = [1, 5, 16, 17, 100, 333]
-    k_cache, v_cache, tables = scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype, generator)
+    k_cache, v_cache, tables, keys, values = scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype,
+                                                             generator)
     q = torch.randn(len(seq_lens), heads, head_dim, generator=generator).to(dtype)
     lens = torch.tensor(seq_lens)
     out = torch.empty_like(q)
     attention._C.paged_attention(out, q, k_cache, v_cache, tables, torch.arange(len(seq_lens)), lens, 0.125)
-    for i, n in enumerate(seq_lens):
-        blocks = tables[i, :-(-n // block_size)]
-        keys = k_cache[blocks].flatten(0, 1)[:n].float().transpose(0, 1)
-        values = v_cache[blocks].flatten(0, 1)[:n].float().transpose(0, 1)
-        expected = F.scaled_dot_product_attention(q[i].float().unsqueeze(1), keys, values, scale=0.125,
-                                                  enable_gqa=True).squeeze(1)
+    for i in range(len(seq_lens)):
+        expected = F.scaled_dot_product_attention(
+            q[i].float().unsqueeze(1), keys[i].float().transpose(0, 1), values[i].float().transpose(0, 1),
+            scale=0.125, enable_gqa=True).squeeze(1)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[i].float(), expected, atol=tolerance, rtol=tolerance)
 
@@ -44,7 +52,7 @@ def test_kernel_matches_dense_attention(dtype, block_size):
 def test_kernel_and_pytorch_paths_agree_inside_paged_attention():
     generator = torch.Generator().manual_seed(1)
     seq_lens = [3, 40, 77]
-    k_cache, v_cache, tables = scattered_cache(seq_lens, 16, 2, 32, torch.float32, generator)
+    k_cache, v_cache, tables, _, _ = scattered_cache(seq_lens, 16, 2, 32, torch.float32, generator)
     q = torch.randn(3, 4, 32, generator=generator)
     k_new = torch.randn(3, 2, 32, generator=generator)
     v_new = torch.randn(3, 2, 32, generator=generator)

@@ -29,10 +29,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # PyTorch's fused kernel: one pass instead of seven ops. Float32 results are bitwise
+        # those of Hugging Face's formula; in bfloat16 it rounds once less.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):

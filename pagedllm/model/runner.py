@@ -8,7 +8,7 @@ import torch
 
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest
-from pagedllm.model.attention import AttentionMetadata, PrefillChunk, kernel_available
+from pagedllm.model.attention import AttentionMetadata, PrefillChunk, kernel_available, kv_cache_shapes
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.sampler import SamplerOutput, SamplingBatch, sample
@@ -37,11 +37,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.vocab_size = config.vocab_size
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+        k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [(_zeros(k_shape, dtype, device), _zeros(v_shape, dtype, device))
                           for _ in range(config.num_hidden_layers)]
         self.generators: dict[str, torch.Generator] = {}
-        self.use_kernel = kernel_available(device)
+        self.use_kernel = kernel_available(device, config.head_dim, block_size)
         torch.manual_seed(seed)
 
     def release(self, request_id: str) -> None:

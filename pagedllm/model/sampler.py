@@ -166,20 +166,23 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """One token per row of logits [num_seqs, vocab], with logprobs of the raw (unprocessed) distribution."""
-    logits = logits.to(torch.float32, copy=True)
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    raw_logits = logits.float()
+    # log p = logit - logsumexp: no [num_seqs, vocab] log-softmax written per step.
+    log_normaliser = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
+    logits = raw_logits.clone()
     if batch.min_tokens_rows is not None:
         logits[batch.min_tokens_rows, batch.min_tokens_ids] = -math.inf
     _apply_penalties(logits, batch)
     token_ids = _choose(logits, batch)
-    token_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1))
+    token_logits = raw_logits.gather(1, token_ids.unsqueeze(1))
     top_ids = top_values = ranks = None
     if batch.num_top_logprobs is not None:
-        top_values, top_ids = raw_logprobs.topk(batch.num_top_logprobs, dim=-1)
-        ranks = (raw_logprobs > token_logprobs).sum(dim=-1) + 1
+        top_values, top_ids = raw_logits.topk(batch.num_top_logprobs, dim=-1)
+        top_values -= log_normaliser
+        ranks = (raw_logits > token_logits).sum(dim=-1) + 1
     return SamplerOutput(
         token_ids=token_ids,
-        logprobs=token_logprobs.squeeze(1),
+        logprobs=(token_logits - log_normaliser).squeeze(1),
         top_logprob_ids=top_ids,
         top_logprobs=top_values,
         token_ranks=ranks,
