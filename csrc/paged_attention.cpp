@@ -1,96 +1,20 @@
 // Paged attention for the CPU: each query token attends to its sequence's keys and
 // values where they lie, in KV blocks reached through the block table. No gather copy,
-// no padding to the longest sequence. Used for decode tokens and for short prefill
-// chunks that follow a cached prefix; long prefills go through PyTorch's SDPA.
-//
-// The hot loops use GCC/Clang vector types of 16 floats: one AVX-512 register where the
-// build machine has it (-march=native), two AVX registers or four SSE ones elsewhere, so
-// one source serves every x86 CPU. A decode step reads every cached K/V row once, so the
+// no padding to the longest sequence. Used for decode tokens; prefills go through
+// PyTorch's flash-attention kernel. A decode step reads every cached K/V row once, so the
 // kernel should run at memory speed: rows are widened to floats 16 lanes at a time and
 // the softmax's exp is a vector polynomial, not a libm call per score.
-#include <torch/extension.h>
+#include "ops.h"
+#include "vectors.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <limits>
 #include <vector>
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef uint16_t vbits16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-
-template <typename scalar_t>
-inline vfloat widen(const scalar_t* src) {   // float16 and others: element by element
-  vfloat v;
-  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(src[i]);
-  return v;
-}
-
-template <>
-inline vfloat widen<float>(const float* src) {
-  vfloat v;
-  std::memcpy(&v, src, sizeof(v));
-  return v;
-}
-
-// bfloat16 is the top half of a float: widen the bits and shift them up.
-template <>
-inline vfloat widen<c10::BFloat16>(const c10::BFloat16* src) {
-  vbits16 bits;
-  std::memcpy(&bits, src, sizeof(bits));
-  return reinterpret_cast<vfloat>(__builtin_convertvector(bits, vuint) << 16);
-}
-
-inline vfloat broadcast(float x) { return vfloat{} + x; }
-
-inline float sum_lanes(vfloat v) {
-  float total = 0;
-  for (int i = 0; i < kLanes; ++i) total += v[i];
-  return total;
-}
-
-// e^x for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2 / 2,
-// e^r by Cephes' degree-7 polynomial (relative error ~1e-7), 2^n built in the exponent bits.
-inline vfloat exp_nonpositive(vfloat x) {
-  x = x < -87.f ? broadcast(-87.f) : x;   // below that 2^n leaves the normal floats
-  const vint n = __builtin_convertvector(x * 1.44269504f - 0.5f, vint);   // round half down (x <= 0)
-  const vfloat nf = __builtin_convertvector(n, vfloat);
-  const vfloat r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  vfloat p = broadcast(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  return p * reinterpret_cast<vfloat>((n + 127) << 23);
-}
-
-inline void exp_in_place(float* s, int64_t n, float peak) {
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    vfloat v;
-    std::memcpy(&v, s + i, sizeof(v));
-    v = exp_nonpositive(v - peak);
-    std::memcpy(s + i, &v, sizeof(v));
-  }
-  if (i < n) {   // the tail, padded with the peak (e^0, discarded)
-    float tail[kLanes];
-    std::fill(tail, tail + kLanes, peak);
-    std::copy(s + i, s + n, tail);
-    vfloat v;
-    std::memcpy(&v, tail, sizeof(v));
-    v = exp_nonpositive(v - peak);
-    std::memcpy(tail, &v, sizeof(v));
-    std::copy(tail, tail + (n - i), s + i);
-  }
-}
+using namespace pagedllm;
 
 // The shapes of one call, and the raw pointers the tasks read.
 template <typename scalar_t>
@@ -233,10 +157,6 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 
 }  // namespace
 
-// out, q: [tokens, heads, head_dim]; k_cache: [blocks, kv_heads, head_dim, block_size];
-// v_cache: [blocks, kv_heads, block_size, head_dim]; block_tables: [rows, max_blocks] int64;
-// token_rows[i]: the block-table row of token i; kv_lens[i]: how many keys token i attends
-// to (its position + 1).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
@@ -249,8 +169,4 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(out, q, k_cache, v_cache, block_tables, token_rows.contiguous(), kv_lens.contiguous(), scale);
   });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged attention over KV blocks (CPU)");
 }

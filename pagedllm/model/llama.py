@@ -15,7 +15,8 @@ from torch import nn
 from pagedllm.model.attention import AttentionMetadata, paged_attention
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import Linear
-from pagedllm.model.rope import RotaryEmbedding, apply_rope
+from pagedllm.model.ops import rms_norm, silu_and_mul
+from pagedllm.model.rope import Rotation, RotaryEmbedding
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -28,10 +29,9 @@ class RMSNorm(nn.Module):
         self.weight = _frozen(weight)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # PyTorch's fused kernel: one pass instead of seven ops. Float32 results are bitwise
-        # those of Hugging Face's formula; in bfloat16 it rounds once less.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With residual: residual += x in place first, and the sum is normalised."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -55,10 +55,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(w[prefix + "post_attention_layernorm.weight"],
                                            config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream before it); their sum is the
+        layer's result, added into the stream by the next norm in the same pass."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_norm(hidden))
+        if residual is None:
+            residual, normed = hidden, self.input_norm(hidden)
+        else:
+            normed = self.input_norm(hidden, residual)
+        qkv = self.qkv_proj(normed)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -67,11 +74,10 @@ class DecoderLayer(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, *rope)
+        q, k = rotation.apply(q), rotation.apply(k)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        hidden = hidden + self.o_proj(attn.reshape(num_tokens, q_size))
-        gate, up = self.gate_up_proj(self.post_attention_norm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        normed = self.post_attention_norm(self.o_proj(attn.reshape(num_tokens, q_size)), residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(normed))), residual
 
 
 class CausalLM(nn.Module):
@@ -88,15 +94,15 @@ class CausalLM(nn.Module):
             DecoderLayer(config, w, f"model.layers.{i}.") for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(w["model.norm.weight"], config.rms_norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
-                                    config.rope_scaling, dtype, device)
+                                    config.rope_scaling, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits [len(logits_indices), vocab] for the rows that sample."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
-        rope = self.rope.at(positions)
+        hidden, residual = F.embedding(input_ids, self.embed_tokens), None
+        rotation = self.rope.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, rope, kv_cache, meta)
-        hidden = self.norm(hidden[logits_indices])
+            hidden, residual = layer(hidden, residual, rotation, kv_cache, meta)
+        hidden = self.norm(hidden[logits_indices], residual[logits_indices])
         return self.lm_head(hidden).float()

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
+
+from pagedllm.model.ops import _C, on_cpu_kernel
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -34,26 +37,41 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
+@dataclass
+class Rotation:
+    """One step's rotary embedding: built once per step, applied by every layer."""
+    positions: torch.Tensor   # [tokens] int64
+    table: torch.Tensor       # [max_positions, head_dim] float32: cos of each angle, then sin
+    _cos_sin_by_dtype: dict = field(default_factory=dict, repr=False)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim] -> rotated by the rotate-half rule (in place on CPU)."""
+        if on_cpu_kernel(x, 32) and x.stride(-1) == 1:
+            _C.rotary_embedding(x, self.positions, self.table)
+            return x
+        cos, sin = self._cos_sin(x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def _cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, 1, head_dim] each, in the model dtype, as Hugging Face applies them."""
+        if dtype not in self._cos_sin_by_dtype:
+            cos, sin = self.table[self.positions].chunk(2, dim=-1)
+            self._cos_sin_by_dtype[dtype] = (torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype),
+                                             torch.cat((sin, sin), dim=-1).unsqueeze(1).to(dtype))
+        return self._cos_sin_by_dtype[dtype]
+
+
 class RotaryEmbedding:
-    """Precomputed cos/sin tables for every position up to max_positions."""
+    """cos/sin of every position's angles up to max_positions, float32."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 dtype: torch.dtype, device: torch.device):
+                 device: torch.device):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos = angles.cos().to(dtype=dtype, device=device)
-        self.sin = angles.sin().to(dtype=dtype, device=device)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.table = torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
 
-    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for a step's positions, [tokens, 1, head_dim]: looked up once, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def at(self, positions: torch.Tensor) -> Rotation:
+        return Rotation(positions, self.table)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

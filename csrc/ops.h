@@ -1,0 +1,28 @@
+// The CPU kernels pagedllm._C exports (see bindings.cpp); pagedllm/model/ops.py holds the
+// PyTorch formulas they replace, which serve where the extension is not built.
+#pragma once
+
+#include <torch/extension.h>
+
+// out, q: [tokens, heads, head_dim]; k_cache: [blocks, kv_heads, head_dim, block_size];
+// v_cache: [blocks, kv_heads, block_size, head_dim]; block_tables: [rows, max_blocks] int64;
+// token_rows[i]: the block-table row of token i; kv_lens[i]: how many keys token i attends
+// to (its position + 1).
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                     at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens, double scale);
+
+// k, v: [tokens, kv_heads, head_dim] (rows may be strided) stored at flat slots of the caches above.
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);
+
+// out = weight * (x / rms(x)), row by row; x: [tokens, hidden].
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+
+// residual += x, then out = rms_norm(residual): the residual stream and the next norm in one pass.
+void add_rms_norm(at::Tensor out, at::Tensor residual, at::Tensor x, at::Tensor weight, double eps);
+
+// Rotates x: [tokens, heads, head_dim] (rows may be strided) in place by the rotate-half rule;
+// cos_sin: [positions, head_dim] float32, cos in the first half, sin in the second.
+void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos_sin);
+
+// out = silu(gate) * up, with gate_up = [gate | up]: [tokens, 2 * size].
+void silu_and_mul(at::Tensor out, at::Tensor gate_up);

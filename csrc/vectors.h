@@ -1,0 +1,113 @@
+// Vectors of 16 floats for the CPU kernels, as GCC/Clang vector types: one AVX-512
+// register where the build machine has it (-march=native), two AVX registers or four SSE
+// ones elsewhere, so one source serves every x86 CPU. Loads widen bfloat16/float16 to
+// float, stores round back; the arithmetic runs on floats.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace pagedllm {
+
+constexpr int kLanes = 16;
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t vbits16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+template <typename scalar_t>
+inline vfloat widen(const scalar_t* src) {   // float16 and others: element by element
+  vfloat v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(src[i]);
+  return v;
+}
+
+template <>
+inline vfloat widen<float>(const float* src) {
+  vfloat v;
+  std::memcpy(&v, src, sizeof(v));
+  return v;
+}
+
+// bfloat16 is the top half of a float: widen the bits and shift them up.
+template <>
+inline vfloat widen<c10::BFloat16>(const c10::BFloat16* src) {
+  vbits16 bits;
+  std::memcpy(&bits, src, sizeof(bits));
+  return reinterpret_cast<vfloat>(__builtin_convertvector(bits, vuint) << 16);
+}
+
+inline vfloat broadcast(float x) { return vfloat{} + x; }
+
+inline float sum_lanes(vfloat v) {
+  float total = 0;
+  for (int i = 0; i < kLanes; ++i) total += v[i];
+  return total;
+}
+
+// A float vector back to scalar_t, rounding to nearest even.
+template <typename scalar_t>
+inline void narrow(vfloat v, scalar_t* dst) {   // float16 and others: element by element
+  for (int i = 0; i < kLanes; ++i) dst[i] = static_cast<scalar_t>(v[i]);
+}
+
+template <>
+inline void narrow<float>(vfloat v, float* dst) { std::memcpy(dst, &v, sizeof(v)); }
+
+template <>
+inline void narrow<c10::BFloat16>(vfloat v, c10::BFloat16* dst) {
+  const vuint bits = reinterpret_cast<vuint>(v);
+  vuint rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  rounded = v != v ? vuint{} + 0x7fc0u : rounded;   // NaN stays a (quiet) NaN
+  const vbits16 out = __builtin_convertvector(rounded, vbits16);
+  std::memcpy(dst, &out, sizeof(out));
+}
+
+inline vfloat load_floats(const float* src) {
+  vfloat v;
+  std::memcpy(&v, src, sizeof(v));
+  return v;
+}
+
+// e^x for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2 / 2,
+// e^r by Cephes' degree-7 polynomial (relative error ~1e-7), 2^n built in the exponent bits.
+inline vfloat exp_nonpositive(vfloat x) {
+  x = x < -87.f ? broadcast(-87.f) : x;   // below that 2^n leaves the normal floats
+  const vint n = __builtin_convertvector(x * 1.44269504f - 0.5f, vint);   // round half down (x <= 0)
+  const vfloat nf = __builtin_convertvector(n, vfloat);
+  const vfloat r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vfloat p = broadcast(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * reinterpret_cast<vfloat>((n + 127) << 23);
+}
+
+inline void exp_in_place(float* s, int64_t n, float peak) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    vfloat v;
+    std::memcpy(&v, s + i, sizeof(v));
+    v = exp_nonpositive(v - peak);
+    std::memcpy(s + i, &v, sizeof(v));
+  }
+  if (i < n) {   // the tail, padded with the peak (e^0, discarded)
+    float tail[kLanes];
+    std::fill(tail, tail + kLanes, peak);
+    std::copy(s + i, s + n, tail);
+    vfloat v;
+    std::memcpy(&v, tail, sizeof(v));
+    v = exp_nonpositive(v - peak);
+    std::memcpy(tail, &v, sizeof(v));
+    std::copy(tail, tail + (n - i), s + i);
+  }
+}
+
+}  // namespace pagedllm

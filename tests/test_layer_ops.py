@@ -1,0 +1,89 @@
+"""The C++ layer kernels (csrc/layer_ops.cpp) against Hugging Face's formulas written out here."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.model import attention, ops
+from pagedllm.model.rope import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(ops._C is None, reason="C++ kernels not built")
+# float32: the same arithmetic up to summation order; bfloat16: one rounding of the output apart.
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True, params=["kernel", "pytorch"])
+def path(request, monkeypatch):
+    """Every test runs twice: on the C++ kernels and on the PyTorch formulas that stand in for them."""
+    if request.param == "pytorch":
+        monkeypatch.setattr(ops, "_C", None)
+        monkeypatch.setattr(attention, "_C", None)
+    return request.param
+
+
+def hf_rms_norm(x, weight, eps):
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_and_residual_add(dtype, rows):
+    generator = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 576, generator=generator).to(dtype) for _ in range(2))
+    weight = torch.randn(576, generator=generator).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5), **TOLERANCE[dtype])
+    stream = residual.clone()
+    normed = ops.rms_norm(x, weight, 1e-5, residual=stream)
+    torch.testing.assert_close(stream, residual + x, atol=0, rtol=0)   # the add rounds as torch's add
+    torch.testing.assert_close(normed, hf_rms_norm(residual + x, weight, 1e-5), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 8).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotation_matches_rotate_half(dtype, head_dim, path):
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, torch.device("cpu"))
+    positions = torch.tensor([0, 1, 17, 4095, 300])
+    qkv = torch.randn(5, 12 * head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q = qkv[:, :9 * head_dim].view(5, 9, head_dim)   # a strided view, as the layer passes it
+    expected = q.float().clone()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = positions[:, None].float() * inv_freq[None, :]
+    cos, sin = (torch.cat((f, f), dim=-1)[:, None] for f in (angles.cos(), angles.sin()))
+    rotated_half = torch.cat((-expected[..., head_dim // 2:], expected[..., :head_dim // 2]), dim=-1)
+    expected = expected * cos + rotated_half * sin
+    result = rope.at(positions).apply(q)
+    if path == "kernel":
+        assert result.data_ptr() == q.data_ptr()   # in place, inside qkv
+    torch.testing.assert_close(result.float(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_kernel_matches_indexing(dtype, path):
+    if path == "pytorch":
+        pytest.skip("compares the two paths itself")
+    generator = torch.Generator().manual_seed(2)
+    k_shape, v_shape = attention.kv_cache_shapes(6, 16, 3, 64)
+    slots = torch.tensor([0, 17, 95, 40, 63])
+    kv = torch.randn(5, 2 * 3 * 64 + 8, generator=generator).to(dtype)
+    k, v = kv[:, :192].view(5, 3, 64), kv[:, 192:384].view(5, 3, 64)   # strided rows
+    caches = []
+    for kernel in (ops._C, None):
+        k_cache, v_cache = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
+        original, attention._C = attention._C, kernel
+        try:
+            attention.write_kv(k_cache, v_cache, k, v, slots)
+        finally:
+            attention._C = original
+        caches.append((k_cache, v_cache))
+    for kernel_cache, indexed_cache in zip(*caches):
+        assert torch.equal(kernel_cache, indexed_cache)
+    k_cache, v_cache = caches[1]
+    assert torch.equal(k_cache[5, :, :, 15], k[2]) and torch.equal(v_cache[1, :, 1], v[1])   # slot 95, slot 17
