@@ -1,5 +1,5 @@
-// The CPU kernels pagedllm._C exports (see bindings.cpp); pagedllm/model/ops.py holds the
-// PyTorch formulas they replace, which serve where the extension is not built.
+// The CPU kernels pagedllm._C exports (see bindings.cpp). Each Python caller keeps the
+// PyTorch formula a kernel replaces, which serves where the extension is not built.
 #pragma once
 
 #include <torch/extension.h>
@@ -26,3 +26,7 @@ void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos_sin);
 
 // out = silu(gate) * up, with gate_up = [gate | up]: [tokens, 2 * size].
 void silu_and_mul(at::Tensor out, at::Tensor gate_up);
+
+// Per row of float32 logits [rows, vocab]: log sum exp (the log-softmax normaliser) and the
+// argmax (first position of the maximum, as torch.argmax). Logits must not hold NaN.
+void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logits);

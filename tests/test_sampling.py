@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedllm.model import sampler
 from pagedllm.model.sampler import SamplingBatch, _apply_penalties, sample
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -298,3 +299,17 @@ def test_seeded_rows_ignore_the_rest_of_the_batch():
     assert run_seeded(7, step_logits, crowd, 3) == alone
     assert run_seeded(7, step_logits, crowd[:2], 2) == alone
     assert run_seeded(8, step_logits, [], 0) != alone
+
+
+@pytest.mark.skipif(sampler._C is None, reason="C++ kernels not built")
+@pytest.mark.parametrize("vocab", [16, 49152, 1003])
+def test_logits_summary_kernel_matches_logsumexp_and_argmax(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=generator) * 20
+    logits[1, 5] = logits[1, vocab - 2] = logits[1].max() + 1   # a tie: the first position wins
+    logits[2, :vocab // 2] = -math.inf                          # masked half
+    logits[3] = 7.0                                             # all equal: position 0
+    logits[4, -1] = 1e4                                         # maximum in the tail past the vectors
+    normaliser, best = sampler._normaliser_and_argmax(logits, need_argmax=True)
+    torch.testing.assert_close(normaliser, torch.logsumexp(logits, dim=-1, keepdim=True), atol=1e-5, rtol=1e-6)
+    assert best.tolist() == logits.argmax(dim=-1).tolist()

@@ -11,6 +11,7 @@ import argparse
 import json
 import time
 
+from pagedllm.bench.compute_floor import measure_matmul_rate, workload_flops
 from pagedllm.bench.workload import BenchRequest, add_workload_arguments, workload_from_args
 
 
@@ -39,9 +40,13 @@ def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest]) -> dict
     elapsed = time.perf_counter() - started
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.stats()
+    engine = llm.llm_engine
+    rate = measure_matmul_rate(engine.model_config, engine.dtype)
+    floor = workload_flops(engine.model_config, workload) / rate
     return _figures("pagedllm", workload, generated, elapsed,
-                    dtype=str(llm.llm_engine.dtype).removeprefix("torch."),
-                    preemptions=stats.num_preemptions)
+                    dtype=str(engine.dtype).removeprefix("torch."),
+                    preemptions=stats.num_preemptions, matmul_gflops=round(rate / 1e9, 1),
+                    compute_floor_s=round(floor, 2), floor_fraction=round(floor / elapsed, 3))
 
 
 def run_hf(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:
@@ -103,6 +108,11 @@ def run(args: argparse.Namespace) -> None:
     for r in results:
         print(f"| {r['backend']} | {r['dtype']} | {r['elapsed_s']} | {r['requests_per_s']} "
               f"| {r['output_tokens_per_s']} | {r['total_tokens_per_s']} |")
+    ours = results[0]
+    if "compute_floor_s" in ours:
+        print(f"compute floor: the workload's model matmuls at {ours['matmul_gflops']} GFLOP/s "
+              f"({ours['dtype']}, measured in this run) take {ours['compute_floor_s']} s; "
+              f"pagedllm's wall time is {ours['floor_fraction']:.0%} efficient against it")
     if len(results) == 2:
         print(f"pagedllm / transformers output tok/s: "
               f"{results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.1f}x")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.model.ops import _C, on_cpu_kernel
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -164,16 +165,34 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return sampled if greedy_ids is None else torch.where(batch.greedy, greedy_ids, sampled)
 
 
+def _normaliser_and_argmax(raw_logits: torch.Tensor, need_argmax: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logsumexp per row ([rows, 1]: log p = logit - it, no [rows, vocab] log-softmax written),
+    and the argmax per row where asked; on CPU one kernel gives both in two passes over a row."""
+    if on_cpu_kernel(raw_logits, 1) and raw_logits.is_contiguous():
+        log_normaliser = raw_logits.new_empty(raw_logits.shape[0])
+        best = torch.empty(raw_logits.shape[0], dtype=torch.int64)
+        _C.logits_summary(log_normaliser, best, raw_logits)
+        return log_normaliser.unsqueeze(1), best
+    log_normaliser = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
+    return log_normaliser, raw_logits.argmax(dim=-1) if need_argmax else None
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """One token per row of logits [num_seqs, vocab], with logprobs of the raw (unprocessed) distribution."""
     raw_logits = logits.float()
-    # log p = logit - logsumexp: no [num_seqs, vocab] log-softmax written per step.
-    log_normaliser = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
-    logits = raw_logits.clone()
-    if batch.min_tokens_rows is not None:
-        logits[batch.min_tokens_rows, batch.min_tokens_ids] = -math.inf
-    _apply_penalties(logits, batch)
-    token_ids = _choose(logits, batch)
+    changes_logits = (batch.min_tokens_rows is not None or batch.seen_tokens is not None
+                      or batch.output_counts is not None)
+    plain_greedy = batch.all_greedy and not changes_logits
+    log_normaliser, raw_best = _normaliser_and_argmax(raw_logits, need_argmax=plain_greedy)
+    if plain_greedy:
+        token_ids = raw_best
+    else:
+        logits = raw_logits.clone()
+        if batch.min_tokens_rows is not None:
+            logits[batch.min_tokens_rows, batch.min_tokens_ids] = -math.inf
+        _apply_penalties(logits, batch)
+        token_ids = _choose(logits, batch)
     token_logits = raw_logits.gather(1, token_ids.unsqueeze(1))
     top_ids = top_values = ranks = None
     if batch.num_top_logprobs is not None:
