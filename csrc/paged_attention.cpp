@@ -80,13 +80,15 @@ void attend_heads(const Problem<scalar_t>& p, int64_t token, int64_t kv_head, in
     const scalar_t* keys = p.head_block(p.k_cache, table[b], kv_head);
     prefetch_part(b + kPrefetchAhead);
     for (int64_t slot = 0; slot < block_size; slot += kLanes) {
+      const int64_t width = std::min<int64_t>(kLanes, block_size - slot);   // < 16 in small blocks only
       vfloat acc[Heads] = {};
       for (int64_t d = 0; d < head_dim; ++d) {
-        const vfloat k = widen(keys + d * block_size + slot);
+        const scalar_t* row = keys + d * block_size + slot;
+        const vfloat k = width == kLanes ? widen(row) : widen_partial(row, width);
         for (int h = 0; h < Heads; ++h) acc[h] += query[h][d] * k;
       }
       for (int h = 0; h < Heads; ++h)
-        std::memcpy(scores + h * padded_len + b * block_size + slot, &acc[h], sizeof(vfloat));
+        std::memcpy(scores + h * padded_len + b * block_size + slot, &acc[h], width * sizeof(float));
     }
   }
 
@@ -165,7 +167,6 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
               kv_lens.scalar_type() == at::kLong, "paged_attention: index tensors must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads must be a multiple of kv heads");
   TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 256, "paged_attention: head_dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(k_cache.size(3) % kLanes == 0, "paged_attention: block_size must be a multiple of 16");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(out, q, k_cache, v_cache, block_tables, token_rows.contiguous(), kv_lens.contiguous(), scale);
   });

@@ -41,6 +41,14 @@ inline vfloat widen<c10::BFloat16>(const c10::BFloat16* src) {
   return reinterpret_cast<vfloat>(__builtin_convertvector(bits, vuint) << 16);
 }
 
+// The first n < kLanes elements, the other lanes zero.
+template <typename scalar_t>
+inline vfloat widen_partial(const scalar_t* src, int64_t n) {
+  scalar_t padded[kLanes] = {};
+  std::copy(src, src + n, padded);
+  return widen(padded);
+}
+
 inline vfloat broadcast(float x) { return vfloat{} + x; }
 
 inline float sum_lanes(vfloat v) {

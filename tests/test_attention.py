@@ -30,7 +30,7 @@ def scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype, generator):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("block_size", [8, 16, 24, 64])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (20, 2, 128)])
 def test_kernel_matches_dense_attention(dtype, block_size, heads, kv_heads, head_dim):
     generator = torch.Generator().manual_seed(0)

@@ -65,10 +65,9 @@ def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_di
             (num_blocks, num_kv_heads, block_size, head_dim))
 
 
-def kernel_available(device: torch.device, head_dim: int, block_size: int) -> bool:
-    """Whether the C++ kernel serves decodes: built, on CPU, and shapes it vectorises."""
-    return (_C is not None and device.type == "cpu" and head_dim % 16 == 0 and head_dim <= 256
-            and block_size % 16 == 0)
+def kernel_available(device: torch.device, head_dim: int) -> bool:
+    """Whether the C++ kernel serves decodes: built, on CPU, and a head size it vectorises."""
+    return _C is not None and device.type == "cpu" and head_dim % 16 == 0 and head_dim <= 256
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

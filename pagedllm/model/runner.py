@@ -41,7 +41,7 @@ class ModelRunner:
         self.kv_caches = [(_zeros(k_shape, dtype, device), _zeros(v_shape, dtype, device))
                           for _ in range(config.num_hidden_layers)]
         self.generators: dict[str, torch.Generator] = {}
-        self.use_kernel = kernel_available(device, config.head_dim, block_size)
+        self.use_kernel = kernel_available(device, config.head_dim)
         torch.manual_seed(seed)
 
     def release(self, request_id: str) -> None:
