@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 namespace {
@@ -149,11 +150,14 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
                             q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             out.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
                             token_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>()};
-  // One task per (token, kv head): enough tasks to keep every thread busy in a decode step.
-  at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Tokens are handed out one at a time (all kv heads of one token on one thread, whose
+  // parts of each block lie side by side): sequences differ in length, so equal shares of
+  // tokens would leave one thread idle while another finishes long ones.
+  std::atomic<int64_t> next_token{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tokens), 1, [&](int64_t, int64_t) {
     Scratch scratch;
-    for (int64_t task = begin; task < end; ++task)
-      attend_group(p, task / num_kv_heads, task % num_kv_heads, scratch);
+    for (int64_t token; (token = next_token.fetch_add(1, std::memory_order_relaxed)) < num_tokens;)
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) attend_group(p, token, kv_head, scratch);
   });
 }
 
