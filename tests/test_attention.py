@@ -65,3 +65,25 @@ def test_kernel_and_pytorch_paths_agree_inside_paged_attention():
                                  use_kernel=use_kernel)
         results.append(paged_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), meta, 32 ** -0.5))
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_kernel_matches_indexing(dtype):
+    generator = torch.Generator().manual_seed(2)
+    k_shape, v_shape = attention.kv_cache_shapes(6, 16, 3, 64)
+    slots = torch.tensor([0, 17, 95, 40, 63])
+    kv = torch.randn(5, 2 * 3 * 64 + 8, generator=generator).to(dtype)
+    k, v = kv[:, :192].view(5, 3, 64), kv[:, 192:384].view(5, 3, 64)   # strided rows
+    caches = []
+    for kernel in (attention._C, None):
+        k_cache, v_cache = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
+        original, attention._C = attention._C, kernel
+        try:
+            attention.write_kv(k_cache, v_cache, k, v, slots)
+        finally:
+            attention._C = original
+        caches.append((k_cache, v_cache))
+    for kernel_cache, indexed_cache in zip(*caches):
+        assert torch.equal(kernel_cache, indexed_cache)
+    k_cache, v_cache = caches[1]
+    assert torch.equal(k_cache[5, :, :, 15], k[2]) and torch.equal(v_cache[1, :, 1], v[1])   # slot 95, slot 17
