@@ -4,7 +4,7 @@
 
 #include <torch/extension.h>
 
-// out, q: [tokens, heads, head_dim]; k_cache: [blocks, kv_heads, head_dim, block_size];
+// out, q: [tokens, heads, head_dim] (q's tokens may be strided, e.g. rows of qkv); k_cache: [blocks, kv_heads, head_dim, block_size];
 // v_cache: [blocks, kv_heads, block_size, head_dim]; block_tables: [rows, max_blocks] int64;
 // token_rows[i]: the block-table row of token i; kv_lens[i]: how many keys token i attends
 // to (its position + 1).

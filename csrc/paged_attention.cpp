@@ -20,7 +20,7 @@ using namespace pagedllm;
 // The shapes of one call, and the raw pointers the tasks read.
 template <typename scalar_t>
 struct Problem {
-  int64_t head_dim, group, num_kv_heads, block_size, max_blocks;
+  int64_t head_dim, group, num_kv_heads, block_size, max_blocks, q_token_stride;
   float scale;
   const scalar_t *q, *k_cache, *v_cache;
   scalar_t* out;
@@ -62,7 +62,7 @@ void attend_heads(const Problem<scalar_t>& p, int64_t token, int64_t kv_head, in
   const int64_t* table = p.tables + p.rows[token] * p.max_blocks;
   const int64_t padded_len = num_blocks * block_size;   // scores of slots past kv_len are dropped
   const int64_t heads_per_token = p.num_kv_heads * p.group;
-  const scalar_t* q = p.q + (token * heads_per_token + first_head) * head_dim;
+  const scalar_t* q = p.q + token * p.q_token_stride + first_head * head_dim;
 
   float query[Heads][256];   // head_dim <= 256, checked at the entry point
   for (int h = 0; h < Heads; ++h)
@@ -146,7 +146,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
             const at::Tensor& kv_lens, double scale) {
   const int64_t num_tokens = q.size(0), num_kv_heads = k_cache.size(1);
   const Problem<scalar_t> p{q.size(2), q.size(1) / num_kv_heads, num_kv_heads, k_cache.size(3),
-                            block_tables.size(1), static_cast<float>(scale),
+                            block_tables.size(1), q.stride(0), static_cast<float>(scale),
                             q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             out.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
                             token_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>()};
@@ -165,8 +165,9 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous() && block_tables.is_contiguous(), "paged_attention: tensors must be contiguous");
+  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              block_tables.is_contiguous(), "paged_attention: tensors must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: each token's heads must be dense");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && token_rows.scalar_type() == at::kLong &&
               kv_lens.scalar_type() == at::kLong, "paged_attention: index tensors must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads must be a multiple of kv heads");

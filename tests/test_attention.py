@@ -37,9 +37,11 @@ def test_kernel_matches_dense_attention(dtype, block_size, heads, kv_heads, head
     seq_lens = [1, 5, 16, 17, 100, 333]
     k_cache, v_cache, tables, keys, values = scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype,
                                                              generator)
-    q = torch.randn(len(seq_lens), heads, head_dim, generator=generator).to(dtype)
+    # q as the model passes it: the first columns of each token's qkv row
+    qkv = torch.randn(len(seq_lens), (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    q = qkv[:, :heads * head_dim].view(len(seq_lens), heads, head_dim)
     lens = torch.tensor(seq_lens)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=dtype)
     attention._C.paged_attention(out, q, k_cache, v_cache, tables, torch.arange(len(seq_lens)), lens, 0.125)
     for i in range(len(seq_lens)):
         expected = F.scaled_dot_product_attention(

@@ -89,9 +89,9 @@ def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Ten
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    if meta.use_kernel:
-        out = torch.empty_like(q)
-        _C.paged_attention(out, q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+    if meta.use_kernel:   # q may be a view into qkv: the kernel reads it in place
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _C.paged_attention(out, q, k_cache, v_cache, meta.decode_block_tables,
                            meta.decode_rows, meta.decode_seq_lens, scale)
         return out
     keys, values = _gather(k_cache, v_cache, meta.decode_block_tables)
