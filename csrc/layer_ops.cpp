@@ -97,7 +97,7 @@ void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos_sin) {
           scalar_t* row = base + t * x.stride(0) + h * x.stride(1);
           for (int64_t i = 0; i < half; i += kLanes) {   // [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]
             const vfloat x1 = widen(row + i), x2 = widen(row + half + i);
-            const vfloat c = load_floats(cos + i), s = load_floats(sin + i);
+            const vfloat c = widen(cos + i), s = widen(sin + i);
             narrow(x1 * c - x2 * s, row + i);
             narrow(x2 * c + x1 * s, row + half + i);
           }

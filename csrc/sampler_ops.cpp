@@ -26,7 +26,7 @@ void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logit
       vint lane_best{}, index{};
       for (int i = 0; i < kLanes; ++i) index[i] = i;
       for (int64_t i = 0; i < whole; i += kLanes, index += kLanes) {
-        const vfloat v = load_floats(row + i);
+        const vfloat v = widen(row + i);
         const vint better = v > lane_max;
         lane_max = better ? v : lane_max;
         lane_best = better ? index : lane_best;
@@ -44,7 +44,7 @@ void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logit
           argmax = i;
         }
       vfloat sums{};
-      for (int64_t i = 0; i < whole; i += kLanes) sums += exp_nonpositive(load_floats(row + i) - peak);
+      for (int64_t i = 0; i < whole; i += kLanes) sums += exp_nonpositive(widen(row + i) - peak);
       float total = sum_lanes(sums);
       for (int64_t i = whole; i < vocab; ++i) total += std::exp(row[i] - peak);
       normalisers[r] = peak + std::log(total);

@@ -75,12 +75,6 @@ inline void narrow<c10::BFloat16>(vfloat v, c10::BFloat16* dst) {
   std::memcpy(dst, &out, sizeof(out));
 }
 
-inline vfloat load_floats(const float* src) {
-  vfloat v;
-  std::memcpy(&v, src, sizeof(v));
-  return v;
-}
-
 // e^x for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2 / 2,
 // e^r by Cephes' degree-7 polynomial (relative error ~1e-7), 2^n built in the exponent bits.
 inline vfloat exp_nonpositive(vfloat x) {
@@ -100,20 +94,12 @@ inline vfloat exp_nonpositive(vfloat x) {
 
 inline void exp_in_place(float* s, int64_t n, float peak) {
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    vfloat v;
-    std::memcpy(&v, s + i, sizeof(v));
-    v = exp_nonpositive(v - peak);
-    std::memcpy(s + i, &v, sizeof(v));
-  }
+  for (; i + kLanes <= n; i += kLanes) narrow(exp_nonpositive(widen(s + i) - peak), s + i);
   if (i < n) {   // the tail, padded with the peak (e^0, discarded)
     float tail[kLanes];
     std::fill(tail, tail + kLanes, peak);
     std::copy(s + i, s + n, tail);
-    vfloat v;
-    std::memcpy(&v, tail, sizeof(v));
-    v = exp_nonpositive(v - peak);
-    std::memcpy(tail, &v, sizeof(v));
+    narrow(exp_nonpositive(widen(tail) - peak), tail);
     std::copy(tail, tail + (n - i), s + i);
   }
 }
