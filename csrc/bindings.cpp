@@ -2,6 +2,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over KV blocks, decode tokens (CPU)");
+  m.def("prefill_attention", &prefill_attention, "Paged causal attention for prefill chunks (CPU)");
   m.def("write_kv", &write_kv, "Store new K/V rows at their cache slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "Residual add, then RMSNorm (CPU)");

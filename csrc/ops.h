@@ -11,6 +11,12 @@
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens, double scale);
 
+// Prefill chunks: out, q as above; chunk c's query tokens are rows [query_starts[c], query_starts[c + 1])
+// at positions context_lens[c] onwards, its keys (all in the cache already) reached through
+// block_tables[c]; each token attends causally to its sequence's keys up to its own position.
+void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                       at::Tensor block_tables, at::Tensor query_starts, at::Tensor context_lens, double scale);
+
 // k, v: [tokens, kv_heads, head_dim] (rows may be strided) stored at flat slots of the caches above.
 void write_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);
 

@@ -53,18 +53,21 @@ def test_kernel_matches_dense_attention(dtype, block_size, heads, kv_heads, head
 
 def test_kernel_and_pytorch_paths_agree_inside_paged_attention():
     generator = torch.Generator().manual_seed(1)
-    seq_lens = [3, 40, 77]
+    # two decodes, then a 17-token chunk after a cached prefix of 60 tokens and a whole 20-token prompt
+    seq_lens, new_tokens = [3, 40, 77, 20], [1, 1, 17, 20]
     k_cache, v_cache, tables, _, _ = scattered_cache(seq_lens, 16, 2, 32, torch.float32, generator)
-    q = torch.randn(3, 4, 32, generator=generator)
-    k_new = torch.randn(3, 2, 32, generator=generator)
-    v_new = torch.randn(3, 2, 32, generator=generator)
-    positions = torch.tensor(seq_lens) - 1
-    slots = tables[torch.arange(3), positions // 16] * 16 + positions % 16
+    positions = torch.cat([torch.arange(n - new, n) for n, new in zip(seq_lens, new_tokens)])
+    rows = torch.repeat_interleave(torch.arange(4), torch.tensor(new_tokens))
+    slots = tables[rows, positions // 16] * 16 + positions % 16
+    q = torch.randn(len(rows), 4, 32, generator=generator)
+    k_new = torch.randn(len(rows), 2, 32, generator=generator)
+    v_new = torch.randn(len(rows), 2, 32, generator=generator)
     results = []
     for use_kernel in (True, False):
-        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=3, decode_block_tables=tables,
-                                 decode_seq_lens=torch.tensor(seq_lens), prefills=[], block_size=16,
-                                 use_kernel=use_kernel)
+        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=2, decode_block_tables=tables[:2],
+                                 decode_seq_lens=torch.tensor(seq_lens[:2]), prefill_query_starts=torch.tensor([2, 19, 39]),
+                                 prefill_context_lens=torch.tensor([60, 0]), prefill_block_tables=tables[2:],
+                                 block_size=16, use_kernel=use_kernel)
         results.append(paged_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), meta, 32 ** -0.5))
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
 
@@ -89,3 +92,38 @@ def test_write_kv_kernel_matches_indexing(dtype):
         assert torch.equal(kernel_cache, indexed_cache)
     k_cache, v_cache = caches[1]
     assert torch.equal(k_cache[5, :, :, 15], k[2]) and torch.equal(v_cache[1, :, 1], v[1])   # slot 95, slot 17
+
+
+def causal_reference(q, keys, values, context_len, scale):
+    """q: [chunk, heads, head_dim] at positions context_len..; keys/values: [context + chunk, kv_heads, head_dim]."""
+    positions = torch.arange(context_len, context_len + q.shape[0])
+    mask = torch.arange(keys.shape[0])[None, :] <= positions[:, None]
+    return F.scaled_dot_product_attention(q.float().transpose(0, 1), keys.float().transpose(0, 1),
+                                          values.float().transpose(0, 1), attn_mask=mask, scale=scale,
+                                          enable_gqa=True).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 24, 64, 128])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (20, 2, 128)])
+def test_prefill_kernel_matches_dense_causal_attention(dtype, block_size, heads, kv_heads, head_dim):
+    generator = torch.Generator().manual_seed(3)
+    # (context already cached, chunk length): whole prompts, chunks after a cached prefix,
+    # lengths around block and tile edges, an odd last key, a single-token chunk
+    chunks = [(0, 1), (0, 17), (0, 130), (16, 5), (37, 64), (100, 1), (5, 250)]
+    seq_lens = [context + length for context, length in chunks]
+    k_cache, v_cache, tables, keys, values = scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype,
+                                                             generator)
+    num_tokens = sum(length for _, length in chunks)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    q = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)   # strided, as the model passes it
+    starts = torch.tensor([0] + [length for _, length in chunks]).cumsum(0)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    scale = head_dim ** -0.5
+    attention._C.prefill_attention(out, q, k_cache, v_cache, tables, starts,
+                                   torch.tensor([context for context, _ in chunks]), scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (context, length) in enumerate(chunks):
+        rows = slice(starts[i], starts[i + 1])
+        expected = causal_reference(q[rows], keys[i], values[i], context, scale)
+        torch.testing.assert_close(out[rows].float(), expected, atol=tolerance, rtol=tolerance)

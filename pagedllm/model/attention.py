@@ -1,11 +1,11 @@
 """Paged attention: K/V live in blocks, reached through block tables.
 
 The runner orders a step's tokens so that all single-token rows (decodes) come
-first; they are attended in one batched call: on CPU by the C++ kernel in
-csrc/paged_attention.cpp, which reads K/V in place through the block tables, else
-(CUDA, or no compiled kernel) by gathering each row's blocks and running SDPA.
-Multi-token rows (prefill chunks) follow, one SDPA call each: there are few of
-them per step, bounded by the token budget.
+first, then the multi-token rows (prefill chunks). Both kinds are attended in one
+batched call each; on CPU by the C++ kernels (csrc/paged_attention.cpp for decodes,
+csrc/prefill_attention.cpp for prefill chunks), which read K/V in place through the
+block tables, cached prefix included. Elsewhere (CUDA, or no compiled kernels) each
+row's blocks are gathered and SDPA attends to them.
 """
 from __future__ import annotations
 
@@ -19,24 +19,17 @@ from pagedllm.model.ops import _C
 
 
 @dataclass
-class PrefillChunk:
-    start: int                 # first row of this chunk in the flat token batch
-    end: int
-    context_len: int           # tokens of this sequence already in the cache before the chunk
-    block_table: torch.Tensor  # [num_blocks] physical ids covering context + chunk
-    mask: torch.Tensor | None  # [chunk, context + chunk] bool, None when context_len == 0
-
-
-@dataclass
 class AttentionMetadata:
     """One step's attention layout, built once by the runner and shared by every layer."""
     slot_mapping: torch.Tensor          # [num_tokens] flat cache slot each new K/V goes to
     num_decode_tokens: int
     decode_block_tables: torch.Tensor   # [num_decodes, max_blocks] int64
     decode_seq_lens: torch.Tensor       # [num_decodes] int64: keys each decode token attends to
-    prefills: list[PrefillChunk]
+    prefill_query_starts: torch.Tensor  # [chunks + 1] int64: chunk c is token rows [starts[c], starts[c + 1])
+    prefill_context_lens: torch.Tensor  # [chunks] int64: the chunk's sequence's tokens cached before it
+    prefill_block_tables: torch.Tensor  # [chunks, max_blocks] int64, covering context and chunk
     block_size: int
-    use_kernel: bool                    # the C++ kernel serves the decodes
+    use_kernel: bool                    # the C++ kernels serve
 
     @cached_property
     def decode_rows(self) -> torch.Tensor:
@@ -55,7 +48,7 @@ def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_di
     """The K and V cache shapes of one layer.
 
     Each kv head's part of a block is contiguous; keys are stored transposed within it
-    ([head_dim, block_size]) so a decode kernel scores many slots per vector instruction,
+    ([head_dim, block_size]) so the kernels score many slots per vector instruction,
     values as rows ([block_size, head_dim]) so it accumulates many dimensions per instruction.
     """
     return ((num_blocks, num_kv_heads, head_dim, block_size),
@@ -63,7 +56,7 @@ def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_di
 
 
 def kernel_available(device: torch.device, head_dim: int) -> bool:
-    """Whether the C++ kernel serves decodes: built, on CPU, and a head size it vectorises."""
+    """Whether the C++ kernels serve: built, on CPU, and a head size they vectorise."""
     return _C is not None and device.type == "cpu" and head_dim % 16 == 0 and head_dim <= 256
 
 
@@ -87,16 +80,41 @@ def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Ten
     return as_rows(k_cache[block_table].transpose(-1, -2)), as_rows(v_cache[block_table])
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> None:
     if meta.use_kernel:   # q may be a view into qkv: the kernel reads it in place
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _C.paged_attention(out, q, k_cache, v_cache, meta.decode_block_tables,
                            meta.decode_rows, meta.decode_seq_lens, scale)
-        return out
+        return
     keys, values = _gather(k_cache, v_cache, meta.decode_block_tables)
-    return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                          scale=scale, enable_gqa=True).squeeze(2)
+    out.copy_(F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                             scale=scale, enable_gqa=True).squeeze(2))
+
+
+def _prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float) -> None:
+    if meta.use_kernel:
+        _C.prefill_attention(out, q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_starts,
+                             meta.prefill_context_lens, scale)
+        return
+    starts = meta.prefill_query_starts.tolist()
+    for chunk, context in enumerate(meta.prefill_context_lens.tolist()):
+        start, end = starts[chunk], starts[chunk + 1]
+        query = q[start:end].transpose(0, 1)
+        mask = None
+        if context == 0:   # the whole sequence is in this chunk: its own K/V suffice
+            keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+        else:
+            length = context + end - start
+            blocks = meta.prefill_block_tables[chunk, :-(-length // meta.block_size)]
+            keys, values = (part[:, :length] for part in _gather(k_cache, v_cache, blocks))
+            positions = torch.arange(context, length, device=q.device)
+            mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]
+        # A batch dimension of one: with it PyTorch's flash-attention kernel serves (GQA too).
+        out[start:end] = F.scaled_dot_product_attention(
+            query[None], keys[None], values[None], attn_mask=mask, is_causal=mask is None,
+            scale=scale, enable_gqa=True)[0].transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -109,22 +127,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     num_decodes = meta.num_decode_tokens
-    if not meta.prefills:
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_decodes:
-        out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale)
-    for chunk in meta.prefills:
-        query = q[chunk.start:chunk.end].transpose(0, 1)
-        if chunk.mask is None:
-            keys = k[chunk.start:chunk.end].transpose(0, 1)
-            values = v[chunk.start:chunk.end].transpose(0, 1)
-        else:
-            length = chunk.mask.shape[1]
-            keys, values = (part[:, :length] for part in _gather(k_cache, v_cache, chunk.block_table))
-        # A batch dimension of one: with it PyTorch's CPU flash-attention kernel serves (GQA
-        # too); 3-D inputs take its unfused math path, 3-6x slower (measured, 384-2048 tokens).
-        out[chunk.start:chunk.end] = F.scaled_dot_product_attention(
-            query[None], keys[None], values[None], attn_mask=chunk.mask, is_causal=chunk.mask is None,
-            scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        _decode_attention(out[:num_decodes], q[:num_decodes], k_cache, v_cache, meta, scale)
+    if num_decodes < q.shape[0]:
+        _prefill_attention(out, q, k, v, k_cache, v_cache, meta, scale)
     return out

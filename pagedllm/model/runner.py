@@ -8,7 +8,7 @@ import torch
 
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest
-from pagedllm.model.attention import AttentionMetadata, PrefillChunk, kernel_available, kv_cache_shapes
+from pagedllm.model.attention import AttentionMetadata, kernel_available, kv_cache_shapes
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.sampler import SamplerOutput, SamplingBatch, sample
@@ -121,22 +121,14 @@ class ModelRunner:
         seq_lens = context + num_new
         decode_blocks = -(-int(seq_lens[:num_decodes].max()) // block_size) if num_decodes else 0
         tables = self._to_device(block_tables)
-        prefills = []
-        for i in range(num_decodes, len(rows)):
-            ctx, new = int(context[i]), int(num_new[i])
-            mask = None
-            if ctx:
-                query_pos = torch.arange(ctx, ctx + new, device=self.device)
-                mask = torch.arange(ctx + new, device=self.device)[None, :] <= query_pos[:, None]
-            used_blocks = -(-(ctx + new) // block_size)
-            prefills.append(PrefillChunk(int(row_starts[i]), int(row_ends[i]), ctx,
-                                         tables[i, :used_blocks], mask))
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
             num_decode_tokens=num_decodes,
             decode_block_tables=tables[:num_decodes, :decode_blocks].contiguous(),
             decode_seq_lens=self._to_device(seq_lens[:num_decodes]),
-            prefills=prefills,
+            prefill_query_starts=self._to_device(np.append(row_starts[num_decodes:], num_tokens)),
+            prefill_context_lens=self._to_device(context[num_decodes:]),
+            prefill_block_tables=tables[num_decodes:],
             block_size=block_size,
             use_kernel=self.use_kernel,
         )
