@@ -21,7 +21,7 @@ from pagedllm.kv.manager import KVCacheManager
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
@@ -80,15 +80,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        running, allocate, block_table = self.running, self.kv_manager.allocate_slots, self.kv_manager.get_block_table
+        add = out.scheduled.append
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while index < len(running) and budget > 0:   # the hot loop: ~1 us per request (bench scheduling)
+            request = running[index]
+            request_id = request.request_id
+            computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) - computed
             if num_new == 0:  # waits for siblings (beam search) before it gets a new token
                 index += 1
                 continue
-            if not self._reserve(request, num_new, out):
+            if num_new > budget:
+                num_new = budget
+            if not allocate(request_id, computed + num_new, computed) and not self._preempt_until_fits(
+                    request, num_new, out):
                 break
+            add(ScheduledRequest(request, num_new, block_table(request_id)))
             budget -= num_new
             index += 1
         if not out.preempted:
@@ -117,18 +125,19 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_table(request.request_id)))
             budget -= num_new
 
-    def _reserve(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Gets blocks for a running request, preempting the least important until they fit."""
+    def _preempt_until_fits(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Preempts the least important running requests until `request` gets its blocks;
+        False when it had to be preempted itself."""
         kv = self.kv_manager
-        while not kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new,
-                                    request.num_computed_tokens):
+        while True:
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:
                 return False
-        out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_table(request.request_id)))
-        return True
+            if kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new,
+                                 request.num_computed_tokens):
+                return True
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request.request_id)

@@ -61,6 +61,10 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_blocks: dict[str, int] = {}     # leading table entries already in the cache
         self._pending_copies: list[tuple[int, int]] = []
+        # Requests that took part in a fork: only they can hold a shared block that is not yet
+        # full (prefix hits are full blocks, never written again), so only their writes need the
+        # copy-on-write check, which reads a block object per request per step.
+        self._forked: set[str] = set()
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -106,12 +110,14 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool has too few free blocks.
         """
         table = self.block_tables.get(request_id, [])
-        num_new = blocks_needed(num_total_tokens, self.block_size) - len(table) - len(cached_blocks)
         write_index = num_computed_tokens // self.block_size
-        needs_copy = write_index < len(table) and table[write_index].ref_count > 1
-        if num_new <= 0 and not needs_copy and not cached_blocks:   # the common decode step
-            self.num_tokens[request_id] = max(num_total_tokens, self.num_tokens[request_id])
+        needs_copy = (request_id in self._forked and write_index < len(table)
+                      and table[write_index].ref_count > 1)
+        if num_total_tokens <= len(table) * self.block_size and not needs_copy and not cached_blocks:
+            if num_total_tokens > self.num_tokens[request_id]:   # the common decode step: nothing to take
+                self.num_tokens[request_id] = num_total_tokens
             return True
+        num_new = blocks_needed(num_total_tokens, self.block_size) - len(table) - len(cached_blocks)
         reclaimed = sum(1 for block in cached_blocks if block.ref_count == 0)
         if max(num_new, 0) + needs_copy > self.pool.num_free_blocks - reclaimed:
             return False
@@ -157,6 +163,7 @@ class KVCacheManager:
         self.num_tokens[child_id] = self.num_tokens[parent_id]
         self._block_hashes[child_id] = list(self._block_hashes.get(parent_id, []))
         self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
+        self._forked.update((parent_id, child_id))
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """(source, destination) block copies the runner must make before the next forward pass."""
@@ -170,6 +177,7 @@ class KVCacheManager:
         self.num_tokens.pop(request_id, None)
         self._block_hashes.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
+        self._forked.discard(request_id)
         if table:
             self.pool.free(table[::-1])
 
