@@ -120,16 +120,19 @@ def _prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] for the new tokens;
-    caches laid out as kv_cache_shapes says.
+    caches laid out as kv_cache_shapes says. Rows past len(meta.slot_mapping) are padding.
 
     Writes the new K/V into the cache, then attends each token to its sequence's
-    cached keys up to and including its own position. Returns [tokens, heads, head_dim].
+    cached keys up to and including its own position. Returns [tokens, heads, head_dim],
+    zeros in the padding rows.
     """
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    num_tokens = meta.slot_mapping.shape[0]
+    write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping)
     num_decodes = meta.num_decode_tokens
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out[num_tokens:] = 0
     if num_decodes:
         _decode_attention(out[:num_decodes], q[:num_decodes], k_cache, v_cache, meta, scale)
-    if num_decodes < q.shape[0]:
+    if num_decodes < num_tokens:
         _prefill_attention(out, q, k, v, k_cache, v_cache, meta, scale)
     return out

@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm.model.attention import AttentionMetadata, paged_attention
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.linear import Linear
+from pagedllm.model.linear import Linear, padded_rows
 from pagedllm.model.ops import rms_norm, silu_and_mul
 from pagedllm.model.rope import Rotation, RotaryEmbedding
 
@@ -100,6 +100,11 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits [len(logits_indices), vocab] for the rows that sample."""
+        if self.lm_head.prepacked:
+            # Prepacked Linears take a few row counts only (see padded_rows): padding the batch once
+            # here spares each of them a copy. Extra rows are token 0 at position 0; attention skips them.
+            padding = padded_rows(input_ids.shape[0]) - input_ids.shape[0]
+            input_ids, positions = F.pad(input_ids, (0, padding)), F.pad(positions, (0, padding))
         hidden, residual = F.embedding(input_ids, self.embed_tokens), None
         rotation = self.rope.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
