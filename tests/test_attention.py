@@ -59,17 +59,26 @@ def test_kernel_and_pytorch_paths_agree_inside_paged_attention():
     positions = torch.cat([torch.arange(n - new, n) for n, new in zip(seq_lens, new_tokens)])
     rows = torch.repeat_interleave(torch.arange(4), torch.tensor(new_tokens))
     slots = tables[rows, positions // 16] * 16 + positions % 16
-    q = torch.randn(len(rows), 4, 32, generator=generator)
-    k_new = torch.randn(len(rows), 2, 32, generator=generator)
-    v_new = torch.randn(len(rows), 2, 32, generator=generator)
-    results = []
+    num_rows = len(rows) + 3   # three rows of batch padding, which must write and attend nothing
+    q = torch.randn(num_rows, 4, 32, generator=generator)
+    k_new = torch.randn(num_rows, 2, 32, generator=generator)
+    v_new = torch.randn(num_rows, 2, 32, generator=generator)
+    results, caches = [], []
     for use_kernel in (True, False):
         meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=2, decode_block_tables=tables[:2],
                                  decode_seq_lens=torch.tensor(seq_lens[:2]), prefill_query_starts=torch.tensor([2, 19, 39]),
                                  prefill_context_lens=torch.tensor([60, 0]), prefill_block_tables=tables[2:],
                                  block_size=16, use_kernel=use_kernel)
-        results.append(paged_attention(q, k_new, v_new, k_cache.clone(), v_cache.clone(), meta, 32 ** -0.5))
+        caches.append((k_cache.clone(), v_cache.clone()))
+        results.append(paged_attention(q, k_new, v_new, *caches[-1], meta, 32 ** -0.5))
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
+    assert not results[0][-3:].any()
+    written = torch.zeros(k_cache.shape[0] * 16, dtype=torch.bool)
+    written[slots] = True
+    by_slot = (lambda k: k.permute(0, 3, 1, 2), lambda v: v.permute(0, 2, 1, 3))   # [blocks, slots, heads, dim]
+    for view, cache, original in zip(by_slot, caches[0], (k_cache, v_cache)):   # only the real tokens' slots changed
+        changed = (view(cache) != view(original)).flatten(2).any(-1).flatten()
+        assert torch.equal(changed, written)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
