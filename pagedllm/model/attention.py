@@ -63,7 +63,7 @@ def kernel_available(device: torch.device, head_dim: int) -> bool:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Stores new K/V rows ([tokens, kv_heads, head_dim]) at their flat slots."""
-    if _C is not None and k_cache.device.type == "cpu" and k.stride(-1) == 1 and v.stride(-1) == 1:
+    if _C is not None and k_cache.is_cpu and k.stride(-1) == 1 and v.stride(-1) == 1:
         _C.write_kv(k_cache, v_cache, k, v, slot_mapping)
         return
     block_size = v_cache.shape[2]

@@ -44,6 +44,7 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         num_rows = x.shape[0]
         padding = padded_rows(num_rows) - num_rows
-        if padding:
+        if padding:   # the logits rows; the model pads its batch itself (CausalLM.forward)
             x = F.pad(x, (0, 0, 0, padding))
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:num_rows]
+        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return out[:num_rows] if padding else out

@@ -15,7 +15,7 @@ except ImportError:   # not built: the PyTorch formulas serve
 
 def on_cpu_kernel(x: torch.Tensor, multiple: int) -> bool:
     """Whether a kernel can take x: built, on CPU, last dimension a multiple of its vector width."""
-    return _C is not None and x.device.type == "cpu" and x.shape[-1] % multiple == 0
+    return _C is not None and x.is_cpu and x.shape[-1] % multiple == 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
