@@ -80,8 +80,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        running, allocate, block_table = self.running, self.kv_manager.allocate_slots, self.kv_manager.get_block_table
-        add = out.scheduled.append
+        running, add = self.running, out.scheduled.append
+        allocate, block_table = self.kv_manager.allocate_slots, self.kv_manager.get_block_table
         index = 0
         while index < len(running) and budget > 0:   # the hot loop: ~1 us per request (bench scheduling)
             request = running[index]
