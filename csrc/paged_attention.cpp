@@ -5,6 +5,7 @@
 // kernel should run at memory speed: rows are widened to floats 16 lanes at a time and
 // the softmax's exp is a vector polynomial, not a libm call per score.
 #include "ops.h"
+#include "paged_cache.h"
 #include "vectors.h"
 
 #include <ATen/Parallel.h>
@@ -19,17 +20,12 @@ using namespace pagedllm;
 
 // The shapes of one call, and the raw pointers the tasks read.
 template <typename scalar_t>
-struct Problem {
-  int64_t head_dim, group, num_kv_heads, block_size, max_blocks, q_token_stride;
+struct Problem : PagedCache<scalar_t> {
+  int64_t group, max_blocks, q_token_stride;
   float scale;
-  const scalar_t *q, *k_cache, *v_cache;
+  const scalar_t* q;
   scalar_t* out;
   const int64_t *tables, *rows, *lens;
-
-  // One kv head's part of a block: keys as [head_dim][block_size], values as [block_size][head_dim].
-  const scalar_t* head_block(const scalar_t* cache, int64_t block, int64_t kv_head) const {
-    return cache + (block * num_kv_heads + kv_head) * head_dim * block_size;
-  }
 };
 
 // Asks for a block (all kv heads' parts, side by side) while earlier ones are computed:
@@ -150,7 +146,7 @@ void attend_token(const Problem<scalar_t>& p, int64_t token, Scratch& scratch) {
   for (int64_t b = 0; b < num_blocks; ++b) {
     prefetch_block(b + kPrefetchAhead);
     for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
-      const scalar_t* keys = p.head_block(p.k_cache, table[b], kv_head);
+      const scalar_t* keys = p.keys(table[b], kv_head);
       for_head_tiles(group, [&](auto heads, int64_t first) {
         const int64_t head = kv_head * group + first;
         score_block<scalar_t, decltype(heads)::value>(keys, head_dim, block_size, query + head * head_dim,
@@ -173,7 +169,7 @@ void attend_token(const Problem<scalar_t>& p, int64_t token, Scratch& scratch) {
     prefetch_block(num_blocks + b + kPrefetchAhead);
     const int64_t n = std::min(block_size, kv_len - b * block_size);
     for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
-      const scalar_t* values = p.head_block(p.v_cache, table[b], kv_head);
+      const scalar_t* values = p.values(table[b], kv_head);
       for_head_tiles(group, [&](auto heads, int64_t first) {
         const int64_t head = kv_head * group + first;
         accumulate_block<scalar_t, decltype(heads)::value>(values, head_dim, n, scores + head * padded_len + b * block_size,
@@ -191,10 +187,10 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& token_rows,
             const at::Tensor& kv_lens, double scale) {
   const int64_t num_tokens = q.size(0), num_kv_heads = k_cache.size(1);
-  const Problem<scalar_t> p{q.size(2), q.size(1) / num_kv_heads, num_kv_heads, k_cache.size(3),
-                            block_tables.size(1), q.stride(0), static_cast<float>(scale),
-                            q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            out.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
+  const Problem<scalar_t> p{{q.size(2), num_kv_heads, k_cache.size(3), k_cache.data_ptr<scalar_t>(),
+                             v_cache.data_ptr<scalar_t>()},
+                            q.size(1) / num_kv_heads, block_tables.size(1), q.stride(0), static_cast<float>(scale),
+                            q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
                             token_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>()};
   // Tokens are handed out one at a time: sequences differ in length, so equal shares of
   // tokens would leave one thread idle while another finishes long ones.

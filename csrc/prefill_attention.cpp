@@ -10,6 +10,7 @@
 // vdpbf16ps multiplies 16 pairs of bfloat16 and accumulates in float, the pairs
 // interleaved on the fly from the cache layout; elsewhere two float FMAs do the same.
 #include "ops.h"
+#include "paged_cache.h"
 #include "vectors.h"
 
 #include <ATen/Parallel.h>
@@ -87,17 +88,12 @@ struct PairsFor<c10::BFloat16> { using type = Bf16Pairs; };
 
 // The shapes of one call, and the raw pointers the tasks read.
 template <typename scalar_t>
-struct Problem {
-  int64_t head_dim, group, num_heads, num_kv_heads, block_size, max_blocks, q_token_stride;
+struct Problem : PagedCache<scalar_t> {
+  int64_t group, num_heads, max_blocks, q_token_stride;
   float scale;
-  const scalar_t *q, *k_cache, *v_cache;
+  const scalar_t* q;
   scalar_t* out;
   const int64_t *tables, *query_starts, *context_lens;
-
-  // One kv head's part of a block: keys as [head_dim][block_size], values as [block_size][head_dim].
-  const scalar_t* head_block(const scalar_t* cache, int64_t block, int64_t kv_head) const {
-    return cache + (block * num_kv_heads + kv_head) * head_dim * block_size;
-  }
 };
 
 // Query positions [first, first + count) of a chunk (counted from the chunk's start), one kv head.
@@ -170,7 +166,7 @@ class TaskRunner {
     for (int64_t key = key0; key < key0 + count;) {
       const int64_t slot = key % block_size;
       const int64_t width = std::min<int64_t>({kLanes, block_size - slot, key0 + count - key});
-      const scalar_t* keys = p_.head_block(p_.k_cache, table_[key / block_size], task_.kv_head) + slot;
+      const scalar_t* keys = p_.keys(table_[key / block_size], task_.kv_head) + slot;
       for (int64_t r0 = 0; r0 < padded_rows_; r0 += kRowBlock) {
         vfloat acc[kRowBlock] = {};
         for (int64_t d = 0; d < head_dim_; d += 2) {
@@ -233,7 +229,7 @@ class TaskRunner {
     const scalar_t** rows = reinterpret_cast<const scalar_t**>(s_.value_rows.data());
     for (int64_t j = 0; j < count; ++j) {
       const int64_t key = key0 + j;
-      rows[j] = p_.head_block(p_.v_cache, table_[key / block_size], task_.kv_head) + key % block_size * head_dim_;
+      rows[j] = p_.values(table_[key / block_size], task_.kv_head) + key % block_size * head_dim_;
     }
     rows[count] = zeros;
     for (int64_t c = 0; c < head_dim_; c += kLanes) {
@@ -273,11 +269,11 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
             double scale) {
   using Pairs = typename PairsFor<scalar_t>::type;
   const int64_t num_kv_heads = k_cache.size(1), group = q.size(1) / num_kv_heads;
-  const Problem<scalar_t> p{q.size(2), group, q.size(1), num_kv_heads, k_cache.size(3), block_tables.size(1),
-                            q.stride(0), static_cast<float>(scale), q.data_ptr<scalar_t>(),
-                            k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                            block_tables.data_ptr<int64_t>(), query_starts.data_ptr<int64_t>(),
-                            context_lens.data_ptr<int64_t>()};
+  const Problem<scalar_t> p{{q.size(2), num_kv_heads, k_cache.size(3), k_cache.data_ptr<scalar_t>(),
+                             v_cache.data_ptr<scalar_t>()},
+                            group, q.size(1), block_tables.size(1), q.stride(0), static_cast<float>(scale),
+                            q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
+                            query_starts.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>()};
   const int64_t positions_per_task = std::max<int64_t>(1, kTaskRows / group);
   std::vector<Task> tasks;
   for (int64_t chunk = 0; chunk < context_lens.size(0); ++chunk) {
