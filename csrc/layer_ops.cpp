@@ -30,11 +30,7 @@ float inverse_rms(const scalar_t* x, int64_t n, float eps) {
 template <typename scalar_t>
 void normalise_row(scalar_t* out, const scalar_t* x, const scalar_t* weight, float eps, int64_t n) {
   const float inv = inverse_rms(x, n, eps);
-  for (int64_t i = 0; i < n; i += kLanes) {
-    scalar_t normed[kLanes];
-    narrow(widen(x + i) * inv, normed);
-    narrow(widen(normed) * widen(weight + i), out + i);
-  }
+  for (int64_t i = 0; i < n; i += kLanes) narrow(round_as<scalar_t>(widen(x + i) * inv) * widen(weight + i), out + i);
 }
 
 template <typename scalar_t>
@@ -121,10 +117,10 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
         for (int64_t i = 0; i < size; i += kLanes) {
           const vfloat g = widen(gate + i);
           const vfloat e = exp_nonpositive(g < 0 ? g : -g);   // e^-|g|: no overflow either side
-          const vfloat sigmoid = g < 0 ? e / (1.f + e) : 1.f / (1.f + e);
-          scalar_t silu[kLanes];   // rounded to the model dtype before the product, as F.silu(gate) * up
-          narrow(g * sigmoid, silu);
-          narrow(widen(silu) * widen(up + i), result + r * size + i);
+          const vfloat inverse = 1.f / (1.f + e);
+          const vfloat sigmoid = g < 0 ? e * inverse : inverse;
+          // silu rounded to the model dtype before the product, as F.silu(gate) * up
+          narrow(round_as<scalar_t>(g * sigmoid) * widen(up + i), result + r * size + i);
         }
       }
     });

@@ -105,7 +105,7 @@ struct Task {
 // Per-thread scratch, reused from task to task.
 template <typename Operand>
 struct Scratch {
-  std::vector<Operand> queries, probs;              // [rows][head_dim], [rows][prob_stride]
+  std::vector<Operand> queries, probs;              // [rows][head_dim], [rows][score_stride]
   std::vector<float> scores, acc, peak, total;      // [rows][score_stride], [rows][head_dim], [rows], [rows]
   std::vector<int64_t> last_key;                    // [rows]: the last key position each row sees
   std::vector<const void*> value_rows;              // [tile keys + 1]

@@ -66,14 +66,33 @@ inline void narrow(vfloat v, scalar_t* dst) {   // float16 and others: element b
 template <>
 inline void narrow<float>(vfloat v, float* dst) { std::memcpy(dst, &v, sizeof(v)); }
 
+// v rounded to bfloat16 (nearest even) but kept as floats: the low 16 bits cleared. NaN stays a quiet NaN.
+inline vfloat round_to_bf16(vfloat v) {
+  const vuint bits = reinterpret_cast<vuint>(v);
+  const vuint rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  return v != v ? reinterpret_cast<vfloat>(vuint{} + 0x7fc00000u) : reinterpret_cast<vfloat>(rounded);
+}
+
 template <>
 inline void narrow<c10::BFloat16>(vfloat v, c10::BFloat16* dst) {
-  const vuint bits = reinterpret_cast<vuint>(v);
-  vuint rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  rounded = v != v ? vuint{} + 0x7fc0u : rounded;   // NaN stays a (quiet) NaN
-  const vbits16 out = __builtin_convertvector(rounded, vbits16);
+  const vbits16 out = __builtin_convertvector(reinterpret_cast<vuint>(round_to_bf16(v)) >> 16, vbits16);
   std::memcpy(dst, &out, sizeof(out));
 }
+
+// v rounded to scalar_t's precision, kept as floats: a formula's mid-way rounding to the
+// model dtype without a trip through memory.
+template <typename scalar_t>
+inline vfloat round_as(vfloat v) {   // float16 and others: through narrow and widen
+  scalar_t rounded[kLanes];
+  narrow(v, rounded);
+  return widen(rounded);
+}
+
+template <>
+inline vfloat round_as<float>(vfloat v) { return v; }
+
+template <>
+inline vfloat round_as<c10::BFloat16>(vfloat v) { return round_to_bf16(v); }
 
 // e^x for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2 / 2,
 // e^r by Cephes' degree-7 polynomial (relative error ~1e-7), 2^n built in the exponent bits.
