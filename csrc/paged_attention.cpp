@@ -1,9 +1,10 @@
 // Paged attention for the CPU: each query token attends to its sequence's keys and
 // values where they lie, in KV blocks reached through the block table. No gather copy,
 // no padding to the longest sequence. Used for decode tokens (prefill chunks have
-// csrc/prefill_attention.cpp, which shares each K/V read among many queries). A decode step reads every cached K/V row once, so the
-// kernel should run at memory speed: rows are widened to floats 16 lanes at a time and
-// the softmax's exp is a vector polynomial, not a libm call per score.
+// csrc/prefill_attention.cpp, which shares each K/V read among many queries). A decode
+// step reads every cached K/V row once, so the kernel should run at memory speed: rows
+// are widened to floats 16 lanes at a time and the softmax's exp is a vector polynomial,
+// not a libm call per score.
 #include "ops.h"
 #include "paged_cache.h"
 #include "vectors.h"
@@ -148,9 +149,10 @@ void attend_token(const Problem<scalar_t>& p, int64_t token, Scratch& scratch) {
     for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
       const scalar_t* keys = p.keys(table[b], kv_head);
       for_head_tiles(group, [&](auto heads, int64_t first) {
+        constexpr int kHeads = decltype(heads)::value;
         const int64_t head = kv_head * group + first;
-        score_block<scalar_t, decltype(heads)::value>(keys, head_dim, block_size, query + head * head_dim,
-                                       scores + head * padded_len + b * block_size, padded_len);
+        score_block<scalar_t, kHeads>(keys, head_dim, block_size, query + head * head_dim,
+                                      scores + head * padded_len + b * block_size, padded_len);
       });
     }
   }
@@ -171,9 +173,10 @@ void attend_token(const Problem<scalar_t>& p, int64_t token, Scratch& scratch) {
     for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
       const scalar_t* values = p.values(table[b], kv_head);
       for_head_tiles(group, [&](auto heads, int64_t first) {
+        constexpr int kHeads = decltype(heads)::value;
         const int64_t head = kv_head * group + first;
-        accumulate_block<scalar_t, decltype(heads)::value>(values, head_dim, n, scores + head * padded_len + b * block_size,
-                                            padded_len, acc + head * head_dim);
+        accumulate_block<scalar_t, kHeads>(values, head_dim, n, scores + head * padded_len + b * block_size,
+                                           padded_len, acc + head * head_dim);
       });
     }
   }
