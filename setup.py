@@ -19,7 +19,8 @@ def extensions():
     flags = ["-O3", "-std=c++17", "-ffp-contract=fast", "-fopenmp"]
     if platform.machine() in ("x86_64", "AMD64") and os.environ.get("PAGEDLLM_PORTABLE") != "1":
         flags.append("-march=native")   # AVX-512 where the building machine has it
-    sources = ["csrc/bindings.cpp", "csrc/paged_attention.cpp", "csrc/prefill_attention.cpp", "csrc/layer_ops.cpp", "csrc/sampler_ops.cpp"]
+    sources = ["csrc/bindings.cpp", "csrc/paged_attention.cpp", "csrc/prefill_attention.cpp", "csrc/layer_ops.cpp",
+               "csrc/sampler_ops.cpp"]
     ext = CppExtension("pagedllm._C", sources, extra_compile_args=flags, extra_link_args=["-fopenmp"])
     return [ext], {"build_ext": BuildExtension}
 

@@ -208,7 +208,7 @@ class TaskRunner {
         vfloat e = exp_nonpositive(widen(scores + j) * p_.scale - new_peak);
         e = lane + static_cast<int32_t>(j) < static_cast<int32_t>(visible) ? e : vfloat{};
         sum += e;
-        store(e, probs + j);
+        narrow(e, probs + j);
       }
       const float rescale = std::exp(s_.peak[r] - new_peak);   // 0 on the first visible tile
       s_.peak[r] = new_peak;
@@ -219,8 +219,6 @@ class TaskRunner {
       }
     }
   }
-
-  static void store(vfloat v, Operand* dst) { narrow(v, dst); }
 
   // acc[r] += sum_j probs[r][j] * v_(key0 + j), 16 dimensions per vector, keys two at a time.
   void accumulate_values(int64_t key0, int64_t count) {
