@@ -240,13 +240,11 @@ class LLMEngine:
         scheduled = time.perf_counter()
         sampled_requests, samples = self.runner.execute(plan.scheduled, plan.block_copies)
         computed = time.perf_counter()
-        block_size = self.kv_manager.block_size
         for row in plan.scheduled:
             request = row.request
             request.num_computed_tokens += row.num_new_tokens
-            if request.num_computed_tokens % block_size < row.num_new_tokens:   # a block became full
-                self.kv_manager.cache_full_blocks(request.request_id, request.all_token_ids,
-                                                  request.num_computed_tokens)
+            self.kv_manager.cache_full_blocks(request.request_id, request.all_token_ids,
+                                              request.num_computed_tokens)
             for sibling in row.also_sample_for:
                 self.fork(request, sibling)
         self.last_step_stats = StepStats(
