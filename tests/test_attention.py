@@ -118,8 +118,9 @@ def causal_reference(q, keys, values, context_len, scale):
 def test_prefill_kernel_matches_dense_causal_attention(dtype, block_size, heads, kv_heads, head_dim):
     generator = torch.Generator().manual_seed(3)
     # (context already cached, chunk length): whole prompts, chunks after a cached prefix,
-    # lengths around block and tile edges, an odd last key, a single-token chunk
-    chunks = [(0, 1), (0, 17), (0, 130), (16, 5), (37, 64), (100, 1), (5, 250)]
+    # lengths around block edges, an odd last key, a single-token chunk, and 700 keys (more than
+    # one 512-key tile: the running maximum and sum are rescaled between tiles)
+    chunks = [(0, 1), (0, 17), (0, 130), (16, 5), (37, 64), (100, 1), (5, 250), (300, 400)]
     seq_lens = [context + length for context, length in chunks]
     k_cache, v_cache, tables, keys, values = scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype,
                                                              generator)
