@@ -130,7 +130,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping)
     num_decodes = meta.num_decode_tokens
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    out[num_tokens:] = 0
+    if num_tokens < q.shape[0]:
+        out[num_tokens:] = 0
     if num_decodes:
         _decode_attention(out[:num_decodes], q[:num_decodes], k_cache, v_cache, meta, scale)
     if num_decodes < num_tokens:
