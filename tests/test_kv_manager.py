@@ -1,18 +1,22 @@
 """Block pool and block tables: hand-computed counts and property-based bookkeeping checks."""
+import hashlib
 import math
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from pagedllm.kv import manager as manager_module
 from pagedllm.kv.block_pool import BlockPool, hash_block
 from pagedllm.kv.manager import KVCacheManager
 
 
-def new_request(manager, request_id, token_ids):
+def new_request(manager, request_id, token_ids, cache_salt=None):
     """What the scheduler does for a new request: prefix lookup, then slots for all tokens."""
-    cached = manager.get_computed_blocks(request_id, token_ids)
+    cached = manager.get_computed_blocks(request_id, token_ids, cache_salt)
     num_computed = len(cached) * manager.block_size
     if not manager.allocate_slots(request_id, len(token_ids), num_computed, cached):
         return None
@@ -119,6 +123,68 @@ def test_hash_chains_the_parent():
     tokens = (1, 2, 3, 4)
     assert hash_block(None, tokens) != hash_block(hash_block(None, (9, 9, 9, 9)), tokens)
     assert hash_block(None, tokens) != hash_block(None, tokens, extra_key="lora-1")
+
+
+def test_hash_is_sha256_of_an_unambiguous_encoding():
+    """A parent digest, the token count and ids, then the extra key: inputs that a naive concatenation
+    would run together hash apart, and the digest is sha256 of exactly that encoding."""
+    parent = hash_block(None, (7,))
+    expected = hashlib.sha256(parent + (2).to_bytes(4, "little") + (1).to_bytes(4, "little")
+                              + (2).to_bytes(4, "little") + b"\x01salt").digest()
+    assert hash_block(parent, (1, 2), "salt") == expected
+    assert len({hash_block(parent, (1, 2)), hash_block(parent, (1, 2), ""), hash_block(parent, (1,), "2"),
+                hash_block(parent, (1, 2, 0)), hash_block(parent, (2, 1)), hash_block(None, (1, 2))}) == 6
+
+
+def test_hash_root_is_random_per_process():
+    """No one can precompute a first block's hash: the chain's root differs in every process."""
+    code = "from pagedllm.kv.block_pool import hash_block; print(hash_block(None, (1, 2, 3)).hex())"
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+               for _ in range(2)}
+    assert len(digests) == 2 and hash_block(None, (1, 2, 3)).hex() + "\n" not in digests
+
+
+def test_a_hash_collision_never_shares_a_block(monkeypatch):
+    """With every block forced to the same hash, a prompt of other tokens finds nothing: a hit needs the
+    block's own tokens (and its parent's hash, and the salt) to match, not only the hash."""
+    monkeypatch.setattr(manager_module, "hash_block", lambda *key: b"\0" * 32)
+    manager = KVCacheManager(num_blocks=20, block_size=4)
+    victim = [10, 11, 12, 13, 14, 15, 16, 17, 18]
+    new_request(manager, "victim", victim)
+    manager.cache_full_blocks("victim", victim, len(victim))
+    assert new_request(manager, "attacker", [20, 21, 22, 23, 24, 25, 26, 27, 28]) == 0
+    assert new_request(manager, "salted", victim, cache_salt="other") == 0
+    assert new_request(manager, "same", victim) == 4     # the patch left real hits possible
+    assert manager.pool.blocks[manager.get_block_table("same")[0]].ref_count == 2
+
+
+def test_salts_separate_cached_blocks_and_equal_salts_share():
+    manager = KVCacheManager(num_blocks=32, block_size=4)
+    prompt = list(range(100, 113))                     # 3 full blocks + 1 token
+    assert new_request(manager, "alice-1", prompt, "alice") == 0
+    manager.cache_full_blocks("alice-1", prompt, len(prompt))
+    assert new_request(manager, "bob", prompt, "bob") == 0
+    assert new_request(manager, "unsalted", prompt) == 0
+    assert new_request(manager, "alice-2", prompt, "alice") == 12
+    alice_blocks = set(manager.get_block_table("alice-1"))
+    assert alice_blocks.isdisjoint(manager.get_block_table("bob"))
+    assert alice_blocks.isdisjoint(manager.get_block_table("unsalted"))
+    assert set(manager.get_block_table("alice-2")[:3]) <= alice_blocks
+    assert manager.usage().num_shared_blocks == 3
+
+
+def test_a_fork_keeps_its_parents_salt():
+    """A child's later blocks chain from the parent's salted ones; a block the child fills is found by
+    the same salt only."""
+    manager = KVCacheManager(num_blocks=32, block_size=4)
+    prompt = [1, 2, 3]
+    new_request(manager, "parent", prompt, "tenant")
+    manager.fork("parent", "child")
+    tokens = prompt + [4, 5, 6, 7, 8]
+    assert manager.allocate_slots("child", len(tokens), len(prompt))
+    manager.cache_full_blocks("child", tokens, len(tokens))
+    assert new_request(manager, "other-tenant", tokens + [9], "intruder") == 0
+    assert new_request(manager, "same-tenant", tokens + [9], "tenant") == 8
 
 
 def test_idle_cached_blocks_are_evicted_least_recently_released_first():

@@ -37,6 +37,7 @@ class Request:
     max_tokens: int
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
+    cache_salt: str | None = None   # enters the first KV block's hash: only equal salts share cached blocks
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0

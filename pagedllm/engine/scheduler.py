@@ -108,7 +108,7 @@ class Scheduler:
         kv = self.kv_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = kv.get_computed_blocks(request.request_id, request.all_token_ids)
+            cached = kv.get_computed_blocks(request.request_id, request.all_token_ids, request.cache_salt)
             num_computed = len(cached) * kv.block_size
             num_new = request.num_tokens - num_computed
             if num_new > budget:

@@ -8,34 +8,51 @@ still hold the KV of a full block that some request computed; it stays findable
 by its content hash until it is handed out again, so the free queue doubles as
 the LRU list of the prefix cache: blocks are taken from the front (least recently
 released first) and released to the back.
+
+A cached block is found by its hash but handed out only if the key it was cached
+under (parent hash, token ids, extra key) equals the one asked for, so a hash
+collision, accidental or crafted, can never give one request another's KV.
 """
 from __future__ import annotations
 
+import hashlib
+import secrets
+import struct
 from collections.abc import Iterator
-from typing import Hashable
 
-BlockHash = int
+BlockHash = bytes
+# What a full block's hash is computed over: the parent block's hash (None for the first block),
+# the block's token ids, and an extra key (the request's cache salt, first block only).
+BlockKey = tuple[BlockHash | None, tuple[int, ...], str | None]
+
+# The parent of every first block: random per process, so no one outside can precompute a chain
+# (vLLM's advisory GHSA-rm76-4mrf-v9r8: a constant root made crafted collisions possible).
+_ROOT_HASH = secrets.token_bytes(32)
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_count", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_count", "block_hash", "block_key", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: BlockHash | None = None
+        self.block_key: BlockKey | None = None    # set with block_hash, while the block is cached
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref_count={self.ref_count}, hash={self.block_hash})"
+        digest = self.block_hash.hex()[:12] if self.block_hash else None
+        return f"KVBlock({self.block_id}, ref_count={self.ref_count}, hash={digest})"
 
 
-def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...],
-               extra_key: Hashable = None) -> BlockHash:
-    """A full block's identity: its tokens, everything before them (through the parent's
-    hash), and an optional extra key (a LoRA id, a cache salt) that must also match."""
-    return hash((parent_hash, token_ids, extra_key))
+def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...], extra_key: str | None = None) -> BlockHash:
+    """sha256 of a full block's identity in a canonical, unambiguous encoding: the parent's digest,
+    the token count and ids (4-byte little-endian), then a tag and the extra key's UTF-8 bytes."""
+    digest = hashlib.sha256(_ROOT_HASH if parent_hash is None else parent_hash)
+    digest.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
+    digest.update(b"\x00" if extra_key is None else b"\x01" + extra_key.encode())
+    return digest.digest()
 
 
 class FreeBlockQueue:
@@ -101,7 +118,7 @@ class BlockPool:
         for block in blocks:
             if block.block_hash is not None:
                 del self.cached_blocks[block.block_hash]
-                block.block_hash = None
+                block.block_hash = block.block_key = None
             block.ref_count = 1
         return blocks
 
@@ -121,13 +138,15 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_block_queue.append(block)
 
-    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
-        return self.cached_blocks.get(block_hash)
+    def lookup(self, block_hash: BlockHash, block_key: BlockKey) -> KVBlock | None:
+        """The cached block with this hash, only if it was cached under the same key."""
+        block = self.cached_blocks.get(block_hash)
+        return block if block is not None and block.block_key == block_key else None
 
-    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
+    def cache(self, block: KVBlock, block_hash: BlockHash, block_key: BlockKey) -> None:
         """Makes a full, computed block findable by its hash (the first block with a given hash wins)."""
         if block.block_hash is None and block_hash not in self.cached_blocks:
-            block.block_hash = block_hash
+            block.block_hash, block.block_key = block_hash, block_key
             self.cached_blocks[block_hash] = block
 
     def num_cached_idle_blocks(self) -> int:

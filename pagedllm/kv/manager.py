@@ -6,12 +6,15 @@ requests hold too: prefix-cache hits (full blocks with the same tokens before an
 in them) and forks (parallel samples, beams). Full blocks are never written again,
 so only a shared, partly filled last block needs copying, and only when a holder
 writes into it.
+
+A request's cache salt enters its first block's hash (and key), so requests with
+different salts (tenants) never share a cached block, and the same salt shares as before.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_block
+from pagedllm.kv.block_pool import BlockHash, BlockKey, BlockPool, KVBlock, hash_block
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -59,6 +62,7 @@ class KVCacheManager:
         self._block_ids: dict[str, list[int]] = {}
         self.num_tokens: dict[str, int] = {}            # tokens whose slots the table covers
         self._block_hashes: dict[str, list[BlockHash]] = {}
+        self._cache_salts: dict[str, str] = {}           # only requests that have one
         self._num_cached_blocks: dict[str, int] = {}     # leading table entries already in the cache
         self._pending_copies: list[tuple[int, int]] = []
         # Requests that took part in a fork: only they can hold a shared block that is not yet
@@ -75,22 +79,33 @@ class KVCacheManager:
         """The request's block ids: the manager's own list, to read before the next allocation, not change."""
         return self._block_ids[request_id]
 
+    def _block_key(self, request_id: str, token_ids: list[int], index: int, hashes: list[BlockHash]) -> BlockKey:
+        """What the request's full block `index` is identified by (its parent's hash must be known)."""
+        size = self.block_size
+        block_tokens = tuple(token_ids[index * size:(index + 1) * size])
+        if index == 0:
+            return None, block_tokens, self._cache_salts.get(request_id)
+        return hashes[index - 1], block_tokens, None
+
     def _hashes(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[BlockHash]:
         """Hashes of the full blocks among the first num_tokens tokens, computed once per block."""
         hashes = self._block_hashes.setdefault(request_id, [])
-        size = self.block_size
-        for index in range(len(hashes), num_tokens // size):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(token_ids[index * size:(index + 1) * size])))
+        for index in range(len(hashes), num_tokens // self.block_size):
+            hashes.append(hash_block(*self._block_key(request_id, token_ids, index, hashes)))
         return hashes
 
-    def get_computed_blocks(self, request_id: str, token_ids: list[int]) -> list[KVBlock]:
-        """The cached blocks of the longest cached prefix, leaving at least the last token to compute."""
+    def get_computed_blocks(self, request_id: str, token_ids: list[int],
+                            cache_salt: str | None = None) -> list[KVBlock]:
+        """The cached blocks of the longest cached prefix, leaving at least the last token to compute.
+        A block counts only if it was cached under the same parent, tokens and salt."""
         if not self.enable_prefix_caching:
             return []
+        if cache_salt is not None:
+            self._cache_salts[request_id] = cache_salt
         hits = []
-        for block_hash in self._hashes(request_id, token_ids, len(token_ids) - 1):
-            block = self.pool.lookup(block_hash)
+        hashes = self._hashes(request_id, token_ids, len(token_ids) - 1)
+        for index, block_hash in enumerate(hashes):
+            block = self.pool.lookup(block_hash, self._block_key(request_id, token_ids, index, hashes))
             if block is None:
                 break
             hits.append(block)
@@ -151,7 +166,7 @@ class KVCacheManager:
         hashes = self._hashes(request_id, token_ids, num_computed_tokens)
         table = self.block_tables[request_id]
         for index in range(self._num_cached_blocks[request_id], num_full):
-            self.pool.cache(table[index], hashes[index])
+            self.pool.cache(table[index], hashes[index], self._block_key(request_id, token_ids, index, hashes))
         self._num_cached_blocks[request_id] = num_full
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -163,6 +178,8 @@ class KVCacheManager:
         self.num_tokens[child_id] = self.num_tokens[parent_id]
         self._block_hashes[child_id] = list(self._block_hashes.get(parent_id, []))
         self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
+        if parent_id in self._cache_salts:
+            self._cache_salts[child_id] = self._cache_salts[parent_id]
         self._forked.update((parent_id, child_id))
 
     def take_block_copies(self) -> list[tuple[int, int]]:
@@ -177,6 +194,7 @@ class KVCacheManager:
         self.num_tokens.pop(request_id, None)
         self._block_hashes.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
+        self._cache_salts.pop(request_id, None)
         self._forked.discard(request_id)
         if table:
             self.pool.free(table[::-1])
