@@ -93,6 +93,37 @@ def test_identical_prompt_recomputes_only_its_last_token(tiny_dir):
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first
 
 
+def test_cache_salt_shares_blocks_only_within_a_salt(tiny_dir):
+    """vLLM's prompt key: the same prompt under another salt computes everything again (no hit), under
+    the same salt only its last token; outputs are the same either way."""
+    llm = LLM(str(tiny_dir), dtype="float32", kv_cache_memory="8MiB", block_size=8)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    tokens = list(range(60, 92))                           # exactly 4 blocks
+    answers = []
+    for request_id, salt, computed in (("first", "alice", 32), ("intruder", "bob", 32), ("unsalted", None, 32),
+                                       ("again", "alice", 8)):
+        prompt = {"prompt_token_ids": tokens} | ({"cache_salt": salt} if salt else {})
+        hits_before = engine.kv_manager.prefix_cache_hits
+        engine.add_request(request_id, prompt, params)
+        engine.step()
+        assert engine.last_step_stats.num_tokens == computed, request_id
+        assert engine.kv_manager.prefix_cache_hits - hits_before == 32 - computed
+        answers.append(final_token_ids(engine))
+    assert all(answer == answers[0] for answer in answers)
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate({"prompt_token_ids": tokens, "cache_salt": ""}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt keys must be among cache_salt, prompt, prompt_token_ids"):
+        llm.generate({"prompt_token_ids": tokens, "cache_salts": "x"}, params, use_tqdm=False)
+
+
+def final_token_ids(engine) -> list[int]:
+    """Steps the engine until idle; the output token ids of the one request that finished."""
+    (finished,) = [output for _ in iter(engine.has_unfinished_requests, False) for output in engine.step()
+                   if output.finished]
+    return finished.outputs[0].token_ids
+
+
 def test_stats_are_derived_from_the_pool(tiny_dir):
     llm = LLM(str(tiny_dir), dtype="float32", kv_cache_memory="8MiB", block_size=8)
     engine = llm.llm_engine

@@ -8,6 +8,10 @@ One background task drives the steps and routes each RequestOutput by
 request_id to its caller's asyncio.Queue; it sleeps while the engine is idle.
 
 One AsyncLLM belongs to one event loop (its queues and event bind to it).
+
+With max_waiting_requests, a new request is refused at once (EngineOverloadedError)
+while that many wait: those being added plus the scheduler's waiting queue. The check
+and the count run on the event loop with no await between them, so the bound is strict.
 """
 from __future__ import annotations
 
@@ -38,6 +42,10 @@ class EngineDeadError(RuntimeError):
     """The AsyncLLM was shut down (or its loop died): in-flight and new requests get this."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """max_waiting_requests are already waiting: the new request was not queued; retry later."""
+
+
 class _StepFailed(Exception):
     """Raised on the engine thread when a whole step failed; names the requests it aborted."""
 
@@ -51,8 +59,10 @@ _ABORTED = None
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None):
         self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._num_adding = 0   # requests handed to the engine thread whose add_request has not returned
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
         self._streams: dict[str, asyncio.Queue] = {}
         self._new_work = asyncio.Event()
@@ -61,30 +71,49 @@ class AsyncLLM:
         self._closed = False                          # set by shutdown(): the engine thread is gone
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLM:
+    def from_config(cls, config: EngineConfig, max_waiting_requests: int | None = None) -> AsyncLLM:
         """Loads the model (blocking: call it before serving) and wraps the engine."""
-        return cls(LLMEngine(config))
+        return cls(LLMEngine(config), max_waiting_requests)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests not yet running: being added, or in the scheduler's waiting queue (a list whose
+        length is safe to read from this thread while the engine thread changes it)."""
+        return self._num_adding + len(self.engine.scheduler.waiting)
+
+    def check_capacity(self, count: int = 1) -> None:
+        """Raises EngineOverloadedError if `count` more requests would exceed max_waiting_requests."""
+        limit = self.max_waiting_requests
+        if limit is not None and self.num_waiting_requests + count > limit:
+            raise EngineOverloadedError(f"{self.num_waiting_requests} requests are waiting (the limit is {limit}); "
+                                        "retry later")
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as the engine makes them, as sampling_params.output_kind asks,
         ending after the finished one.
 
-        Raises ValueError for a request that can never run, EngineRequestError when the engine fails
-        it, EngineDeadError after shutdown(). A stream ended by abort() just stops, with no finished
+        Raises ValueError for a request that can never run, EngineOverloadedError when
+        max_waiting_requests wait already, EngineRequestError when the engine fails it,
+        EngineDeadError after shutdown(). A stream ended by abort() just stops, with no finished
         output. Closing or cancelling the iterator aborts the request, freeing its KV blocks.
         """
         if self._dead is not None:
             raise self._dead
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.check_capacity()
         self._start_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         done = False   # True once the engine holds nothing more of this request
+        self._num_adding += 1
         try:
-            await self._on_engine_thread(partial(self.engine.add_request, request_id, prompt, sampling_params,
-                                                 priority=priority))
+            try:
+                await self._on_engine_thread(partial(self.engine.add_request, request_id, prompt, sampling_params,
+                                                     priority=priority))
+            finally:
+                self._num_adding -= 1
             self._new_work.set()
             while not done:
                 item = await queue.get()

@@ -79,8 +79,10 @@ def beam_search(engine: LLMEngine, prompts: list[PromptType], params: BeamSearch
     beams: dict[str, _Beam] = {}
     searches = []
     for prompt in prompts:
-        _, prompt_ids, max_tokens = engine.check_prompt(prompt, sampling)
-        request = Request(next(ids), prompt_ids, sampling, engine.model_config.eos_token_ids, max_tokens)
+        checked = engine.check_prompt(prompt, sampling)
+        prompt_ids = checked.token_ids
+        request = Request(next(ids), prompt_ids, sampling, engine.model_config.eos_token_ids, checked.max_tokens,
+                          cache_salt=checked.cache_salt)
         beam = _Beam(request, BeamSearchSequence(list(prompt_ids), [], 0.0, num_prompt_tokens=len(prompt_ids)))
         beams[request.request_id] = beam
         engine.scheduler.add_request(request)
@@ -135,7 +137,8 @@ def _advance(engine: LLMEngine, search: _Prompt, params: BeamSearchParams, beams
         extended = [parent]
         for _ in kept[1:]:
             child = Request(next(ids), parent.request.prompt_token_ids, parent.request.sampling_params,
-                            parent.request.eos_token_ids, parent.request.max_tokens)
+                            parent.request.eos_token_ids, parent.request.max_tokens,
+                            cache_salt=parent.request.cache_salt)
             engine.fork(parent.request, child)
             seq = parent.sequence
             extended.append(_Beam(child, BeamSearchSequence(list(seq.tokens), list(seq.logprobs), seq.cum_logprob,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,26 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 PromptType = str | dict
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+MAX_CACHE_SALT_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class CheckedPrompt:
+    """A prompt that can run: its text (if it had one), token ids, the max_tokens it gets, its cache salt."""
+    text: str | None
+    token_ids: list[int]
+    max_tokens: int
+    cache_salt: str | None
+
+
+def cache_salt_of(prompt: PromptType) -> str | None:
+    """vLLM's `cache_salt` prompt key: a non-empty string, or absent."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                         f"got {salt!r:.80}")
+    return salt
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -111,6 +132,9 @@ class LLMEngine:
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and not prompt.keys() <= PROMPT_KEYS:
+            raise ValueError(f"prompt keys must be among {', '.join(sorted(PROMPT_KEYS))}, "
+                             f"got {', '.join(sorted(map(str, prompt.keys() - PROMPT_KEYS)))}")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             vocab = self.model_config.vocab_size
@@ -120,26 +144,28 @@ class LLMEngine:
             return prompt.get("prompt"), list(ids)
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
-                         f"got {type(prompt).__name__}")
+        raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]} "
+                         f"(either with an optional 'cache_salt'), got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Validates and queues a request; raises ValueError (naming the numbers) if it can never run."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, prompt_ids, max_tokens = self.check_prompt(prompt, params)
+        checked = self.check_prompt(prompt, params)
+        prompt_ids = checked.token_ids
         num_children = params.best_of or params.n
         arrival_time = arrival_time or time.monotonic()
         children = []
         for index in range(num_children):
             child_params = params.for_child(index) if num_children > 1 else params
             child_id = request_id if num_children == 1 else f"{index}_{request_id}"
-            request = Request(child_id, prompt_ids, child_params, self.model_config.eos_token_ids, max_tokens,
-                              arrival_time=arrival_time, priority=priority)
+            request = Request(child_id, prompt_ids, child_params, self.model_config.eos_token_ids,
+                              checked.max_tokens, arrival_time=arrival_time, priority=priority,
+                              cache_salt=checked.cache_salt)
             children.append(ChildState(request, index,
                                        IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)))
-        self.parents[request_id] = ParentRequest(request_id, text, prompt_ids, params, children)
+        self.parents[request_id] = ParentRequest(request_id, checked.text, prompt_ids, params, children)
         for child in children:
             self.children[child.request.request_id] = child
             self.parent_of[child.request.request_id] = request_id
@@ -150,8 +176,9 @@ class LLMEngine:
         if num_children > 1:
             self.pending_forks[first.request_id] = [child.request for child in children[1:]]
 
-    def check_prompt(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int], int]:
-        """Tokenizes and validates a prompt; returns its text, token ids and the max_tokens it gets."""
+    def check_prompt(self, prompt: PromptType, params: SamplingParams) -> CheckedPrompt:
+        """Tokenizes and validates a prompt; raises ValueError naming what cannot run."""
+        cache_salt = cache_salt_of(prompt)
         text, prompt_ids = self._tokenize(prompt)
         if not prompt_ids:
             raise ValueError("prompt must not be empty")
@@ -172,7 +199,7 @@ class LLMEngine:
         if any(token_id >= vocab for token_id in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}, "
                              f"got {params.stop_token_ids}")
-        return text, prompt_ids, max_tokens
+        return CheckedPrompt(text, prompt_ids, max_tokens, cache_salt)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their blocks return to the pool at once."""

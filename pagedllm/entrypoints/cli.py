@@ -72,6 +72,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "or the bundled model's name)")
     group.add_argument("--api-key", default=_UNSET,
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: none)")
+    group.add_argument("--api-keys-file", default=_UNSET, metavar="FILE",
+                       help="YAML mapping of API key to tenant name, accepted beside --api-key; each tenant's "
+                            "requests are salted so tenants never share prefix-cache blocks (default: none)")
+    group.add_argument("--max-waiting-requests", type=int, default=_UNSET,
+                       help="most requests queued for the engine; past it new ones get 503 with Retry-After "
+                            "(default: no bound)")
     group.add_argument("--max-request-body-bytes", type=int, default=_UNSET,
                        help=f"larger request bodies get 413 {_default(ServerConfig, 'max_request_body_bytes')}")
     group.add_argument("--shutdown-timeout", type=float, default=_UNSET,

@@ -93,6 +93,20 @@ def test_constant_time_check_catches_a_plain_comparison(monkeypatch):
         security.api_key_compared_in_constant_time()
 
 
+def test_constant_time_check_catches_a_search_that_stops_at_the_first_match(monkeypatch):
+    """With several keys (--api-keys-file), which key matched must not show in the time taken either."""
+    def first_match(self, authorization):
+        token = authorization.partition(b" ")[2]
+        for key, tenant in self.keys:
+            if auth.hmac.compare_digest(token, key):
+                return True, tenant
+        return False, None
+
+    monkeypatch.setattr(auth.APIKeyMiddleware, "_match", first_match)
+    with pytest.raises(security.SecurityCheckFailed, match="not compared with compare_digest against every key"):
+        security.api_key_compared_in_constant_time()
+
+
 # ---- body size: the property's own test is tests/test_server.py::test_oversized_bodies_are_refused_with_413 ----
 
 def test_suite_body_limit_check_passes(keyed_server):

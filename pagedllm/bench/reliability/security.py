@@ -203,14 +203,15 @@ def require_auth_error(response: httpx.Response, code: str, what: str) -> None:
 
 
 def api_key_compared_in_constant_time() -> str:
-    """The real middleware over a one-route app, with compare_digest spied on: each request's key must
-    go through it (timing itself is too noisy to measure in a check)."""
+    """The real middleware over a one-route app with two keys (one a tenant's), compare_digest spied on:
+    each request's key must go through it against every key, matching or not (timing itself is too
+    noisy to measure in a check)."""
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    api_key = new_api_key()
+    keys = {new_api_key(): None, new_api_key(): "tenant"}
     calls = []
     real_compare = hmac.compare_digest
 
@@ -219,19 +220,20 @@ def api_key_compared_in_constant_time() -> str:
         return real_compare(given, expected)
 
     app = Starlette(routes=[Route("/v1/models", lambda request: PlainTextResponse("ok"))])
-    client = TestClient(auth.APIKeyMiddleware(app, api_key=api_key))
+    client = TestClient(auth.APIKeyMiddleware(app, keys=keys))
     owners = [hmac, secrets, *([auth] if hasattr(auth, "compare_digest") else [])]
     with ExitStack() as patches:
         for owner in owners:
             patches.enter_context(mock.patch.object(owner, "compare_digest", spy))
-        for sent, status in ((api_key, 200), (new_api_key(), 401)):
+        for sent, status in [(key, 200) for key in keys] + [(new_api_key(), 401)]:
             calls.clear()
             response = client.get("/v1/models", headers={"Authorization": f"Bearer {sent}"})
             require(response.status_code == status, f"key {'right' if status == 200 else 'wrong'}: "
                                                     f"{response.status_code}, expected {status}")
-            require(any(sorted(call) == sorted((sent.encode(), api_key.encode())) for call in calls),
-                    "the API key was not compared with compare_digest")
-    return "every key is checked with compare_digest"
+            for key in keys:
+                require(any(sorted(call) == sorted((sent.encode(), key.encode())) for call in calls),
+                        "the API key was not compared with compare_digest against every key")
+    return f"every key is checked against all {len(keys)} keys with compare_digest"
 
 
 # ---- body size ----

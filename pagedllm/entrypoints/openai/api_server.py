@@ -117,8 +117,9 @@ async def metrics(request: Request) -> Response:
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     """The app over an engine that is already loaded; its lifespan shuts the engine down."""
     model_names = config.served_model_name or [llm.engine.config.model or bundled_model_path().stem]
+    api_keys: dict[str, str | None] = {**config.tenant_keys, **({config.api_key: None} if config.api_key else {})}
     state = ServerState(llm=llm, model_names=model_names, metrics=ServerMetrics(model_names[0]),
-                        system_fingerprint=f"pagedllm-{pagedllm_version()}")
+                        system_fingerprint=f"pagedllm-{pagedllm_version()}", salt_by_tenant=bool(config.tenant_keys))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -136,8 +137,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.include_router(router)
     # The last added runs first: the key is checked before the body is even counted.
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
-    if config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=api_keys)
     return app
 
 
@@ -148,7 +149,7 @@ def _exit_cleanly(signum: int, frame) -> None:
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Loads the model, then serves until SIGINT/SIGTERM: uvicorn stops accepting connections, gives
     in-flight requests shutdown_timeout seconds, cancels the rest, and the lifespan stops the engine."""
-    llm = AsyncLLM.from_config(engine_config)
+    llm = AsyncLLM.from_config(engine_config, config.max_waiting_requests)
     app = build_app(llm, config)
     kv = llm.engine.stats().kv_cache
     logger.info("serving %s (dtype %s) with %d KV blocks of %d tokens (%d tokens) at http://%s:%d",

@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pagedllm.engine.async_llm import EngineDeadError, EngineRequestError
+from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError, EngineRequestError
 from pagedllm.sampling_params import SamplingParams
 
 # OpenAI's error types by status; the rest are server errors.
@@ -16,15 +16,20 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
                 405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
 
 
+RETRY_AFTER_SECONDS = 1   # told to clients refused because too many requests wait
+
+
 class APIError(Exception):
     """An error to send to the client as it is: status, message and the request field at fault."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 def sampling_field_named_in(message: str) -> str | None:
@@ -50,6 +55,9 @@ def api_error_for(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return APIError(503, "the server is shutting down", code="engine_shut_down")
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, f"the server is overloaded: {exc}", code="server_overloaded",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, EngineRequestError):
         return APIError(500, str(exc), code="engine_error")
     return APIError(500, f"internal error: {type(exc).__name__}")
@@ -75,7 +83,7 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -89,4 +97,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         error = api_error_for(exc)
-        return error_response(error.status, error.message, error.param, error.code)
+        return error_response(error.status, error.message, error.param, error.code, error.headers)

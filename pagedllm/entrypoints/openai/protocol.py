@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagedllm.engine.llm_engine import MAX_CACHE_SALT_CHARS
 from pagedllm.entrypoints.openai.errors import APIError, sampling_field_named_in
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -74,6 +75,8 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Requests share prefix-cache blocks only with requests of the same salt (and tenant).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # Accepted by OpenAI, not by this engine: refused rather than silently ignored.
     logit_bias: dict[str, float] | None = None
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from pagedllm.entrypoints.openai.auth import load_api_keys_file
+
 
 @dataclass
 class ServerConfig:
@@ -10,8 +12,11 @@ class ServerConfig:
     port: int = 8000
     served_model_name: list[str] | None = None   # None: the model argument, or the bundled model's name
     api_key: str | None = field(default=None, repr=False)   # a secret: kept out of logged reprs
+    api_keys_file: str | None = None              # YAML {key: tenant}; each tenant's prefix cache is its own
     max_request_body_bytes: int = 4 * 2**20
     shutdown_timeout: float = 10.0                # seconds in-flight requests get to finish on SIGTERM
+    max_waiting_requests: int | None = None       # past it new requests get 503 + Retry-After; None: no bound
+    tenant_keys: dict[str, str] = field(init=False, repr=False, default_factory=dict)   # read from api_keys_file
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
@@ -24,6 +29,14 @@ class ServerConfig:
             raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string")
+        if self.api_keys_file is not None and (not isinstance(self.api_keys_file, str) or not self.api_keys_file):
+            raise ValueError(f"api_keys_file must be a path, got {self.api_keys_file!r}")
+        if self.api_keys_file is not None:   # read now, so a bad file stops the server before the model loads
+            self.tenant_keys = load_api_keys_file(self.api_keys_file)
+        if self.max_waiting_requests is not None and (
+                isinstance(self.max_waiting_requests, bool) or not isinstance(self.max_waiting_requests, int)
+                or self.max_waiting_requests < 1):
+            raise ValueError(f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}")
         if (isinstance(self.max_request_body_bytes, bool) or not isinstance(self.max_request_body_bytes, int)
                 or self.max_request_body_bytes < 1):
             raise ValueError(f"max_request_body_bytes must be an integer >= 1, got {self.max_request_body_bytes!r}")
@@ -33,4 +46,4 @@ class ServerConfig:
 
     @classmethod
     def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
+        return {f.name for f in fields(cls) if f.init}

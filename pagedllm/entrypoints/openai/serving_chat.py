@@ -13,8 +13,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChun
                                                   DeltaMessage)
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, ServerState, collect_choices, has_news,
                                                         usage)
-from pagedllm.entrypoints.openai.streams import (SSE_DONE, merge_streams, sse_error, sse_event,
-                                                 sse_response, unless_disconnected)
+from pagedllm.entrypoints.openai.streams import SSE_DONE, sse_error, sse_event, sse_response, unless_disconnected
 from pagedllm.outputs import RequestOutput
 
 
@@ -23,9 +22,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     state.check_model(body.model)
     params = body.to_sampling_params()
     prompt_ids = state.chat_prompt_ids(body.messages, body.add_generation_prompt)
-    prompt = state.engine_prompt(prompt_ids, None, params, param="messages")
+    prompt = state.engine_prompt(prompt_ids, None, params, param="messages",
+                                 cache_salt=state.cache_salt(raw_request, body.cache_salt))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    merged = merge_streams([state.generate(prompt, params, request_id)])
+    merged = state.generate([prompt], params, [request_id])
     if body.stream:
         return sse_response(_stream(body, request_id, len(prompt_ids), params.n, merged, state))
     rows = await unless_disconnected(raw_request, collect_choices(merged, 1, params.n))

@@ -12,8 +12,7 @@ from pagedllm.entrypoints.openai.logprobs import completion_logprobs
 from pagedllm.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, ServerState, collect_choices, has_news,
                                                         usage)
-from pagedllm.entrypoints.openai.streams import (SSE_DONE, merge_streams, sse_error, sse_event,
-                                                 sse_response, unless_disconnected)
+from pagedllm.entrypoints.openai.streams import SSE_DONE, sse_error, sse_event, sse_response, unless_disconnected
 from pagedllm.outputs import RequestOutput
 from pagedllm.tokenizer import Tokenizer
 
@@ -36,11 +35,11 @@ def _echo_text(prompt: dict, state: ServerState) -> str:
 async def create_completion(body: CompletionRequest, raw_request: Request, state: ServerState) -> Response | dict:
     state.check_model(body.model)
     params = body.to_sampling_params()
-    prompts = [state.engine_prompt(ids, text, params, param="prompt")
+    cache_salt = state.cache_salt(raw_request, body.cache_salt)
+    prompts = [state.engine_prompt(ids, text, params, param="prompt", cache_salt=cache_salt)
                for text, ids in _prompt_inputs(body.prompt, state.tokenizer)]
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    merged = merge_streams([state.generate(prompt, params, f"{request_id}-{index}")
-                            for index, prompt in enumerate(prompts)])
+    merged = state.generate(prompts, params, [f"{request_id}-{index}" for index in range(len(prompts))])
     if body.stream:
         return sse_response(_stream(body, request_id, prompts, params.n, merged, state))
     choices = await unless_disconnected(raw_request, collect_choices(merged, len(prompts), params.n))

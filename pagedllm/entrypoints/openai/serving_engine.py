@@ -1,17 +1,20 @@
 """What every endpoint shares: the engine, the served model names, prompt checks, tracked generation."""
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import jinja2
+from fastapi import Request
 
-from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.async_llm import AsyncLLM, EngineOverloadedError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.stats import EngineStats
-from pagedllm.entrypoints.openai.errors import APIError, sampling_field_named_in
+from pagedllm.entrypoints.openai.errors import APIError, api_error_for, sampling_field_named_in
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import ChatMessage, UsageInfo
+from pagedllm.entrypoints.openai.streams import merge_streams
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import Tokenizer
@@ -23,6 +26,7 @@ class ServerState:
     model_names: list[str]      # the first is the one responses report
     metrics: ServerMetrics
     system_fingerprint: str
+    salt_by_tenant: bool = False   # API keys name tenants (--api-keys-file): salt each tenant's cache blocks
 
     @property
     def model_name(self) -> str:
@@ -50,18 +54,38 @@ class ServerState:
         except (ValueError, jinja2.TemplateError) as exc:   # no template, or it refused the conversation
             raise APIError(400, str(exc), param="messages") from exc
 
-    def engine_prompt(self, token_ids: list[int], text: str | None, params: SamplingParams, param: str) -> dict:
-        """The engine's prompt, checked now (length, token ids, KV room) so a bad one is a 400, even before
-        a stream has started; the engine's ValueError names the numbers."""
-        prompt = {"prompt_token_ids": token_ids} if text is None else {"prompt_token_ids": token_ids, "prompt": text}
+    def cache_salt(self, raw_request: Request, requested: str | None) -> str | None:
+        """The salt a request's KV blocks are cached under. With tenants, the tenant's name and the
+        request's own salt together (a JSON pair, so no choice of salt can equal another tenant's)."""
+        if not self.salt_by_tenant:
+            return requested
+        return json.dumps([getattr(raw_request.state, "tenant", None), requested])
+
+    def engine_prompt(self, token_ids: list[int], text: str | None, params: SamplingParams, param: str,
+                      cache_salt: str | None = None) -> dict:
+        """The engine's prompt, checked now (length, token ids, KV room, salt) so a bad one is a 400, even
+        before a stream has started; the engine's ValueError names the numbers."""
+        prompt: dict = {"prompt_token_ids": token_ids}
+        if text is not None:
+            prompt["prompt"] = text
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
         try:
             self.engine.check_prompt(prompt, params)
         except ValueError as exc:
             raise APIError(400, str(exc), param=sampling_field_named_in(str(exc)) or param) from exc
         return prompt
 
-    def generate(self, prompt: dict, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-        return self.metrics.track(self.llm.generate(prompt, params, request_id))
+    def generate(self, prompts: list[dict], params: SamplingParams,
+                 request_ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The prompts' output streams, merged. Refused with a 503 (Retry-After) now, before any answer
+        has begun, when they would take the waiting requests past max_waiting_requests."""
+        try:
+            self.llm.check_capacity(len(prompts))
+        except EngineOverloadedError as exc:
+            raise api_error_for(exc) from exc
+        return merge_streams([self.metrics.track(self.llm.generate(prompt, params, request_id))
+                              for prompt, request_id in zip(prompts, request_ids)])
 
     async def engine_stats(self) -> EngineStats:
         """engine.stats() walks block tables that steps change, so it runs on the engine's own thread."""
