@@ -1,6 +1,7 @@
 """AsyncLLM on a tiny random Llama: many concurrent callers, streaming, cancellation, failure isolation."""
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -78,11 +79,21 @@ async def collect_many(llm, prompts, params, prefix):
                                 return_exceptions=True)
 
 
-async def wait_until_idle(engine, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "the engine still holds the request"
-        await asyncio.sleep(0.01)
+async def wait_until(condition, message):
+    """Polls condition() until it holds; fails after TIMEOUT seconds."""
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, message
+        await asyncio.sleep(0.001)
+
+
+async def wait_until_idle(engine):
+    await wait_until(lambda: not engine.has_unfinished_requests(), "the engine still holds the request")
+
+
+def num_output_tokens(engine, request_id):
+    child = engine.children.get(request_id)
+    return 0 if child is None else child.request.num_output_tokens
 
 
 def test_many_concurrent_callers_match_the_offline_api(engine, model_dir):
@@ -144,16 +155,13 @@ def test_stopping_a_stream_mid_way_aborts_the_request(engine, step_count, how):
             await stream.aclose()
         elif how == "cancel":
             consumer = asyncio.create_task(collect(llm, prompt, long_run, "r"))
-            while not engine.has_unfinished_requests():
-                await asyncio.sleep(0.001)
-            await asyncio.sleep(0.05)
+            await wait_until(lambda: num_output_tokens(engine, "r") >= 3, "the request never decoded")
             consumer.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await consumer
         else:
             consumer = asyncio.create_task(collect(llm, prompt, long_run, "r"))
-            while not engine.has_unfinished_requests():
-                await asyncio.sleep(0.001)
+            await wait_until(engine.has_unfinished_requests, "the request never reached the engine")
             await llm.abort("r")
             stream = await consumer
             assert not any(o.finished for o in stream)
@@ -245,28 +253,35 @@ def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypat
 
 
 def test_the_event_loop_keeps_running_while_the_engine_steps(engine, monkeypatch):
+    """Each step blocks until the event loop has answered it: were the loop blocked by the step, as it would
+    be if steps ran on it, no step could end."""
     real_execute = engine.runner.execute
-    step_seconds = 0.3
+    stepping, answered = threading.Event(), threading.Event()
 
-    def slow_execute(scheduled, *args):
-        time.sleep(step_seconds)   # a blocking step, as a big model's forward pass would be
+    def execute_once_answered(scheduled, *args):
+        answered.clear()
+        stepping.set()
+        if not answered.wait(TIMEOUT):
+            raise RuntimeError("the event loop did not run while the step blocked")
         return real_execute(scheduled, *args)
 
-    monkeypatch.setattr(engine.runner, "execute", slow_execute)
+    monkeypatch.setattr(engine.runner, "execute", execute_once_answered)
     prompts = random_prompts(4, seed=8)
 
     async def scenario(llm):
-        ticks = []
+        answers = 0
         generation = asyncio.gather(*(collect(llm, p, greedy(3), f"t{i}") for i, p in enumerate(prompts)))
         while not generation.done():
-            ticks.append(time.monotonic())
-            await asyncio.sleep(0.01)
-        await generation
-        return ticks
+            if stepping.is_set():
+                stepping.clear()
+                answered.set()
+                answers += 1
+            await asyncio.sleep(0.001)
+        return await generation, answers
 
-    ticks = serve(engine, scenario)
-    assert ticks[-1] - ticks[0] >= 2 * step_seconds
-    assert max(b - a for a, b in zip(ticks, ticks[1:])) < step_seconds / 2
+    streams, answers = serve(engine, scenario)
+    assert all(stream[-1].finished for stream in streams)
+    assert answers >= 3   # one prefill and two decode steps at least
 
 
 def test_shutdown_ends_in_flight_streams_and_refuses_new_ones(engine):
@@ -275,8 +290,7 @@ def test_shutdown_ends_in_flight_streams_and_refuses_new_ones(engine):
     async def scenario():
         llm = AsyncLLM(engine)
         consumer = asyncio.create_task(collect(llm, prompt, greedy(400), "r"))
-        while not engine.has_unfinished_requests():
-            await asyncio.sleep(0.001)
+        await wait_until(engine.has_unfinished_requests, "the request never reached the engine")
         await llm.shutdown()
         with pytest.raises(EngineDeadError):
             await consumer

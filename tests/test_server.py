@@ -5,6 +5,7 @@ tests that need the engine idle wait for /metrics to say so.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -12,7 +13,7 @@ import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.reliability.server import ServerProcess, metric
+from pagedllm.bench.reliability.server import ServerProcess, metric, poll
 
 API_KEY = "test-key"
 MODEL = "smollm2"
@@ -161,10 +162,10 @@ def test_streamed_chat_with_n_2_and_usage(client):
 
 
 def test_metrics_count_exactly_what_a_request_used(server, client):
-    before = server.wait_until_idle(timeout=10).text
+    before = server.wait_until_idle().text
     response = client.completions.create(model=MODEL, prompt="Counting tokens, one by one:", max_tokens=7,
                                          temperature=0, extra_body={"ignore_eos": True})
-    after = server.wait_until_idle(timeout=10).text
+    after = server.wait_until_idle().text
 
     def delta(name, **labels):
         return metric(after, name, **labels) - metric(before, name, **labels)
@@ -191,17 +192,31 @@ def test_streaming_client_that_leaves_is_aborted(server, http):
         busy = http.get("/metrics").text
         assert metric(busy, "pagedllm:num_requests_running") == 1
         assert metric(busy, "pagedllm:kv_cache_usage_perc") > 0
-    idle = server.wait_until_idle(timeout=5)
+    idle = server.wait_until_idle()
     assert idle.running == 0 and idle.pool_whole
 
 
-def test_non_streaming_client_that_leaves_is_aborted(server, http):
+def test_non_streaming_client_that_leaves_is_aborted(server):
+    """The client leaves once /metrics shows its request running: the request is aborted, not finished."""
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.5,
-                   headers={"Authorization": f"Bearer {API_KEY}"})
-    idle = server.wait_until_idle(timeout=5)
+    finished = "pagedllm:request_success_total"
+    before = server.wait_until_idle()
+
+    async def leave_once_running() -> None:
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=120) as client:
+            answer = asyncio.create_task(client.post("/v1/completions", json=body))
+            figures = await asyncio.to_thread(poll, server.engine_figures,
+                                              lambda figures: figures.running or answer.done(), 60)
+            assert figures.running and not answer.done()
+            answer.cancel()
+            await asyncio.wait([answer])   # its connection is closed: the server sees the client leave
+
+    asyncio.run(leave_once_running())
+    idle = server.wait_until_idle()
     assert idle.running == 0 and idle.pool_whole
+    assert metric(idle.text, finished, finished_reason="length") == metric(before.text, finished,
+                                                                            finished_reason="length")
 
 
 # ---- bad input: OpenAI's error body, and the server carries on ----

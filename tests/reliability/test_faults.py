@@ -2,9 +2,8 @@
 crashes, leaks a KV block or loses a request, and the server answers the next request."""
 from __future__ import annotations
 
-import threading
+import random
 
-import httpx
 import pytest
 
 from pagedllm.bench.reliability import faults
@@ -32,20 +31,10 @@ def test_sigterm_under_load(tmp_path):
 
 
 def test_recovery_check_sees_a_request_still_holding_blocks(main_server, monkeypatch):
-    """The check every scenario ends with can fail: a stream left running is reported as held blocks."""
+    """The check every scenario ends with can fail: a request the launcher holds mid-prefill, its client
+    still connected, is reported as held blocks (however long the check waits)."""
     monkeypatch.setattr(faults, "RECOVERY_TIMEOUT", 1.0)
-    started = threading.Event()
-
-    def stream_slowly() -> None:
-        body = {"model": MODEL, "prompt": "Never ending", "max_tokens": 300, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{main_server.url}/v1/completions", json=body, headers=main_server.headers,
-                          timeout=120) as response:
-            for _ in response.iter_lines():
-                started.set()
-
-    client = threading.Thread(target=stream_slowly)
-    client.start()
-    assert started.wait(timeout=60)
-    problems = faults.recovery_problems(main_server, MODEL)
-    client.join()
+    with faults.held_prefill(main_server, MODEL, faults.unique_prompt(random.Random(1), faults.PREFILL_WORDS)) as held:
+        assert held
+        problems = faults.idle_problems(main_server)
     assert any("not idle" in problem for problem in problems), problems

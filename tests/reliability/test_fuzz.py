@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -53,7 +52,9 @@ STUB_SCHEMA = {"openapi": "3.0.3", "info": {"title": "stub", "version": "1"}, "p
     "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}},
     "responses": {status: {"description": status, "content": {"application/json": {"schema": {"type": "object"}}}}
                   for status in ("200", "4XX")}}}}}
-HANG_SECONDS = 3.0
+# Seconds the fuzzer waits for a stub's answer: a local stub answers in milliseconds, even on a loaded core,
+# and the stub's hang lasts until the test ends; so this is the time the hang case costs, not a guess.
+STUB_TIMEOUT = 5.0
 
 
 class StubHandler(BaseHTTPRequestHandler):
@@ -77,7 +78,7 @@ class StubHandler(BaseHTTPRequestHandler):
         with self.server.lock:
             fault, self.server.fault_pending = (self.server.fault if self.server.fault_pending else None), False
         if fault == "hang":
-            time.sleep(HANG_SECONDS)
+            self.server.hang_over.wait()
         if fault == "dropped connection":
             self.close_connection = True   # no answer at all
         elif fault == "5xx":
@@ -107,6 +108,7 @@ class StubServer(ThreadingHTTPServer):
     def __init__(self, fault: str):
         super().__init__(("127.0.0.1", 0), StubHandler)
         self.fault, self.fault_pending, self.lock = fault, True, threading.Lock()
+        self.hang_over = threading.Event()   # set when the test ends
 
     def handle_error(self, request, client_address) -> None:
         pass   # the hang's late answer finds its client gone
@@ -118,6 +120,7 @@ def stub(request):
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.hang_over.set()
     server.shutdown()
     server.server_close()
 
@@ -135,7 +138,7 @@ FAULTS = {
 
 @pytest.mark.parametrize("stub", FAULTS, indirect=True)
 def test_run_fuzz_records_a_single_misbehaving_answer(stub, request):
-    result = run_fuzz(stub, {}, max_examples=5, seed=SEED, request_timeout=1.0, idle_timeout=0.5)
+    result = run_fuzz(stub, {}, max_examples=5, seed=SEED, request_timeout=STUB_TIMEOUT, idle_timeout=0.5)
     expected = FAULTS[request.node.callspec.params["stub"]]
     if expected is None:
         assert result.violations == [] and result.status_counts == {"4xx": result.cases}, _report(result)
@@ -144,13 +147,13 @@ def test_run_fuzz_records_a_single_misbehaving_answer(stub, request):
 
 
 def test_run_fuzz_records_a_dead_server():
-    result = run_fuzz(f"http://127.0.0.1:{free_port()}", {}, max_examples=5, seed=SEED, request_timeout=1.0)
+    result = run_fuzz(f"http://127.0.0.1:{free_port()}", {}, max_examples=5, seed=SEED, request_timeout=STUB_TIMEOUT)
     assert len(result.violations) == 1 and "does not describe itself" in result.violations[0]
 
 
 @pytest.mark.parametrize("stub", ["5xx"], indirect=True)
 def test_run_schemathesis_records_a_server_error(stub):
-    result = run_schemathesis(stub, {}, max_examples=5, seed=SEED, request_timeout=1.0)
+    result = run_schemathesis(stub, {}, max_examples=5, seed=SEED, request_timeout=STUB_TIMEOUT)
     assert len(result.violations) == 1 and "Server error" in result.violations[0], _report(result)
 
 

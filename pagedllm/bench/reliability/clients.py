@@ -4,6 +4,7 @@ Each request is recorded, never raised: the suite counts errors instead of stopp
 """
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from dataclasses import dataclass
@@ -62,8 +63,22 @@ def async_client(base_url: str, api_key: str | None, timeout: float, max_connect
                               http_client=httpx.AsyncClient(limits=limits, timeout=timeout))
 
 
-async def send(client: openai.AsyncOpenAI, model: str, spec: RequestSpec) -> RequestRecord:
-    """Sends one request and records how it went; a request only counts as ok with a finish reason."""
+async def send(client: openai.AsyncOpenAI, model: str, spec: RequestSpec,
+               first_text: asyncio.Event | None = None) -> RequestRecord:
+    """Sends one request and records how it went; a request only counts as ok with a finish reason.
+
+    first_text, if given, is set when the first text arrives, or when the request ends without any, so
+    that whoever waits for it knows the request got that far and never waits for one that is over.
+    """
+    try:
+        return await _send(client, model, spec, first_text)
+    finally:
+        if first_text is not None:
+            first_text.set()
+
+
+async def _send(client: openai.AsyncOpenAI, model: str, spec: RequestSpec,
+                first_text: asyncio.Event | None) -> RequestRecord:
     record = RequestRecord(spec)
     common = {"model": model, "max_tokens": spec.max_tokens, "temperature": spec.temperature, "seed": spec.seed,
               "extra_body": {"ignore_eos": spec.ignore_eos}}
@@ -79,6 +94,8 @@ async def send(client: openai.AsyncOpenAI, model: str, spec: RequestSpec) -> Req
         if spec.stream:
             async for chunk in response:
                 _add_chunk(record, chunk, started)
+                if first_text is not None and record.ttft is not None:
+                    first_text.set()
         else:
             choice = response.choices[0]
             record.text = choice.message.content if spec.kind == "chat" else choice.text

@@ -4,10 +4,13 @@ hold no KV block; a scenario that hangs, crashes, leaks or loses a request does 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import random
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,11 +18,12 @@ import httpx
 import openai
 
 from pagedllm.bench.reliability.clients import RequestSpec, async_client, send
-from pagedllm.bench.reliability.fault_injection import REQUEST_FAULT, STEP_FAULT
-from pagedllm.bench.reliability.server import ServerProcess
+from pagedllm.bench.reliability.fault_injection import HOLD_FAULT, HOLDS_ROUTE, REQUEST_FAULT, STEP_FAULT
+from pagedllm.bench.reliability.server import ServerProcess, poll
 
 RECOVERY_TIMEOUT = 30.0   # seconds the server gets to free everything after a fault
 CLIENT_TIMEOUT = 120.0    # a request still open after this long counts as hanging
+PREFILL_WORDS = 600       # a prompt of about as many tokens: more than one step's budget on the suite's main server
 
 
 @dataclass
@@ -29,12 +33,17 @@ class FaultResult:
     detail: str
 
 
-def recovery_problems(server: ServerProcess, model: str) -> list[str]:
-    """What is wrong after a fault: a KV block still held, a request still queued, no answer to the next one."""
+def idle_problems(server: ServerProcess) -> list[str]:
+    """A KV block still held or a request still running or queued, RECOVERY_TIMEOUT after a fault."""
     figures = server.wait_until_idle(RECOVERY_TIMEOUT)
-    problems = [] if figures.idle else [
+    return [] if figures.idle else [
         f"not idle after {RECOVERY_TIMEOUT:.0f} s: {figures.free_blocks:.0f}/{figures.total_blocks:.0f} blocks "
         f"free, {figures.running:.0f} running, {figures.waiting:.0f} waiting"]
+
+
+def recovery_problems(server: ServerProcess, model: str) -> list[str]:
+    """What is wrong after a fault: a KV block still held, a request still queued, no answer to the next one."""
+    problems = idle_problems(server)
     try:
         server.openai_client(CLIENT_TIMEOUT).completions.create(model=model, prompt="Hello", max_tokens=2)
     except openai.OpenAIError as exc:
@@ -105,37 +114,53 @@ def disconnect_before_first_token(server: ServerProcess, model: str, clients: in
                    f"{clients} connections closed right after sending (1000-token requests)")
 
 
+def hold_counts(server: ServerProcess) -> dict[str, int]:
+    """The fault-injection launcher's hold counts (see fault_injection.Holds)."""
+    response = httpx.get(f"{server.url}{HOLDS_ROUTE}", headers=server.headers, timeout=CLIENT_TIMEOUT)
+    response.raise_for_status()
+    return response.json()
+
+
+@contextlib.contextmanager
+def held_prefill(server: ServerProcess, model: str, prompt: str) -> Iterator[bool]:
+    """Streams a HOLD_FAULT request of prompt (longer than a step's token budget) and yields once the launcher
+    holds the engine part-way through its prefill: True, or False if it never did. Leaving closes the
+    connection, and returns once the hold has ended (by the request's abort, or its safety timeout)."""
+    read_counts = functools.partial(hold_counts, server)
+    before = read_counts()
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=server.headers, timeout=CLIENT_TIMEOUT,
+                      json=_stream_body(model, f"{prompt} {HOLD_FAULT}", 1000)):
+        yield bool(poll(read_counts, lambda counts: counts != before, CLIENT_TIMEOUT)["held"])
+    poll(read_counts, lambda counts: not counts["held"], CLIENT_TIMEOUT)
+
+
 def disconnect_during_prefill(server: ServerProcess, model: str, clients: int = 4,
-                              prompt_words: int = 600) -> FaultResult:
-    """Clients send long prompts and leave a third of the way into their prefill, timed from a first, complete
-    prefill of the same length (fresh prompts each time, so the prefix cache does not help)."""
+                              prompt_words: int = PREFILL_WORDS) -> FaultResult:
+    """Clients send long prompts and leave while the launcher holds the engine part-way through their
+    prefill (fresh prompts each time, so the prefix cache does not shorten it): each hold must end by
+    its request being aborted."""
     rng = random.Random(0)
-    started = time.perf_counter()
-    server.openai_client(CLIENT_TIMEOUT).completions.create(model=model, prompt=unique_prompt(rng, prompt_words),
-                                                            max_tokens=1)
-    prefill_seconds = time.perf_counter() - started
-
-    async def leave_early(http: httpx.AsyncClient) -> bool:
-        """True if the client left before any event arrived, that is, during the prefill."""
-        try:
-            async with http.stream("POST", "/v1/completions",
-                                   json=_stream_body(model, unique_prompt(rng, prompt_words), 1000),
-                                   timeout=httpx.Timeout(CLIENT_TIMEOUT, read=prefill_seconds / 3)) as response:
-                async for _ in response.aiter_lines():
-                    return False
-        except httpx.ReadTimeout:
-            return True
-        return False
-
-    async def main() -> list[bool]:
-        async with httpx.AsyncClient(base_url=server.url, headers=server.headers) as http:
-            return [await leave_early(http) for _ in range(clients)]
-
-    left_early = asyncio.run(main())
-    problems = [] if any(left_early) else ["no client left before its first event"]
+    before, held = hold_counts(server), 0
+    for _ in range(clients):
+        with held_prefill(server, model, unique_prompt(rng, prompt_words)) as was_held:
+            held += was_held
+    after = hold_counts(server)
+    left = after["left"] - before["left"]
+    problems = [] if held == left == clients else [
+        f"{held}/{clients} prefills held, {left} ended by their client leaving "
+        f"({after['timed_out'] - before['timed_out']} timed out, {after['missed'] - before['missed']} missed)"]
     return _result("disconnect during prefill", server, model, problems,
-                   f"{sum(left_early)}/{clients} clients left {prefill_seconds / 3:.2f} s into a "
-                   f"{prefill_seconds:.2f} s prefill")
+                   f"{left}/{clients} clients left while the engine held their prefill part-way")
+
+
+async def streaming(client: openai.AsyncOpenAI, model: str, specs: list[RequestSpec]) -> list[asyncio.Task]:
+    """Sends streamed requests and returns their tasks once each has streamed its first text (or ended):
+    a known point, past every prefill, however fast the machine is."""
+    first_texts = [asyncio.Event() for _ in specs]
+    tasks = [asyncio.create_task(send(client, model, spec, first_text))
+             for spec, first_text in zip(specs, first_texts)]
+    await asyncio.gather(*(first_text.wait() for first_text in first_texts))
+    return tasks
 
 
 async def _send_all(server: ServerProcess, model: str, specs: list[RequestSpec]) -> list:
@@ -168,20 +193,20 @@ def injected_step_fault(server: ServerProcess, model: str, bystanders: int = 6) 
 
     async def main() -> list:
         async with async_client(server.url, server.api_key, CLIENT_TIMEOUT, bystanders + 1) as client:
-            healthy = [asyncio.create_task(send(client, model, RequestSpec(
-                "completion", f"In flight {i}:", 200, ignore_eos=True))) for i in range(bystanders)]
-            await asyncio.sleep(1.0)   # the bystanders are decoding by now
+            healthy = await streaming(client, model, [RequestSpec("completion", f"In flight {i}:", 200,
+                                                                  ignore_eos=True) for i in range(bystanders)])
+            decoding = sum(not task.done() for task in healthy)
             faulty = send(client, model, RequestSpec("chat", f"{STEP_FAULT} fail the step", 8))
-            return await asyncio.gather(faulty, *healthy)
+            return decoding, *await asyncio.gather(faulty, *healthy)
 
     started = time.perf_counter()
-    faulty, *healthy = asyncio.run(main())
+    decoding, faulty, *healthy = asyncio.run(main())
     elapsed = time.perf_counter() - started
     problems = ["the marked request succeeded"] if faulty.ok else []
     return _result("step fails in the engine", server, model, problems,
-                   f"marked request failed ({faulty.error.split(':')[0]}); of {bystanders} bystanders "
-                   f"{sum(r.ok for r in healthy)} finished, {sum(not r.ok for r in healthy)} got errors; "
-                   f"all ended in {elapsed:.1f} s")
+                   f"marked request, sent while {decoding}/{bystanders} bystanders were decoding, failed "
+                   f"({faulty.error.split(':')[0]}); of the bystanders {sum(r.ok for r in healthy)} finished, "
+                   f"{sum(not r.ok for r in healthy)} got errors; all ended in {elapsed:.1f} s")
 
 
 def preemption_storm(server: ServerProcess, model: str, requests: int = 12, max_tokens: int = 48) -> FaultResult:
@@ -215,16 +240,16 @@ def sigterm_under_load(log_path: Path, flags: tuple[str, ...], model: str, clien
 
     async def main() -> list:
         async with async_client(server.url, None, CLIENT_TIMEOUT, clients) as client:
-            tasks = [asyncio.create_task(send(client, model, spec)) for spec in specs]
-            await asyncio.sleep(3.0)   # some decoding, some waiting
+            tasks = await streaming(client, model, specs)
+            decoding = sum(not task.done() for task in tasks)
             sent_at = time.monotonic()
             server.process.send_signal(signal.SIGTERM)
             done, pending = await asyncio.wait(tasks, timeout=shutdown_timeout + 30)
             for task in pending:
                 task.cancel()
-            return [task.result() for task in done], len(pending), time.monotonic() - sent_at
+            return decoding, [task.result() for task in done], len(pending), time.monotonic() - sent_at
 
-    records, hanging, ended_after = asyncio.run(main())
+    decoding, records, hanging, ended_after = asyncio.run(main())
     try:
         exit_code = server.process.wait(timeout=shutdown_timeout + 30)
     except subprocess.TimeoutExpired:
@@ -233,6 +258,7 @@ def sigterm_under_load(log_path: Path, flags: tuple[str, ...], model: str, clien
     if exit_code != 0:
         problems.append(f"exit code {exit_code}")
     completed = sum(record.ok for record in records)
-    detail = (f"{clients} streams: {completed} finished, {len(records) - completed} got errors, all ended "
-              f"{ended_after:.1f} s after SIGTERM; exit code {exit_code}")
+    detail = (f"{clients} streams, {decoding} of them decoding at SIGTERM: {completed} finished, "
+              f"{len(records) - completed} got errors, all ended {ended_after:.1f} s after SIGTERM; "
+              f"exit code {exit_code}")
     return FaultResult("SIGTERM under load", not problems, "; ".join(problems) if problems else detail)

@@ -9,7 +9,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import openai
@@ -17,13 +19,16 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 STARTUP_TIMEOUT = 180   # seconds: loading the model on a busy 2-core machine
+POLL_INTERVAL = 0.1     # seconds between two looks at a server's state
+T = TypeVar("T")
 
 
 class ServerProcess:
     """`pagedllm serve` with the given flags, its output in log_path.
 
     With fault_injection, the server starts through pagedllm.bench.reliability.fault_injection,
-    whose hooks make marked requests fail inside the engine; production code knows nothing of it.
+    whose hooks make marked requests fail inside the engine or hold it at a known point; production
+    code knows nothing of it.
     """
 
     def __init__(self, log_path: Path, *flags: str, api_key: str | None = None, fault_injection: bool = False,
@@ -80,12 +85,7 @@ class ServerProcess:
     def wait_until_idle(self, timeout: float = 30.0) -> EngineFigures:
         """Polls /metrics until nothing runs or waits and every KV block is free; returns the last figures
         (the caller checks them: after the timeout they may still show a busy engine)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            figures = self.engine_figures()
-            if figures.idle or time.monotonic() > deadline:
-                return figures
-            time.sleep(0.1)
+        return poll(self.engine_figures, lambda figures: figures.idle, timeout)
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then SIGKILL after timeout seconds; returns the exit code."""
@@ -128,6 +128,15 @@ def metric(text: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return 0.0
+
+
+def poll(read: Callable[[], T], done: Callable[[T], bool], timeout: float) -> T:
+    """Calls read() until done(its value) or timeout seconds have passed; returns the last value (the
+    caller checks it). The way to wait for a state without guessing how long the server takes."""
+    deadline = time.monotonic() + timeout
+    while not done(value := read()) and time.monotonic() < deadline:
+        time.sleep(POLL_INTERVAL)
+    return value
 
 
 def free_port() -> int:
