@@ -1,4 +1,9 @@
-"""Builds the CPU kernels (csrc/, as pagedllm._C) at install time; pagedllm falls back to plain PyTorch without them.
+"""Builds the CPU kernels (csrc/) at install time; pagedllm falls back to plain PyTorch without them.
+
+On x86-64 the same sources are built once per instruction set (pagedllm._C for any x86-64 CPU,
+_C_avx2, _C_avx512, _C_avx512bf16), and pagedllm/model/kernels.py imports the best one the CPU
+running it supports: a build made on one machine runs, and runs fast, on another. Elsewhere
+only pagedllm._C is built, for the compiler's default target.
 
 Install with `pip install --no-build-isolation -e .` so the build uses the torch that is
 already installed (an isolated build would fetch another, much larger, torch).
@@ -8,21 +13,40 @@ import platform
 
 from setuptools import setup
 
+SOURCES = ["csrc/bindings.cpp", "csrc/paged_attention.cpp", "csrc/prefill_attention.cpp", "csrc/layer_ops.cpp",
+           "csrc/sampler_ops.cpp"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c", "-mbmi2"]                                  # x86-64-v3
+_AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd"]   # x86-64-v4
+# Variant name -> compiler flags; the names match pagedllm/model/kernels.py.
+X86_VARIANTS = {"_C": [], "_C_avx2": _AVX2, "_C_avx512": _AVX512,
+                "_C_avx512bf16": _AVX512 + ["-mavx512bf16", "-mavx512vnni"]}
+
 
 def extensions():
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:   # no torch at build time: pure-PyTorch paths only
         return [], {}
+
+    class BuildEachVariantApart(BuildExtension):
+        """The variants compile the same sources with other flags: each gets its own object folder."""
+
+        def build_extension(self, ext):
+            shared_temp = self.build_temp
+            self.build_temp = os.path.join(shared_temp, ext.name)
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = shared_temp
+
     # -fopenmp: at::parallel_for in the kernels runs on torch's OpenMP threads (without it, on one).
     # -ffp-contract=fast: a * b + c as one FMA instruction (ISO C++ mode would not fuse them).
     flags = ["-O3", "-std=c++17", "-ffp-contract=fast", "-fopenmp"]
-    if platform.machine() in ("x86_64", "AMD64") and os.environ.get("PAGEDLLM_PORTABLE") != "1":
-        flags.append("-march=native")   # AVX-512 where the building machine has it
-    sources = ["csrc/bindings.cpp", "csrc/paged_attention.cpp", "csrc/prefill_attention.cpp", "csrc/layer_ops.cpp",
-               "csrc/sampler_ops.cpp"]
-    ext = CppExtension("pagedllm._C", sources, extra_compile_args=flags, extra_link_args=["-fopenmp"])
-    return [ext], {"build_ext": BuildExtension}
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    variants = X86_VARIANTS if x86 else {"_C": []}
+    exts = [CppExtension(f"pagedllm.{name}", SOURCES, extra_compile_args=flags + isa_flags,
+                         extra_link_args=["-fopenmp"]) for name, isa_flags in variants.items()]
+    return exts, {"build_ext": BuildEachVariantApart}
 
 
 ext_modules, cmdclass = extensions()

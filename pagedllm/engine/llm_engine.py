@@ -14,6 +14,7 @@ from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stats import EngineStats, StepStats
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.model import kernels
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.model.runner import ModelRunner, kv_bytes_per_block
@@ -93,10 +94,10 @@ class LLMEngine:
         self.parent_of: dict[str, str] = {}
         self.pending_forks: dict[str, list[Request]] = {}   # first child's id -> siblings to fork from it
         self.last_step_stats: StepStats | None = None
-        logger.info("model %s (%s) on %s, dtype %s; KV cache: %d blocks of %d tokens = %d tokens",
+        logger.info("model %s (%s) on %s, dtype %s, CPU kernels %s; KV cache: %d blocks of %d tokens = %d tokens",
                     config.model or "bundled SmolLM2-135M-Instruct", self.model_config.architecture,
-                    self.device, str(self.dtype).removeprefix("torch."), num_blocks, config.block_size,
-                    num_blocks * config.block_size)
+                    self.device, str(self.dtype).removeprefix("torch."), kernels.variant or "not built",
+                    num_blocks, config.block_size, num_blocks * config.block_size)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -1,5 +1,5 @@
-"""The compiled CPU kernels (pagedllm._C, None where not built), and a decoder layer's
-element-wise steps: the kernels of csrc/layer_ops.cpp on CPU, PyTorch formulas elsewhere
+"""The compiled CPU kernels (`_C`: the variant kernels.py chose for this CPU, None where not built),
+and a decoder layer's element-wise steps: the kernels of csrc/layer_ops.cpp on CPU, PyTorch formulas elsewhere
 (CUDA, no compiled extension, or sizes the kernels do not vectorise). Tests hold the two
 to the same results."""
 from __future__ import annotations
@@ -7,10 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    from pagedllm import _C
-except ImportError:   # not built: the PyTorch formulas serve
-    _C = None
+from pagedllm.model.kernels import kernels as _C
 
 
 def on_cpu_kernel(x: torch.Tensor, multiple: int) -> bool:

@@ -1,0 +1,50 @@
+"""One build, every x86-64 CPU: the kernel variant is chosen at import from the CPU's features, and each
+variant this machine can run passes the kernel tests (which hold every kernel to its PyTorch formula)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedllm.model import kernels
+
+pytestmark = pytest.mark.skipif(kernels.kernels is None, reason="C++ kernels not built")
+
+# The tests that compare every compiled kernel with its PyTorch reference.
+KERNEL_TESTS = ["tests/test_layer_ops.py", "tests/test_attention.py",
+                "tests/test_sampling.py::test_logits_summary_kernel_matches_logsumexp_and_argmax"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_best_variant_the_cpu_supports_is_chosen():
+    supported = kernels.supported_variants()
+    assert "generic" in supported
+    if not os.environ.get(kernels.FORCE_VARIABLE):
+        assert kernels.variant == supported[0]
+    features = set(kernels.load("generic").cpu_features())
+    for variant in supported:
+        assert kernels.VARIANTS[variant] <= features
+
+
+def test_forcing_a_variant_the_cpu_lacks_or_that_does_not_exist_is_refused():
+    with pytest.raises(ValueError, match="PAGEDLLM_ISA must be one of avx512bf16, avx512, avx2, generic"):
+        kernels.load("sse9")
+    missing = [variant for variant in kernels.VARIANTS if variant not in kernels.supported_variants()]
+    for variant in missing:
+        with pytest.raises(ValueError, match="this CPU or build cannot run it"):
+            kernels.load(variant)
+
+
+@pytest.mark.parametrize("variant", [v for v in kernels.supported_variants() if v != kernels.variant])
+def test_each_other_variant_passes_the_kernel_tests(variant):
+    """The default variant runs them in this process already; the others in a process of their own."""
+    env = {**os.environ, kernels.FORCE_VARIABLE: variant}
+    check = subprocess.run([sys.executable, "-c", "from pagedllm.model import ops; print(ops._C.__name__)"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert check.stdout.strip() == kernels.module_name(variant)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
+                         env=env, cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
