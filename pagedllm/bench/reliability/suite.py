@@ -1,5 +1,7 @@
 """`pagedllm bench reliability`: load, soak, faults, fuzzing and security checks against real `pagedllm serve`
 processes (the bundled model, loopback), printed as one table. `--quick` is the variant CI runs.
+`--simulate N` runs only the model-free simulation of N requests through the real scheduler and KV
+manager (`simulation.py`): days of traffic in minutes, checked for leaks and inconsistencies.
 
 Servers: a main one started through the fault-injection hook (load, soak, client and engine faults), one
 with a small float32 KV cache (preemption storm), one that is sent SIGTERM under load, one with a short
@@ -155,9 +157,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                f"--quick: {getattr(QUICK, field.name)})")
     parser.add_argument("--workdir", type=Path, default=None, help="where server logs go (default: a temp dir)")
     parser.add_argument("--output-json", type=Path, default=None)
+    parser.add_argument("--simulate", type=int, default=None, metavar="N",
+                        help="run only the model-free simulation: N requests through the real scheduler and KV "
+                             "manager, checked at every idle point for leaks and inconsistencies (no server)")
+    parser.add_argument("--simulate-seed", type=int, default=0, metavar="SEED",
+                        help="the simulation's random seed (default: 0)")
+
+
+def run_simulation(args: argparse.Namespace) -> None:
+    from pagedllm.bench.reliability.simulation import SimulationSettings
+    from pagedllm.bench.reliability.simulation import run_simulation as simulate
+
+    if args.simulate < 1:
+        raise SystemExit(f"--simulate needs a number of requests >= 1, got {args.simulate}")
+    settings = SimulationSettings(requests=args.simulate, seed=args.simulate_seed)
+    print(f"simulating {settings.requests:,} requests (seed {settings.seed}), no model", flush=True)
+    report = simulate(settings)
+    print(report.table())
+    for problem in report.problems:
+        print(f"PROBLEM: {problem}")
+    if report.num_problems > len(report.problems):
+        print(f"... and {report.num_problems - len(report.problems)} more problems")
+    if args.output_json:
+        summary = {name: value for name, value in vars(report).items()
+                   if isinstance(value, (int, float, str, list)) and name != "heap_windows"}
+        summary.update(aborts=dict(report.aborts), memory=[s._asdict() for s in report.memory],
+                       heap_windows=[w._asdict() for w in report.heap_windows], table=report.table())
+        args.output_json.write_text(json.dumps(summary, indent=2))
+    sys.exit(1 if report.num_problems else 0)
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.simulate is not None:
+        run_simulation(args)
+        return
     for name in ("httpx", "httpx2"):   # not one log line per request (httpx2: schemathesis' client)
         logging.getLogger(name).setLevel(logging.WARNING)
     base = QUICK if args.quick else SuiteSettings()

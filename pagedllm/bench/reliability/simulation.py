@@ -1,0 +1,913 @@
+"""Days of traffic, simulated: the real Scheduler, KVCacheManager and BlockPool driven without a model.
+
+Why: a block allocator that fragments or leaks is what makes "restart after 24 h" advice necessary. This
+run pushes up to millions of requests through the real bookkeeping: random prompt and output lengths,
+shared prefixes and repeated prompts (prefix-cache hits), per-tenant cache salts, n > 1 parallel
+samples forked from one prefill, beam search forking and dropping beams, aborts while waiting,
+mid-prefill and mid-decode, storms that exhaust the pool, and pools from 16 blocks to 8,192. It checks
+that nothing is left behind and nothing is mixed up:
+
+- at every idle point (nothing running or waiting): every block free with ref count 0, the free queue
+  a well-formed doubly linked list holding each block once, `cached_blocks` pointing only at blocks
+  whose hash says so, and no per-request state in the manager or the scheduler;
+- every `check_every_steps` steps: each block's ref count equals the number of block tables holding
+  it, and the free queue holds exactly the blocks nobody holds;
+- every step: a shadow of the KV cache (one token id per slot, written through the block tables as
+  the runner writes K/V, block copies applied first) must read each sequence's own tokens back, with
+  every block last written under the sequence's own cache salt: a wrong prefix hit, a missed
+  copy-on-write or a block given to two writers shows where it happens;
+- the scheduler must schedule something whenever requests are unfinished (else the engine would spin);
+- at every segment end: gc-tracked objects, Request and KVBlock instances and live heap blocks must stay
+  at their level at the end of the first tenth of the run; the heap bytes that tracemalloc sees retained
+  over one traced cycle of phases, early and late, must be near zero (see `HeapWindow`).
+
+Sampled tokens are random ids: bookkeeping does not depend on their meaning, and distinct ids keep the
+prefix cache honest (only shared prefixes and repeated prompts hit).
+"""
+from __future__ import annotations
+
+import gc
+import random
+import sys
+import time
+import tracemalloc
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.kv.manager import KVCacheManager
+from pagedllm.sampling_params import SamplingParams
+
+VOCAB = 32000
+# Allowed growth from the sample that ends the first tenth of the run to any later one, and heap
+# retained over a traced cycle. Samples are taken at idle points with every container's spare
+# capacity released (release_capacity), so a leak-free run stays within a few objects; a leak of one
+# object per thousand requests would pass 900 over a million.
+MAX_OBJECT_GROWTH = 100          # gc-tracked objects
+MAX_BLOCK_GROWTH = 500           # live heap blocks (sys.getallocatedblocks: ints, bytes, str included)
+MAX_HEAP_RETAINED = 64 * 1024    # bytes retained over one traced cycle (30,000 requests in a million)
+MAX_PROBLEMS = 10                # messages kept of each kind (stall, memory, check...); the count is exact
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One engine configuration. The run cycles through the phases segment by segment; each keeps its
+    own scheduler and KV manager for the whole run, so state piling up across segments would show."""
+    name: str
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    burst: tuple[int, int]            # requests per burst (a burst ends at an idle point)
+    storm_probability: float = 0.05   # a burst that arrives at once, long, and exhausts the pool
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+
+
+PHASES = (
+    Phase("tiny", num_blocks=16, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+          max_model_len=256, burst=(2, 24), storm_probability=0.2),
+    Phase("small, priority", num_blocks=64, block_size=16, max_num_seqs=32, max_num_batched_tokens=256,
+          max_model_len=512, burst=(8, 64), policy="priority"),
+    Phase("small, block 8, whole prefills", num_blocks=160, block_size=8, max_num_seqs=32,
+          max_num_batched_tokens=512, max_model_len=512, burst=(8, 64), enable_chunked_prefill=False),
+    Phase("medium, no prefix cache", num_blocks=512, block_size=16, max_num_seqs=64,
+          max_num_batched_tokens=512, max_model_len=1024, burst=(16, 128), enable_prefix_caching=False),
+    Phase("medium, block 32", num_blocks=384, block_size=32, max_num_seqs=128, max_num_batched_tokens=1024,
+          max_model_len=1024, burst=(32, 192)),
+    Phase("large", num_blocks=8192, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048,
+          max_model_len=2048, burst=(128, 512), storm_probability=0.1),
+)
+
+
+@dataclass(frozen=True)
+class SimulationSettings:
+    requests: int
+    seed: int = 0
+    phases: tuple[Phase, ...] = PHASES
+    segment_requests: int | None = None   # requests per segment (one phase each); default from `requests`
+    check_every_steps: int = 1000         # mid-run ref-count check interval
+    parallel_fraction: float = 0.15       # n in 2..4
+    beam_fraction: float = 0.08           # beam width in 2..4
+    abort_fraction: float = 0.06
+    salt_fraction: float = 0.1            # requests with one of four cache salts (tenants)
+    trace_heap: bool = True               # tracemalloc over two cycles of phases (see HeapWindow)
+
+    def segment_size(self) -> int:
+        """Small enough that the first tenth holds a full cycle of phases, so the baseline sample comes
+        after every phase has run; at most 5,000, so that a million requests make 200 segments."""
+        if self.segment_requests:
+            return self.segment_requests
+        return max(20, min(5000, self.requests // (10 * len(self.phases))))
+
+
+class MemorySample(NamedTuple):
+    requests_done: int
+    gc_objects: int
+    request_objects: int
+    block_objects: int
+    heap_blocks: int      # sys.getallocatedblocks(): every live allocation of the Python allocator
+
+
+class HeapWindow(NamedTuple):
+    """tracemalloc only sees what is allocated while it runs, and tracing every allocation slows this
+    run about 5.5 times (a million requests: 33 minutes instead of 6), so it runs over two windows of one
+    full cycle of phases each, one ending with the first tenth of the run and one ending the run. Both
+    start and end at idle points with all spare capacity released; what is still traced at the end was
+    allocated in the window and kept: a leak of a few bytes per request shows, an unchanged state is ~0."""
+    first_request: int
+    requests: int
+    retained_bytes: int
+    peak_bytes: int
+
+
+@dataclass
+class SimulationReport:
+    settings: SimulationSettings
+    requests: int = 0
+    sequences: int = 0            # every Request object: children, forks, beams
+    steps: int = 0
+    preemptions: int = 0
+    aborts: Counter = field(default_factory=Counter)   # where: waiting / mid-prefill / mid-decode
+    parallel_requests: int = 0
+    forks: int = 0                # parallel-sample forks
+    beam_requests: int = 0
+    beam_forks: int = 0
+    dropped_beams: int = 0
+    block_copies: int = 0         # copy-on-write copies the runner would make
+    storms: int = 0
+    stalls: int = 0
+    salted_requests: int = 0
+    prompt_tokens_looked_up: int = 0
+    prompt_tokens_hit: int = 0
+    idle_points: int = 0
+    mid_run_checks: int = 0
+    shadow_reads: int = 0
+    # MemorySample fields, flat and preallocated, so that recording a sample allocates nothing
+    memory_samples: array = field(default_factory=lambda: array("q"))
+    num_memory_samples: int = 0
+    heap_windows: list[HeapWindow] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    num_problems: int = 0
+    problem_kinds: Counter = field(default_factory=Counter)
+
+    def problem(self, text: str, kind: str = "check") -> None:
+        """Counts every problem; keeps the first messages of each kind, so that a thousand stalls
+        cannot hide one leak."""
+        self.num_problems += 1
+        self.problem_kinds[kind] += 1
+        if self.problem_kinds[kind] <= MAX_PROBLEMS:
+            self.problems.append(text)
+
+    def record_memory(self, sample: MemorySample) -> None:
+        width = len(sample)
+        index = self.num_memory_samples * width
+        self.memory_samples[index:index + width] = array("q", sample)
+        self.num_memory_samples += 1
+
+    @property
+    def memory(self) -> list[MemorySample]:
+        width, values = len(MemorySample._fields), self.memory_samples
+        return [MemorySample(*values[i * width:(i + 1) * width]) for i in range(self.num_memory_samples)]
+
+    def memory_window(self) -> tuple[MemorySample, MemorySample] | None:
+        """(baseline, final): the last sample within the first tenth of the requests, and the last one."""
+        samples = self.memory
+        if not samples:
+            return None
+        early = [s for s in samples if s.requests_done <= self.requests / 10] or samples[:1]
+        return early[-1], samples[-1]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prompt_tokens_hit / self.prompt_tokens_looked_up if self.prompt_tokens_looked_up else 0.0
+
+    def table(self) -> str:
+        window = self.memory_window()
+        objects = "no sample"
+        if window:
+            first, last = window
+            objects = (f"{first.gc_objects:,} -> {last.gc_objects:,} gc-tracked ({last.gc_objects - first.gc_objects:+,};"
+                       f" limit +{MAX_OBJECT_GROWTH}); {first.heap_blocks:,} -> {last.heap_blocks:,} heap blocks "
+                       f"({last.heap_blocks - first.heap_blocks:+,}; limit +{MAX_BLOCK_GROWTH}); Request "
+                       f"{first.request_objects} -> {last.request_objects}; KVBlock "
+                       f"{first.block_objects:,} -> {last.block_objects:,}")
+        if self.heap_windows:
+            heap = ", ".join(f"{w.retained_bytes / 1024:+.1f} KiB over requests {w.first_request:,}-"
+                             f"{w.first_request + w.requests:,} (peak {w.peak_bytes / 2**20:.1f} MiB)"
+                             for w in self.heap_windows) + f"; limit +{MAX_HEAP_RETAINED // 1024} KiB"
+        else:
+            heap = "not traced" if not self.settings.trace_heap else "run too short for two traced cycles"
+        aborts = self.aborts
+        rows = [
+            ("requests", f"{self.requests:,} ({self.sequences:,} sequences with forks and beams; "
+                         f"{self.salted_requests:,} with a cache salt)"),
+            ("steps", f"{self.steps:,}"),
+            ("preemptions", f"{self.preemptions:,} ({self.storms:,} storm bursts)"),
+            ("aborts", f"{sum(aborts.values()):,} (waiting {aborts['waiting']:,}, mid-prefill "
+                       f"{aborts['mid-prefill']:,}, mid-decode {aborts['mid-decode']:,})"),
+            ("parallel sampling (n = 2-4)", f"{self.parallel_requests:,} requests, {self.forks:,} forks"),
+            ("beam search (width 2-4)", f"{self.beam_requests:,} requests, {self.beam_forks:,} beam forks, "
+                                        f"{self.dropped_beams:,} dropped beams"),
+            ("copy-on-write block copies", f"{self.block_copies:,}"),
+            ("prefix-cache hit rate", f"{self.hit_rate:.1%} of {self.prompt_tokens_looked_up:,} prompt tokens"),
+            ("idle points checked", f"{self.idle_points:,} (+ {self.mid_run_checks:,} mid-run ref-count "
+                                    f"checks, {self.shadow_reads:,} shadow-KV read-backs)"),
+            ("stalls (nothing schedulable, requests unfinished)", f"{self.stalls:,}"),
+            ("live objects, first tenth -> last", objects),
+            ("heap retained over a traced cycle (tracemalloc), first tenth / last", heap),
+            ("pool sizes used (blocks x tokens)", ", ".join(f"{p.num_blocks} x {p.block_size}"
+                                                           for p in self.settings.phases)),
+            ("wall time", f"{self.wall_seconds:.0f} s"),
+            ("checks", "all passed" if not self.num_problems else f"{self.num_problems} FAILED"),
+        ]
+        lines = ["| figure | value |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks: each returns a list of problems (empty when the property holds) and never raises.
+
+def check_free_queue(pool) -> list[str]:
+    """Walks the free queue forwards through next_free and back through prev_free: both walks must end
+    at the queue's sentinels and see the same blocks in reverse order, each pool block at most once,
+    num_free_blocks of them, and exactly the blocks with ref count 0."""
+    problems = []
+    members = {id(block) for block in pool.blocks}
+    limit = pool.num_blocks + 1   # a cycle stops the walk here and shows as a duplicate
+    first = next(iter(pool.free_block_queue), None)
+    forward, node = [], first
+    while node is not None and id(node) in members and len(forward) < limit:
+        forward.append(node)
+        node = node.next_free
+    if forward and (node is None or id(node) in members or node.prev_free is not forward[-1]):
+        problems.append("free queue: the forward walk does not end at the tail sentinel")
+    backward, node = [], forward[-1] if forward else None
+    while node is not None and id(node) in members and len(backward) < limit:
+        backward.append(node)
+        node = node.prev_free
+    if forward and (node is None or id(node) in members or node.next_free is not first):
+        problems.append("free queue: the backward walk does not end at the head sentinel")
+    if backward[::-1] != forward:
+        problems.append(f"free queue: the forward and backward walks differ ({len(forward)} / "
+                        f"{len(backward)} blocks)")
+    ids = [block.block_id for block in forward]
+    linked = set(ids)
+    if len(linked) != len(ids):
+        problems.append(f"free queue: {len(ids) - len(linked)} blocks linked more than once")
+    if len(forward) != pool.num_free_blocks:
+        problems.append(f"free queue: {len(forward)} blocks linked but num_free_blocks is {pool.num_free_blocks}")
+    free = {block.block_id for block in pool.blocks if block.ref_count == 0}
+    if linked != free:
+        problems.append(f"free queue: {len(linked - free)} held blocks in it, {len(free - linked)} free "
+                        "blocks missing from it")
+    return problems
+
+
+def check_cached_blocks(pool) -> list[str]:
+    """cached_blocks maps a hash to a pool block whose own block_hash is that hash, and every block
+    with a hash is found under it: a stale entry would hand a request some other block's KV."""
+    problems = []
+    wrong = sum(1 for block_hash, block in pool.cached_blocks.items()
+                if block.block_hash != block_hash or not 0 <= block.block_id < pool.num_blocks
+                or pool.blocks[block.block_id] is not block)
+    if wrong:
+        problems.append(f"cached_blocks: {wrong} entries point at blocks whose block_hash differs")
+    unlisted = sum(1 for block in pool.blocks
+                   if block.block_hash is not None and pool.cached_blocks.get(block.block_hash) is not block)
+    if unlisted:
+        problems.append(f"cached_blocks: {unlisted} blocks carry a hash that does not map to them")
+    return problems
+
+
+def check_ref_counts(kv: KVCacheManager) -> list[str]:
+    """Each block's ref count equals the number of block-table entries holding it."""
+    held = Counter(block.block_id for table in kv.block_tables.values() for block in table)
+    wrong = [block for block in kv.pool.blocks if block.ref_count != held.get(block.block_id, 0)]
+    if not wrong:
+        return []
+    sample = ", ".join(f"block {b.block_id}: ref {b.ref_count}, in {held.get(b.block_id, 0)} tables"
+                       for b in wrong[:3])
+    return [f"ref counts: {len(wrong)} blocks disagree with the block tables ({sample})"]
+
+
+def check_queues_match_tables(scheduler: Scheduler) -> list[str]:
+    """Running requests own a block table, waiting (and preempted) ones none."""
+    tables = scheduler.kv_manager.block_tables
+    problems = []
+    tableless = sum(1 for request in scheduler.running if request.request_id not in tables)
+    if tableless:
+        problems.append(f"{tableless} running requests have no block table")
+    holding = sum(1 for request in scheduler.waiting if request.request_id in tables)
+    if holding:
+        problems.append(f"{holding} waiting requests still hold a block table")
+    return problems
+
+
+def check_mid_run(scheduler: Scheduler) -> list[str]:
+    kv = scheduler.kv_manager
+    return (check_ref_counts(kv) + check_free_queue(kv.pool) + check_cached_blocks(kv.pool)
+            + check_queues_match_tables(scheduler))
+
+
+def _containers(owner) -> list[tuple[str, dict | list | set]]:
+    return [(name, value) for name, value in vars(owner).items() if isinstance(value, (dict, list, set))]
+
+
+def check_idle(scheduler: Scheduler) -> list[str]:
+    """At an idle point: the pool whole and consistent, and no per-request state anywhere: every dict,
+    list and set attribute of the manager and of the scheduler empty, whatever it is called."""
+    kv = scheduler.kv_manager
+    pool = kv.pool
+    problems = []
+    held = [block for block in pool.blocks if block.ref_count != 0]
+    if held:
+        problems.append(f"pool not whole: {len(held)} blocks still referenced "
+                        f"(e.g. {', '.join(repr(b) for b in held[:3])})")
+    if pool.num_free_blocks != pool.num_blocks:
+        problems.append(f"pool not whole: {pool.num_free_blocks} of {pool.num_blocks} blocks free")
+    problems += check_free_queue(pool) + check_cached_blocks(pool)
+    for owner, what in ((kv, "the KV manager"), (scheduler, "the scheduler")):
+        left = [f"{name} ({len(value)})" for name, value in _containers(owner) if value]
+        if left:
+            problems.append(f"{what} holds per-request state at an idle point: {', '.join(left)}")
+    return problems
+
+
+def evict_all(pool) -> list[str]:
+    """Takes every free block and gives it back: each block's cached KV is evicted, so every memory
+    sample sees the same (empty) prefix cache, and evicting a whole pool is exercised too."""
+    pool.free(pool.allocate(pool.num_free_blocks))
+    problems = check_free_queue(pool) + check_cached_blocks(pool)
+    if pool.cached_blocks:
+        problems.append(f"{len(pool.cached_blocks)} cached blocks left after evicting the whole pool")
+    return problems
+
+
+def release_capacity(owners) -> None:
+    """Calls clear() on the owners' empty dicts and sets (lists shrink by themselves). A dict keeps
+    the table of its last resize, so an empty `cached_blocks` holds anything from nothing to half a
+    MiB depending on when it last grew: noise bounded by peak sizes, not growth. Changes no content."""
+    for owner in owners:
+        for _, value in _containers(owner):
+            if not value:
+                value.clear()
+
+
+def measure_memory(requests_done: int) -> MemorySample:
+    """Live objects after a full collection: gc-tracked ones, Request and KVBlock instances, and every
+    live block of Python's allocator (untracked ints, bytes and str included), read before the census
+    allocates its list of all objects."""
+    from pagedllm.kv.block_pool import KVBlock
+    gc.collect()
+    heap_blocks = sys.getallocatedblocks()
+    objects = gc.get_objects()
+    kinds = Counter(type(obj) for obj in objects)
+    sample = MemorySample(requests_done, len(objects), kinds[Request], kinds[KVBlock], heap_blocks)
+    del objects, kinds
+    return sample
+
+
+# ---------------------------------------------------------------------------------------------------
+# The shadow KV cache.
+
+class ShadowKV:
+    """One token id per KV slot, and per block the cache salt of its last writer: the runner's writes
+    and block copies without tensors. A sequence read back through its block table must give its own
+    tokens, from blocks all written under its own salt."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.slots: list[int | None] = [None] * (num_blocks * block_size)
+        self.salts: list[str | None] = [None] * num_blocks
+
+    def clear(self) -> None:
+        """Forgets every slot: once the whole pool is evicted no block's content may be read again
+        (and slots holding old token ids would keep those ints alive)."""
+        self.slots[:] = [None] * len(self.slots)
+        self.salts[:] = [None] * len(self.salts)
+
+    def copy(self, copies: list[tuple[int, int]]) -> None:
+        size, slots = self.block_size, self.slots
+        for source, target in copies:
+            slots[target * size:(target + 1) * size] = slots[source * size:(source + 1) * size]
+            self.salts[target] = self.salts[source]
+
+    def write(self, block_ids: list[int], tokens: list[int], start: int, count: int, salt: str | None) -> None:
+        size, slots, salts = self.block_size, self.slots, self.salts
+        if count == 1:   # a decode step
+            block = block_ids[start // size]
+            slots[block * size + start % size] = tokens[start]
+            salts[block] = salt
+            return
+        end = start + count
+        while start < end:
+            offset = start % size
+            take = min(size - offset, end - start)
+            block = block_ids[start // size]
+            slots[block * size + offset:block * size + offset + take] = tokens[start:start + take]
+            salts[block] = salt
+            start += take
+
+    def reads_back(self, block_ids: list[int], tokens: list[int], count: int, salt: str | None) -> bool:
+        """Whether the first `count` tokens read through the table are the sequence's own."""
+        size, slots, salts = self.block_size, self.slots, self.salts
+        for index in range(0, count, size):
+            take = min(size, count - index)
+            block = block_ids[index // size]
+            if slots[block * size:block * size + take] != tokens[index:index + take] or salts[block] != salt:
+                return False
+        return True
+
+
+# ---------------------------------------------------------------------------------------------------
+# The workload.
+
+@dataclass(eq=False)
+class Job:
+    """One user request: a plain sequence, n parallel samples, or a beam search."""
+    kind: str                         # "plain", "parallel" or "beam"
+    prompt: list[int]
+    max_tokens: int
+    arrival: int                      # burst step at which it arrives
+    abort_at: int | None
+    priority: int = 0
+    salt: str | None = None
+    width: int = 1                    # n, or the beam width
+    live: list[Request] = field(default_factory=list)      # unfinished sequences
+    pending: list[Request] = field(default_factory=list)   # parallel samples not yet forked
+    candidates: dict[str, list[tuple[int, float]] | None] = field(default_factory=dict)   # beams
+    scores: dict[str, float] = field(default_factory=dict)                                # beams
+
+
+class Workload:
+    """Random jobs: prompts built from shared prefixes (so full blocks repeat across requests), exact
+    repeats of recent prompts (whole-prompt hits), random suffixes; mostly short outputs."""
+
+    def __init__(self, rng: random.Random, settings: SimulationSettings):
+        self.rng = rng
+        self.settings = settings
+        self.prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(8, 600))] for _ in range(48)]
+        self.recent: list[list[int]] = []   # a small ring of recent prompts, emptied at each segment end
+
+    def prompt(self, phase: Phase, long: bool) -> list[int]:
+        rng = self.rng
+        limit = phase.max_model_len // (2 if long else 4)
+        roll = rng.random()
+        if self.recent and roll < 0.08:
+            return list(rng.choice(self.recent))
+        prompt = []
+        if roll < 0.6:   # a shared prefix, the popular ones far more often (squared uniform)
+            prefix = self.prefixes[int(len(self.prefixes) * rng.random() ** 2)]
+            prompt = prefix[:rng.randint(limit // 4, limit)]
+        random_ = rng.random
+        prompt += [int(random_() * VOCAB) for _ in range(rng.randint(1, max(1, limit // 3)))]
+        prompt = prompt[:phase.max_model_len - 1]
+        if len(self.recent) < 16:
+            self.recent.append(prompt)
+        else:
+            self.recent[rng.randrange(16)] = prompt
+        return prompt
+
+    def job(self, phase: Phase, arrival: int, storm: bool) -> Job:
+        rng, settings = self.rng, self.settings
+        prompt = self.prompt(phase, long=storm)
+        room = phase.max_model_len - len(prompt)
+        long = storm or rng.random() < 0.05
+        max_tokens = rng.randint(1, max(1, room // 2) if long else min(room, 24))
+        roll = rng.random()
+        kind, width = "plain", 1
+        if roll < settings.parallel_fraction:
+            kind, width = "parallel", rng.randint(2, 4)
+        elif roll < settings.parallel_fraction + settings.beam_fraction:
+            kind, width = "beam", rng.randint(2, 4)
+        abort_at = None
+        if rng.random() < settings.abort_fraction:   # a third early (waiting, prefill), the rest any time
+            prefill = 1 + 2 * len(prompt) // phase.max_num_batched_tokens   # steps, with a shared budget
+            abort_at = arrival + rng.randint(0, prefill if rng.random() < 1 / 3 else 2 * (prefill + max_tokens))
+        salt = f"tenant-{rng.randrange(4)}" if rng.random() < settings.salt_fraction else None
+        return Job(kind, prompt, max_tokens, arrival, abort_at,
+                   priority=rng.randrange(4) if phase.policy == "priority" else 0, salt=salt, width=width)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The driver.
+
+PARAMS = SamplingParams(temperature=0)   # one shared instance: the bookkeeping never reads it
+
+
+class Engine:
+    """One phase's scheduler, KV manager and shadow KV, kept for the whole run."""
+
+    def __init__(self, phase: Phase):
+        self.phase = phase
+        self.kv = KVCacheManager(phase.num_blocks, phase.block_size, phase.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, phase.max_num_seqs, phase.max_num_batched_tokens,
+                                   phase.enable_chunked_prefill, phase.policy)
+        self.shadow = ShadowKV(phase.num_blocks, phase.block_size)
+
+
+class Simulation:
+    """Runs the settings' requests segment by segment. `tamper(step, engine)`, if given, is called after
+    every step: tests use it to plant a fault that the checks must report."""
+
+    def __init__(self, settings: SimulationSettings, tamper: Callable[[int, Engine], None] | None = None):
+        self.settings = settings
+        self.tamper = tamper
+        self.rng = random.Random(settings.seed)
+        self.workload = Workload(self.rng, settings)
+        self.report = SimulationReport(settings)
+        self.engines: list[Engine] = []
+        self.owner: dict[str, Job] = {}      # live sequence id -> its job
+        self.stop_at: dict[str, int] = {}    # live plain / parallel sequence id -> length it stops at
+        self.next_id = 0
+        self.clock = 0.0                     # arrival times: a counter, so that order is exact
+        self.step = 0
+        self.failed = False                  # a structural check failed: stop, the state is unreliable
+
+    # -- running
+
+    def run(self) -> SimulationReport:
+        settings, report = self.settings, self.report
+        started = time.perf_counter()
+        # What the process held before (torch, a test session...) goes to the collector's permanent
+        # generation: collections and the object census then see only the run's own objects, and cost
+        # milliseconds instead of a second in a big process. Unfrozen at the end.
+        gc.collect()
+        gc.freeze()
+        self.engines = [Engine(phase) for phase in settings.phases]
+        size = settings.segment_size()
+        num_segments = -(-settings.requests // size)
+        report.memory_samples = array("q", bytes(8 * len(MemorySample._fields) * num_segments))
+        windows = self.heap_windows(num_segments)
+        tracing = None
+        try:
+            for segment in range(num_segments):
+                if self.failed:
+                    break
+                if segment in windows:
+                    tracing = self.start_tracing()
+                engine = self.engines[segment % len(self.engines)]
+                self.run_segment(engine, min(size, settings.requests - report.requests))
+                self.end_segment(engine)
+                if tracing is not None and segment + 1 in windows.values():
+                    self.stop_tracing(*tracing)
+                    tracing = None
+        finally:
+            if tracemalloc.is_tracing():
+                tracemalloc.stop()
+            gc.unfreeze()
+        for engine in self.engines:
+            report.preemptions += engine.scheduler.num_preemptions
+            report.prompt_tokens_looked_up += engine.kv.prefix_cache_queries
+            report.prompt_tokens_hit += engine.kv.prefix_cache_hits
+        if not self.failed:
+            self.check_coverage()
+            self.check_memory()
+        report.wall_seconds = time.perf_counter() - started
+        return report
+
+    def heap_windows(self, num_segments: int) -> dict[int, int]:
+        """First segment -> end of each traced window: the cycle of phases that ends the first tenth,
+        and the last cycle (none when the run has fewer than two cycles)."""
+        cycle = len(self.settings.phases)
+        if not self.settings.trace_heap or num_segments < 2 * cycle:
+            return {}
+        first_end = max(cycle, num_segments // 10)
+        return {first_end - cycle: first_end, num_segments - cycle: num_segments}
+
+    def start_tracing(self) -> tuple[int, int]:
+        gc.collect()
+        tracemalloc.start()
+        return self.report.requests, tracemalloc.get_traced_memory()[0]
+
+    def stop_tracing(self, first_request: int, start_bytes: int) -> None:
+        """Called after end_segment has released capacity: what is traced now was kept."""
+        gc.collect()
+        retained, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        report = self.report
+        report.heap_windows.append(HeapWindow(first_request, report.requests - first_request,
+                                              retained - start_bytes, peak))
+
+    def fail(self, problems: list[str], where: str) -> None:
+        for problem in problems:
+            self.report.problem(f"{where}: {problem}")
+        if problems:
+            self.failed = True
+
+    def run_segment(self, engine: Engine, requests: int) -> None:
+        rng, phase = self.rng, engine.phase
+        while requests > 0 and not self.failed:
+            storm = rng.random() < phase.storm_probability
+            if storm:   # twice what the engine runs at once, all at step 0, long
+                count = min(requests, 2 * phase.max_num_seqs)
+                self.report.storms += 1
+            else:
+                count = min(requests, rng.randint(*phase.burst))
+            spread = 0 if storm else rng.randint(0, 4 * count)
+            arrivals = sorted(rng.randint(0, spread) for _ in range(count))
+            self.run_burst(engine, [self.workload.job(phase, at, storm) for at in arrivals])
+            requests -= count
+
+    def run_burst(self, engine: Engine, jobs: list[Job]) -> None:
+        """Steps until every job of the burst is done, checking the pool each time the engine empties."""
+        scheduler = engine.scheduler
+        aborts: dict[int, list[Job]] = {}
+        for job in jobs:
+            if job.abort_at is not None:
+                aborts.setdefault(job.abort_at, []).append(job)
+        arrived, now, busy = 0, 0, False
+        while not self.failed:
+            while arrived < len(jobs) and jobs[arrived].arrival <= now:
+                self.admit(engine, jobs[arrived])
+                arrived += 1
+            for job in aborts.pop(now, ()):
+                if job.live:
+                    self.abort(engine, job)
+            if not scheduler.has_unfinished_requests():
+                if busy:
+                    self.idle_point(engine)
+                    busy = False
+                if arrived == len(jobs):
+                    break
+                now = jobs[arrived].arrival
+                continue
+            busy = True
+            if not self.run_step(engine):
+                self.stall(engine, jobs)
+            now += 1
+
+    def admit(self, engine: Engine, job: Job) -> None:
+        report = self.report
+        report.requests += 1
+        report.salted_requests += job.salt is not None
+        first = self.new_request(job, self.tick())
+        engine.scheduler.add_request(first)
+        if job.kind == "beam":
+            report.beam_requests += 1
+            job.candidates[first.request_id] = None
+            job.scores[first.request_id] = 0.0
+            return
+        self.stop_at[first.request_id] = self.stop_length(job)
+        if job.kind == "parallel":   # as LLMEngine.add_request: siblings wait to be forked from the first
+            report.parallel_requests += 1
+            job.pending = [self.new_request(job, first.arrival_time, live=False) for _ in range(job.width - 1)]
+
+    def new_request(self, job: Job, arrival_time: float, live: bool = True) -> Request:
+        self.next_id += 1
+        self.report.sequences += 1
+        request = Request(request_id=f"r{self.next_id}", prompt_token_ids=job.prompt, sampling_params=PARAMS,
+                          eos_token_ids=(), max_tokens=job.max_tokens, arrival_time=arrival_time,
+                          priority=job.priority, cache_salt=job.salt)
+        self.owner[request.request_id] = job
+        if live:
+            job.live.append(request)
+        return request
+
+    def tick(self) -> float:
+        self.clock += 1.0
+        return self.clock
+
+    def stop_length(self, job: Job) -> int:
+        """The total length a sample stops at: prompt + max_tokens (length) or earlier (a stop token)."""
+        rng = self.rng
+        return len(job.prompt) + (job.max_tokens if rng.random() < 0.6 else rng.randint(1, job.max_tokens))
+
+    def run_step(self, engine: Engine) -> bool:
+        """One engine step without the model: schedule, apply block copies and write the shadow KV,
+        advance the computed tokens and register full blocks (as LLMEngine.run_step), then sample
+        random tokens, fork pending parallel samples, advance beam searches and finish what stopped.
+        False when the scheduler did nothing although requests are unfinished."""
+        kv, scheduler, shadow, report = engine.kv, engine.scheduler, engine.shadow, self.report
+        try:
+            plan = scheduler.schedule()
+        except Exception as exc:   # noqa: BLE001 - any exception from the scheduler is a finding
+            self.fail([f"{type(exc).__name__}: {exc}"], f"step {self.step} ({engine.phase.name}): schedule()")
+            return True
+        if not plan.scheduled:
+            return bool(plan.preempted)   # preempting itself is progress; nothing at all is a stall
+        self.step += 1
+        report.steps += 1
+        if plan.block_copies:
+            report.block_copies += len(plan.block_copies)
+            shadow.copy(plan.block_copies)
+        sampled = []
+        cache_full_blocks, write = kv.cache_full_blocks, shadow.write
+        for row in plan.scheduled:
+            request = row.request
+            tokens = request.all_token_ids
+            start, count = request.num_computed_tokens, row.num_new_tokens
+            write(row.block_table, tokens, start, count, request.cache_salt)
+            request.num_computed_tokens = computed = start + count
+            cache_full_blocks(request.request_id, tokens, computed)
+            if computed == len(tokens):
+                sampled.append(request)
+                if count > 1:   # a prefill just ended: prefix hits and recomputed blocks must read back
+                    self.read_back(engine, request, row.block_table)
+        try:
+            self.sample(engine, sampled)
+        except Exception as exc:   # noqa: BLE001
+            self.fail([f"{type(exc).__name__}: {exc}"], f"step {self.step} ({engine.phase.name}): fork or finish")
+        if self.step % self.settings.check_every_steps == 0:
+            report.mid_run_checks += 1
+            self.fail(check_mid_run(scheduler), f"step {self.step} ({engine.phase.name}), mid-run")
+        if self.tamper is not None:
+            self.tamper(self.step, engine)
+        return True
+
+    def read_back(self, engine: Engine, request: Request, block_ids: list[int]) -> None:
+        self.report.shadow_reads += 1
+        if not engine.shadow.reads_back(block_ids, request.all_token_ids, request.num_computed_tokens,
+                                        request.cache_salt):
+            self.fail([f"{request.request_id} reads back other tokens (or another salt's) than its own through "
+                       f"its block table ({request.num_computed_tokens} computed tokens, table {block_ids})"],
+                      f"step {self.step} ({engine.phase.name}), shadow KV")
+
+    def sample(self, engine: Engine, sampled: list[Request]) -> None:
+        random_, owner, stop_at = self.rng.random, self.owner, self.stop_at
+        beam_jobs = []
+        for request in sampled:
+            job = owner[request.request_id]
+            if job.kind == "beam":
+                job.candidates[request.request_id] = [(int(random_() * VOCAB), -3 * random_())
+                                                      for _ in range(2 * job.width)]
+                if job not in beam_jobs:
+                    beam_jobs.append(job)
+                continue
+            sequences = [request]
+            if job.pending:   # the first sample of n: fork its siblings, which sample from the same row
+                for sibling in job.pending:
+                    fork(engine, request, sibling)
+                    job.live.append(sibling)
+                    stop_at[sibling.request_id] = self.stop_length(job)
+                    self.report.forks += 1
+                sequences += job.pending
+                job.pending = []
+            for sequence in sequences:
+                tokens = sequence.all_token_ids
+                tokens.append(int(random_() * VOCAB))
+                stop = stop_at[sequence.request_id]
+                if len(tokens) >= stop:
+                    length = stop - len(sequence.prompt_token_ids) == sequence.max_tokens
+                    self.finish(engine, sequence, RequestStatus.FINISHED_LENGTH if length
+                                else RequestStatus.FINISHED_STOPPED)
+        for job in beam_jobs:
+            if job.live and all(job.candidates[beam.request_id] is not None for beam in job.live):
+                self.advance_beams(engine, job)
+
+    def advance_beams(self, engine: Engine, job: Job) -> None:
+        """Keeps the width best one-token extensions, as beam_search._advance does (mirrored in brief,
+        without sequences or logprob records): a parent with no kept extension is dropped, a second
+        extension is forked from its parent before the parent takes its own token."""
+        candidates, scores = job.candidates, job.scores
+        extensions = sorted(((scores[beam.request_id] + logprob, index, token)
+                             for index, beam in enumerate(job.live)
+                             for token, logprob in candidates[beam.request_id]), reverse=True)[:job.width]
+        kept: dict[int, list[tuple[float, int]]] = {}
+        for score, index, token in extensions:
+            kept.setdefault(index, []).append((score, token))
+        for index, parent in enumerate(list(job.live)):
+            if index not in kept:
+                self.report.dropped_beams += 1
+                self.finish(engine, parent, RequestStatus.FINISHED_ABORTED)
+                continue
+            extended = [parent]
+            for _ in kept[index][1:]:
+                child = self.new_request(job, self.tick())
+                fork(engine, parent, child)
+                self.report.beam_forks += 1
+                extended.append(child)
+            for beam, (score, token) in zip(extended, kept[index]):
+                beam.all_token_ids.append(token)
+                scores[beam.request_id] = score
+                candidates[beam.request_id] = None
+                if beam.num_output_tokens >= beam.max_tokens or self.rng.random() < 0.03:
+                    self.finish(engine, beam, RequestStatus.FINISHED_STOPPED)
+
+    def finish(self, engine: Engine, request: Request, status: RequestStatus) -> None:
+        """Reads the sequence back through its table one last time, ends it (Scheduler.finish frees its
+        blocks at once) and forgets it."""
+        table = engine.kv.block_tables.get(request.request_id)
+        if table:
+            self.read_back(engine, request, [block.block_id for block in table])
+        engine.scheduler.finish(request, status)
+        job = self.owner.pop(request.request_id)
+        self.stop_at.pop(request.request_id, None)
+        job.candidates.pop(request.request_id, None)
+        job.scores.pop(request.request_id, None)
+        job.live.remove(request)
+
+    def abort(self, engine: Engine, job: Job) -> None:
+        """As LLMEngine.abort_request: every unfinished sequence of the job ends, wherever it is."""
+        first = job.live[0]
+        if first.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            where = "waiting"
+        elif first.num_computed_tokens < first.num_prompt_tokens:
+            where = "mid-prefill"
+        else:
+            where = "mid-decode"
+        self.report.aborts[where] += 1
+        for request in list(job.live):
+            self.finish(engine, request, RequestStatus.FINISHED_ABORTED)
+        for request in job.pending:   # never forked: the engine finishes them too (nothing to free)
+            engine.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self.owner.pop(request.request_id)
+        job.pending = []
+
+    def stall(self, engine: Engine, jobs: list[Job]) -> None:
+        """Nothing could be scheduled although requests are unfinished: the engine would spin here for
+        ever. Reported; then the burst's jobs are aborted (as clients giving up) and the run goes on."""
+        scheduler = engine.scheduler
+        self.report.stalls += 1
+        idle_running = sum(r.num_computed_tokens == r.num_tokens for r in scheduler.running)
+        self.report.problem(kind="stall", text=
+            f"step {self.step} ({engine.phase.name}): stall, nothing schedulable with {len(scheduler.running)} "
+            f"running ({idle_running} waiting for sibling beams) and {len(scheduler.waiting)} waiting; "
+            f"{engine.kv.pool.num_free_blocks} of {engine.kv.pool.num_blocks} blocks free")
+        for job in jobs:
+            if job.live:
+                self.abort(engine, job)
+
+    # -- checking
+
+    def idle_point(self, engine: Engine) -> None:
+        self.report.idle_points += 1
+        problems = check_idle(engine.scheduler)
+        if self.owner or self.stop_at:
+            problems.append(f"the simulation itself still tracks {len(self.owner)} sequences")
+        self.fail(problems, f"idle point after step {self.step} ({engine.phase.name})")
+
+    def end_segment(self, engine: Engine) -> None:
+        """Evicts the segment's cached blocks, releases spare capacity and takes a memory sample."""
+        if self.failed:
+            return
+        self.fail(evict_all(engine.kv.pool), f"segment end ({engine.phase.name})")
+        engine.shadow.clear()
+        self.workload.recent.clear()
+        release_capacity([self, self.workload, self.report] + [owner for e in self.engines
+                                                               for owner in (e.kv, e.kv.pool, e.scheduler)])
+        self.report.record_memory(measure_memory(self.report.requests))
+
+    def check_coverage(self) -> None:
+        """A stress run that never preempted, forked, copied, hit the cache or aborted in each state
+        tested nothing there: that fails too (runs under 1,000 requests are exempt)."""
+        report = self.report
+        if report.requests < 1000:
+            return
+        missing = [name for name, count in (
+            ("preemptions", report.preemptions), ("forks", report.forks), ("beam forks", report.beam_forks),
+            ("dropped beams", report.dropped_beams), ("copy-on-write copies", report.block_copies),
+            ("prefix-cache hits", report.prompt_tokens_hit), ("salted requests", report.salted_requests),
+            *((f"aborts {where}", report.aborts[where]) for where in ("waiting", "mid-prefill", "mid-decode")))
+            if count == 0]
+        if missing:
+            report.problem(f"coverage: the run had no {', no '.join(missing)}", kind="coverage")
+
+    def check_memory(self) -> None:
+        """Every sample after the first tenth within the limits of the one that ends it, no Request alive
+        at any sample, little heap retained over each traced window; one message per measure, at its worst."""
+        report = self.report
+        window = report.memory_window()
+        if window is None:
+            return
+        baseline, samples = window[0], report.memory
+        alive = max(samples, key=lambda s: s.request_objects)
+        if alive.request_objects:
+            report.problem(f"memory: {alive.request_objects:,} Request objects alive at the idle point after "
+                           f"{alive.requests_done:,} requests", kind="memory")
+        later = [s for s in samples if s.requests_done > baseline.requests_done]
+        for name, measure, limit in (("KVBlock objects", lambda s: abs(s.block_objects - baseline.block_objects), 0),
+                                     ("gc-tracked objects", lambda s: s.gc_objects - baseline.gc_objects,
+                                      MAX_OBJECT_GROWTH),
+                                     ("heap blocks", lambda s: s.heap_blocks - baseline.heap_blocks,
+                                      MAX_BLOCK_GROWTH)):
+            worst = max(later, key=measure, default=None)
+            if worst is not None and measure(worst) > limit:
+                report.problem(f"memory: {measure(worst):+,} {name} since the first tenth, after "
+                               f"{worst.requests_done:,} requests (limit +{limit})", kind="memory")
+        for heap in report.heap_windows:
+            if heap.retained_bytes > MAX_HEAP_RETAINED:
+                report.problem(f"heap: {heap.retained_bytes / 1024:+.1f} KiB retained over requests "
+                               f"{heap.first_request:,}-{heap.first_request + heap.requests:,} "
+                               f"(limit {MAX_HEAP_RETAINED // 1024} KiB)", kind="memory")
+
+
+def fork(engine: Engine, source: Request, target: Request) -> None:
+    """LLMEngine.fork, mirrored (its four lines): the target starts from the source's tokens and computed
+    count and shares every block of its table."""
+    target.all_token_ids = list(source.all_token_ids)
+    target.num_computed_tokens = source.num_computed_tokens
+    engine.kv.fork(source.request_id, target.request_id)
+    engine.scheduler.add_running(target)
+
+
+def run_simulation(settings: SimulationSettings,
+                   tamper: Callable[[int, Engine], None] | None = None) -> SimulationReport:
+    return Simulation(settings, tamper).run()
