@@ -16,7 +16,8 @@ that nothing is left behind and nothing is mixed up:
   the runner writes K/V, block copies applied first) must read each sequence's own tokens back, with
   every block last written under the sequence's own cache salt: a wrong prefix hit, a missed
   copy-on-write or a block given to two writers shows where it happens;
-- the scheduler must schedule something whenever requests are unfinished (else the engine would spin);
+- the engine must make progress whenever requests are unfinished: schedule something, and sample a
+  token at least every MAX_STEPS_WITHOUT_SAMPLE steps (else it would spin for ever);
 - at every segment end: gc-tracked objects, Request and KVBlock instances and live heap blocks must stay
   at their level at the end of the first tenth of the run; the heap bytes that tracemalloc sees retained
   over one traced cycle of phases, early and late, must be near zero (see `HeapWindow`).
@@ -49,6 +50,9 @@ VOCAB = 32000
 MAX_OBJECT_GROWTH = 100          # gc-tracked objects
 MAX_BLOCK_GROWTH = 500           # live heap blocks (sys.getallocatedblocks: ints, bytes, str included)
 MAX_HEAP_RETAINED = 64 * 1024    # bytes retained over one traced cycle (30,000 requests in a million)
+# Steps without a single sampled token before the engine counts as stuck: the longest prefill here
+# (2,048 tokens at 64 a step) takes 32, so this leaves room for heavy preemption yet ends a livelock.
+MAX_STEPS_WITHOUT_SAMPLE = 1000
 MAX_PROBLEMS = 10                # messages kept of each kind (stall, memory, check...); the count is exact
 
 
@@ -219,7 +223,7 @@ class SimulationReport:
             ("prefix-cache hit rate", f"{self.hit_rate:.1%} of {self.prompt_tokens_looked_up:,} prompt tokens"),
             ("idle points checked", f"{self.idle_points:,} (+ {self.mid_run_checks:,} mid-run ref-count "
                                     f"checks, {self.shadow_reads:,} shadow-KV read-backs)"),
-            ("stalls (nothing schedulable, requests unfinished)", f"{self.stalls:,}"),
+            ("stalls (no progress, requests unfinished)", f"{self.stalls:,}"),
             ("live objects, first tenth -> last", objects),
             ("heap retained over a traced cycle (tracemalloc), first tenth / last", heap),
             ("pool sizes used (blocks x tokens)", ", ".join(f"{p.num_blocks} x {p.block_size}"
@@ -437,6 +441,7 @@ class Job:
     max_tokens: int
     arrival: int                      # burst step at which it arrives
     abort_at: int | None
+    abort_in_prefill: bool = False    # aborted at the first step that leaves it mid-prefill
     priority: int = 0
     salt: str | None = None
     width: int = 1                    # n, or the beam width
@@ -456,18 +461,21 @@ class Workload:
         self.prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(8, 600))] for _ in range(48)]
         self.recent: list[list[int]] = []   # a small ring of recent prompts, emptied at each segment end
 
-    def prompt(self, phase: Phase, long: bool) -> list[int]:
+    def prompt(self, phase: Phase, storm: bool) -> list[int]:
+        """Mostly a shared prefix and a short random suffix; in a storm, long and mostly unique, so
+        that sharing cannot keep even the largest pool from filling up."""
         rng = self.rng
-        limit = phase.max_model_len // (2 if long else 4)
+        limit = phase.max_model_len // (2 if storm else 4)
         roll = rng.random()
-        if self.recent and roll < 0.08:
+        if self.recent and roll < 0.08 and not storm:
             return list(rng.choice(self.recent))
         prompt = []
-        if roll < 0.6:   # a shared prefix, the popular ones far more often (squared uniform)
+        if roll < (0.2 if storm else 0.6):   # a shared prefix, the popular ones far more often
             prefix = self.prefixes[int(len(self.prefixes) * rng.random() ** 2)]
             prompt = prefix[:rng.randint(limit // 4, limit)]
         random_ = rng.random
-        prompt += [int(random_() * VOCAB) for _ in range(rng.randint(1, max(1, limit // 3)))]
+        suffix = rng.randint(limit // 2, limit) if storm else rng.randint(1, max(1, limit // 3))
+        prompt += [int(random_() * VOCAB) for _ in range(suffix)]
         prompt = prompt[:phase.max_model_len - 1]
         if len(self.recent) < 16:
             self.recent.append(prompt)
@@ -477,7 +485,7 @@ class Workload:
 
     def job(self, phase: Phase, arrival: int, storm: bool) -> Job:
         rng, settings = self.rng, self.settings
-        prompt = self.prompt(phase, long=storm)
+        prompt = self.prompt(phase, storm)
         room = phase.max_model_len - len(prompt)
         long = storm or rng.random() < 0.05
         max_tokens = rng.randint(1, max(1, room // 2) if long else min(room, 24))
@@ -487,12 +495,15 @@ class Workload:
             kind, width = "parallel", rng.randint(2, 4)
         elif roll < settings.parallel_fraction + settings.beam_fraction:
             kind, width = "beam", rng.randint(2, 4)
-        abort_at = None
-        if rng.random() < settings.abort_fraction:   # a third early (waiting, prefill), the rest any time
+        abort_at, abort_in_prefill = None, False
+        if rng.random() < settings.abort_fraction:   # early (waiting), mid-prefill if it ever is, or any time
+            roll = rng.random()
             prefill = 1 + 2 * len(prompt) // phase.max_num_batched_tokens   # steps, with a shared budget
-            abort_at = arrival + rng.randint(0, prefill if rng.random() < 1 / 3 else 2 * (prefill + max_tokens))
+            abort_in_prefill = roll < 0.4   # and no timed abort: most prompts never are mid-prefill
+            if not abort_in_prefill:
+                abort_at = arrival + rng.randint(0, prefill if roll < 0.6 else 2 * (prefill + max_tokens))
         salt = f"tenant-{rng.randrange(4)}" if rng.random() < settings.salt_fraction else None
-        return Job(kind, prompt, max_tokens, arrival, abort_at,
+        return Job(kind, prompt, max_tokens, arrival, abort_at, abort_in_prefill,
                    priority=rng.randrange(4) if phase.policy == "priority" else 0, salt=salt, width=width)
 
 
@@ -515,11 +526,14 @@ class Engine:
 
 class Simulation:
     """Runs the settings' requests segment by segment. `tamper(step, engine)`, if given, is called after
-    every step: tests use it to plant a fault that the checks must report."""
+    every step: tests use it to plant a fault that the checks must report. `progress(report)`, if given,
+    is called after each tenth of the segments."""
 
-    def __init__(self, settings: SimulationSettings, tamper: Callable[[int, Engine], None] | None = None):
+    def __init__(self, settings: SimulationSettings, tamper: Callable[[int, Engine], None] | None = None,
+                 progress: Callable[[SimulationReport], None] | None = None):
         self.settings = settings
         self.tamper = tamper
+        self.progress = progress
         self.rng = random.Random(settings.seed)
         self.workload = Workload(self.rng, settings)
         self.report = SimulationReport(settings)
@@ -529,6 +543,7 @@ class Simulation:
         self.next_id = 0
         self.clock = 0.0                     # arrival times: a counter, so that order is exact
         self.step = 0
+        self.steps_without_sample = 0
         self.failed = False                  # a structural check failed: stop, the state is unreliable
 
     # -- running
@@ -559,6 +574,11 @@ class Simulation:
                 if tracing is not None and segment + 1 in windows.values():
                     self.stop_tracing(*tracing)
                     tracing = None
+                if self.progress is not None and (segment + 1) * 10 // num_segments > segment * 10 // num_segments:
+                    report.wall_seconds = time.perf_counter() - started
+                    self.progress(report)
+        except Exception as exc:   # noqa: BLE001 - e.g. a pool that raises on a free: reported, not a traceback
+            self.fail([f"{type(exc).__name__}: {exc}"], f"step {self.step}")
         finally:
             if tracemalloc.is_tracing():
                 tracemalloc.stop()
@@ -641,7 +661,9 @@ class Simulation:
                 continue
             busy = True
             if not self.run_step(engine):
-                self.stall(engine, jobs)
+                self.stall(engine, jobs, "nothing schedulable")
+            elif self.steps_without_sample > MAX_STEPS_WITHOUT_SAMPLE:
+                self.stall(engine, jobs, f"no token sampled in {MAX_STEPS_WITHOUT_SAMPLE:,} steps")
             now += 1
 
     def admit(self, engine: Engine, job: Job) -> None:
@@ -691,14 +713,15 @@ class Simulation:
         except Exception as exc:   # noqa: BLE001 - any exception from the scheduler is a finding
             self.fail([f"{type(exc).__name__}: {exc}"], f"step {self.step} ({engine.phase.name}): schedule()")
             return True
-        if not plan.scheduled:
-            return bool(plan.preempted)   # preempting itself is progress; nothing at all is a stall
+        if not plan.scheduled:   # a request that preempted itself: a step without a token; nothing at all: a stall
+            self.steps_without_sample += 1
+            return bool(plan.preempted)
         self.step += 1
         report.steps += 1
         if plan.block_copies:
             report.block_copies += len(plan.block_copies)
             shadow.copy(plan.block_copies)
-        sampled = []
+        sampled, prefill_aborts = [], []
         cache_full_blocks, write = kv.cache_full_blocks, shadow.write
         for row in plan.scheduled:
             request = row.request
@@ -711,8 +734,14 @@ class Simulation:
                 sampled.append(request)
                 if count > 1:   # a prefill just ended: prefix hits and recomputed blocks must read back
                     self.read_back(engine, request, row.block_table)
+            elif computed < len(request.prompt_token_ids) and self.owner[request.request_id].abort_in_prefill:
+                prefill_aborts.append(self.owner[request.request_id])
+        self.steps_without_sample = 0 if sampled else self.steps_without_sample + 1
         try:
             self.sample(engine, sampled)
+            for job in prefill_aborts:
+                if job.live:
+                    self.abort(engine, job)
         except Exception as exc:   # noqa: BLE001
             self.fail([f"{type(exc).__name__}: {exc}"], f"step {self.step} ({engine.phase.name}): fork or finish")
         if self.step % self.settings.check_every_steps == 0:
@@ -821,19 +850,21 @@ class Simulation:
             self.owner.pop(request.request_id)
         job.pending = []
 
-    def stall(self, engine: Engine, jobs: list[Job]) -> None:
-        """Nothing could be scheduled although requests are unfinished: the engine would spin here for
-        ever. Reported; then the burst's jobs are aborted (as clients giving up) and the run goes on."""
+    def stall(self, engine: Engine, jobs: list[Job], how: str) -> None:
+        """Requests are unfinished but the engine makes no progress (nothing scheduled, or no token
+        sampled for many steps): it would spin here for ever. Reported; then the burst's jobs are aborted
+        (as clients giving up) and the run goes on."""
         scheduler = engine.scheduler
         self.report.stalls += 1
         idle_running = sum(r.num_computed_tokens == r.num_tokens for r in scheduler.running)
         self.report.problem(kind="stall", text=
-            f"step {self.step} ({engine.phase.name}): stall, nothing schedulable with {len(scheduler.running)} "
-            f"running ({idle_running} waiting for sibling beams) and {len(scheduler.waiting)} waiting; "
+            f"step {self.step} ({engine.phase.name}): stall, {how}, with {len(scheduler.running)} running "
+            f"({idle_running} waiting for sibling beams) and {len(scheduler.waiting)} waiting; "
             f"{engine.kv.pool.num_free_blocks} of {engine.kv.pool.num_blocks} blocks free")
         for job in jobs:
             if job.live:
                 self.abort(engine, job)
+        self.steps_without_sample = 0
 
     # -- checking
 
@@ -908,6 +939,6 @@ def fork(engine: Engine, source: Request, target: Request) -> None:
     engine.scheduler.add_running(target)
 
 
-def run_simulation(settings: SimulationSettings,
-                   tamper: Callable[[int, Engine], None] | None = None) -> SimulationReport:
-    return Simulation(settings, tamper).run()
+def run_simulation(settings: SimulationSettings, tamper: Callable[[int, Engine], None] | None = None,
+                   progress: Callable[[SimulationReport], None] | None = None) -> SimulationReport:
+    return Simulation(settings, tamper, progress).run()

@@ -172,7 +172,9 @@ def run_simulation(args: argparse.Namespace) -> None:
         raise SystemExit(f"--simulate needs a number of requests >= 1, got {args.simulate}")
     settings = SimulationSettings(requests=args.simulate, seed=args.simulate_seed)
     print(f"simulating {settings.requests:,} requests (seed {settings.seed}), no model", flush=True)
-    report = simulate(settings)
+    report = simulate(settings, progress=lambda r: print(
+        f"  {r.requests:,} requests, {r.steps:,} steps, {r.idle_points:,} idle points checked, "
+        f"{r.num_problems} problems, {r.wall_seconds:.0f} s", flush=True))
     print(report.table())
     for problem in report.problems:
         print(f"PROBLEM: {problem}")
