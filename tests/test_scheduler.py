@@ -2,7 +2,9 @@
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.request import RequestStatus
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.kv.manager import KVCacheManager
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -154,3 +156,25 @@ def test_without_chunked_prefill_a_prompt_is_prefilled_whole(tiny_dir):
     engine.add_request("long", {"prompt_token_ids": [3 + i % 250 for i in range(300)]}, GREEDY)
     engine.step()
     assert engine.last_step_stats.num_tokens == 300
+
+
+def test_a_fork_shares_a_running_source_and_queues_behind_a_preempted_one():
+    """Beam search may fork a beam the scheduler preempted after it sampled: it has no blocks to share, so the
+    new beam waits to compute the same tokens."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0)
+    source = Request("s", [1, 2, 3, 4, 5], params, (), 8, arrival_time=0.0)
+    scheduler.add_request(source)
+    scheduler.schedule()
+    source.num_computed_tokens = source.num_tokens
+    shared = Request("shared", [1, 2, 3, 4, 5], params, (), 8, arrival_time=1.0)
+    scheduler.fork(source, shared)
+    assert shared in scheduler.running and kv.get_block_table("shared") == kv.get_block_table("s")
+    assert shared.num_computed_tokens == 5 and shared.all_token_ids == source.all_token_ids
+    scheduler.running.remove(source)
+    scheduler._preempt(source)
+    queued = Request("queued", [1, 2, 3, 4, 5], params, (), 8, arrival_time=2.0)
+    scheduler.fork(source, queued)
+    assert queued in scheduler.waiting and "queued" not in kv.block_tables and queued.num_computed_tokens == 0
+    assert queued.all_token_ids == source.all_token_ids

@@ -286,10 +286,7 @@ class LLMEngine:
 
     def fork(self, source: Request, target: Request) -> None:
         """Starts `target` from `source`'s tokens and KV, sharing every block (copy on write)."""
-        target.all_token_ids = list(source.all_token_ids)
-        target.num_computed_tokens = source.num_computed_tokens
-        self.kv_manager.fork(source.request_id, target.request_id)
-        self.scheduler.add_running(target)
+        self.scheduler.fork(source, target)
 
     def _logprob_entry(self, token_id: int, token_logprob: float, rank: int, top_ids: list[int],
                        top_values: list[float], k: int) -> dict[int, Logprob]:

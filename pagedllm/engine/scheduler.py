@@ -146,6 +146,17 @@ class Scheduler:
         self.add_request(request)
         request.status = RequestStatus.PREEMPTED
 
+    def fork(self, source: Request, target: Request) -> None:
+        """Starts `target` from `source`'s tokens. A running source shares its KV with it (every block, copy on
+        write); a preempted one has none to share, so the target waits to compute its tokens, as the source does."""
+        target.all_token_ids = list(source.all_token_ids)
+        if source.status is RequestStatus.RUNNING:
+            target.num_computed_tokens = source.num_computed_tokens
+            self.kv_manager.fork(source.request_id, target.request_id)
+            self.add_running(target)
+        else:
+            self.add_request(target)
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Takes a request out of the queues and frees its blocks at once."""
         request.status = status

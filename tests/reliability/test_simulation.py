@@ -2,8 +2,6 @@
 proof that each of its checks fails when the fault it looks for is planted."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from pagedllm.bench.reliability import simulation
@@ -71,7 +69,7 @@ def test_beam_search_never_stalls_in_a_full_pool():
     step()
     child = Request(request_id="b1", prompt_token_ids=[1, 2, 3], sampling_params=params, eos_token_ids=(),
                     max_tokens=6, arrival_time=1.0)
-    simulation.fork(SimpleNamespace(kv=kv, scheduler=scheduler), parent, child)
+    scheduler.fork(parent, child)
     for extra in ((10, 20), (11, 21)):   # each beam keeps one extension per step
         parent.all_token_ids.append(extra[0])
         child.all_token_ids.append(extra[1])

@@ -773,7 +773,7 @@ class Simulation:
             sequences = [request]
             if job.pending:   # the first sample of n: fork its siblings, which sample from the same row
                 for sibling in job.pending:
-                    fork(engine, request, sibling)
+                    engine.scheduler.fork(request, sibling)
                     job.live.append(sibling)
                     stop_at[sibling.request_id] = self.stop_length(job)
                     self.report.forks += 1
@@ -810,7 +810,7 @@ class Simulation:
             extended = [parent]
             for _ in kept[index][1:]:
                 child = self.new_request(job, self.tick())
-                fork(engine, parent, child)
+                engine.scheduler.fork(parent, child)
                 self.report.beam_forks += 1
                 extended.append(child)
             for beam, (score, token) in zip(extended, kept[index]):
@@ -928,15 +928,6 @@ class Simulation:
                 report.problem(f"heap: {heap.retained_bytes / 1024:+.1f} KiB retained over requests "
                                f"{heap.first_request:,}-{heap.first_request + heap.requests:,} "
                                f"(limit {MAX_HEAP_RETAINED // 1024} KiB)", kind="memory")
-
-
-def fork(engine: Engine, source: Request, target: Request) -> None:
-    """LLMEngine.fork, mirrored (its four lines): the target starts from the source's tokens and computed
-    count and shares every block of its table."""
-    target.all_token_ids = list(source.all_token_ids)
-    target.num_computed_tokens = source.num_computed_tokens
-    engine.kv.fork(source.request_id, target.request_id)
-    engine.scheduler.add_running(target)
 
 
 def run_simulation(settings: SimulationSettings, tamper: Callable[[int, Engine], None] | None = None,
