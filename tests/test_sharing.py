@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.model.loader import bundled_model_path
+from pagedllm.model.runner import kv_bytes_per_block
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +173,20 @@ def test_beam_search_equals_transformers(bundled, width):
         torch.testing.assert_close(ours, expected.sequences_scores.float(), atol=1e-3, rtol=0)
         assert all(seq.text == tokenizer.decode(seq.output_token_ids) for seq in output.sequences)
     assert llm.stats().kv_cache.num_used_blocks == 0
+
+
+def test_beam_search_in_a_cache_too_small_for_all_its_beams_still_ends_with_the_same_beams(bundled):
+    """Three blocks of 8 tokens hold one 24-token beam, not two: beams are preempted, and a beam that waits
+    for a preempted sibling makes way for it instead of holding its blocks for ever."""
+    roomy, _ = bundled
+    per_block = kv_bytes_per_block(roomy.llm_engine.model_config, 8, torch.float32)
+    small = LLM(dtype="float32", block_size=8, kv_cache_memory=3 * per_block, max_model_len=24)
+    prompt = {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}
+    params = BeamSearchParams(beam_width=2, max_tokens=17, ignore_eos=True)
+    beams = [sequence.output_token_ids for sequence in small.beam_search(prompt, params)[0].sequences]
+    assert beams == [sequence.output_token_ids for sequence in roomy.beam_search(prompt, params)[0].sequences]
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert small.stats().kv_cache.num_used_blocks == 0
 
 
 def test_beams_share_blocks_and_dropped_beams_free_theirs(bundled):

@@ -8,6 +8,12 @@ Running requests go first. When one needs a block and none is free (idle
 prefix-cache blocks are evicted first, by the pool), the lowest-priority,
 latest-arrived running request is preempted: its blocks are freed and its tokens
 recomputed later, so a full cache never fails a request.
+
+A running request with nothing to compute waits for its siblings (beam search). When a
+step would run nothing at all while requests wait, those requests hold the blocks that
+waiting ones (often their own siblings) need: they are preempted and parked, that is, not
+admitted again until they have a new token to compute, so the blocks go to requests that
+can move their search on.
 """
 from __future__ import annotations
 
@@ -59,6 +65,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._parked: dict[str, int] = {}   # request id -> its length when parked (see the module docstring)
 
     def _order_key(self, request: Request) -> tuple:
         if self.policy == "priority":
@@ -101,13 +108,37 @@ class Scheduler:
             index += 1
         if not out.preempted:
             self._admit_waiting(budget, out)
+        if not out.scheduled and not out.preempted and self.waiting:
+            self._park_idle_for_waiting(budget, out)
         out.block_copies = self.kv_manager.take_block_copies()
         return out
 
+    def _park_idle_for_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        """Preempts and parks every running request that only waits for siblings, then admits waiting ones."""
+        for request in [r for r in self.running if r.num_computed_tokens == r.num_tokens]:
+            self.running.remove(request)
+            self._parked[request.request_id] = request.num_tokens
+            self._preempt(request)
+            out.preempted.append(request)
+        self._admit_waiting(budget, out)
+
+    def _next_to_admit(self) -> int | None:
+        """Index in `waiting` of the first request with something to compute (a parked one has not, until
+        its search takes a step and gives it a new token)."""
+        if not self._parked:
+            return 0 if self.waiting else None
+        for index, request in enumerate(self.waiting):
+            if self._parked.get(request.request_id) != request.num_tokens:
+                return index
+        return None
+
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         kv = self.kv_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            index = self._next_to_admit()
+            if index is None:
+                break
+            request = self.waiting[index]
             cached = kv.get_computed_blocks(request.request_id, request.all_token_ids, request.cache_salt)
             num_computed = len(cached) * kv.block_size
             num_new = request.num_tokens - num_computed
@@ -118,7 +149,8 @@ class Scheduler:
             if not kv.allocate_slots(request.request_id, num_computed + num_new, num_computed, cached):
                 break
             kv.record_prefix_lookup(request.num_tokens, num_computed)
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            self._parked.pop(request.request_id, None)
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._order_key)
@@ -160,6 +192,7 @@ class Scheduler:
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Takes a request out of the queues and frees its blocks at once."""
         request.status = status
+        self._parked.pop(request.request_id, None)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
