@@ -10,7 +10,7 @@ latest-arrived running request is preempted: its blocks are freed and its tokens
 recomputed later, so a full cache never fails a request.
 
 A running request with nothing to compute waits for its siblings (beam search). When a
-step would run nothing at all while requests wait, those requests hold the blocks that
+step would run nothing while requests wait, those requests hold the blocks that
 waiting ones (often their own siblings) need: they are preempted and parked, that is, not
 admitted again until they have a new token to compute, so the blocks go to requests that
 can move their search on.
@@ -108,7 +108,7 @@ class Scheduler:
             index += 1
         if not out.preempted:
             self._admit_waiting(budget, out)
-        if not out.scheduled and not out.preempted and self.waiting:
+        if not out.scheduled and self.waiting:   # also when the only request with work preempted itself
             self._park_idle_for_waiting(budget, out)
         out.block_copies = self.kv_manager.take_block_copies()
         return out
