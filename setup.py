@@ -44,6 +44,9 @@ def extensions():
     flags = ["-O3", "-std=c++17", "-ffp-contract=fast", "-fopenmp"]
     x86 = platform.machine() in ("x86_64", "AMD64")
     variants = X86_VARIANTS if x86 else {"_C": []}
+    if os.environ.get("PAGEDLLM_BUILD_VARIANTS"):   # development: e.g. "_C,_C_avx2" builds only those
+        chosen = os.environ["PAGEDLLM_BUILD_VARIANTS"].split(",")
+        variants = {name: variants[name] for name in chosen}
     exts = [CppExtension(f"pagedllm.{name}", SOURCES, extra_compile_args=flags + isa_flags,
                          extra_link_args=["-fopenmp"]) for name, isa_flags in variants.items()]
     return exts, {"build_ext": BuildEachVariantApart}
