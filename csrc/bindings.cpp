@@ -28,5 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "Residual add, then RMSNorm (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "Rotary position embedding in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
+  m.def("quantized_linear", &quantized_linear, "Linear over group-quantized weights, int8 dot products (CPU)");
+  m.def("dequantize", &dequantize, "Group-quantized weights to floats (CPU)");
   m.def("logits_summary", &logits_summary, "Per-row logsumexp and argmax of float32 logits (CPU)");
 }

@@ -36,3 +36,12 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up);
 // Per row of float32 logits [rows, vocab]: log sum exp (the log-softmax normaliser) and the
 // argmax (first position of the maximum, as torch.argmax). Logits must not hold NaN.
 void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logits);
+
+// Group-quantized weights (formats in quant_linear.cpp): out [rows, out_features] = x [rows, cols] @ weight^T (+ bias),
+// through int8 dot products on x quantized per row and group. For few rows (decode).
+void quantized_linear(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                      c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group);
+
+// The weight as floats: out [rows, cols] = scale * q + min, exactly as gguf's dequantization computes it.
+void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,
+                int64_t bits, int64_t group);

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from pagedllm.model import loader
 from pagedllm.model.config import model_config_from_gguf, model_config_from_hf
 from pagedllm.model.loader import load_checkpoint, resolve_model
+from pagedllm.model.quantization import QuantizedWeight
 from pagedllm.model.weights import load_gguf_weights, open_gguf, read_gguf_metadata
 from pagedllm.tokenizer import Tokenizer, load_tokenizer_from_folder, load_tokenizer_from_gguf
 
@@ -121,7 +122,7 @@ def test_transformers4_config_layout_and_generation_eos():
 
 @pytest.fixture(scope="module")
 def bundled_checkpoint():
-    return load_checkpoint(None)
+    return load_checkpoint(None, quantization="none")
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +152,18 @@ def test_bundled_gguf_config(bundled_checkpoint, bundled_gguf_path):
 def test_bundled_gguf_weights_match_transformers(bundled_checkpoint, transformers_gguf_weights):
     """transformers un-permutes q/k with its own code, so this checks ours independently."""
     assert_same_weights(bundled_checkpoint.weights, transformers_gguf_weights, atol=1e-6)
+
+
+def test_bundled_gguf_stays_quantized_and_dequantizes_to_transformers_weights(transformers_gguf_weights):
+    """quantization=auto keeps the file's Q4_1/Q8_0 tensors packed; their values are transformers' own."""
+    weights = load_checkpoint(None).weights
+    assert {weights.formats[name] for name in weights} == {"Q4_1", "Q8_0", "F32"}
+    dequantized = {}
+    for name in weights:
+        weight = weights[name]
+        assert isinstance(weight, QuantizedWeight) == (weights.formats[name] != "F32"), name
+        dequantized[name] = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+    assert_same_weights(dequantized, transformers_gguf_weights, atol=1e-6)
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -77,7 +77,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
-        checkpoint = load_checkpoint(config.model)
+        checkpoint = load_checkpoint(config.model, config.quantization)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.dtype = resolve_dtype(config.dtype, checkpoint.config.torch_dtype, self.device)
@@ -98,6 +98,7 @@ class LLMEngine:
                     config.model or "bundled SmolLM2-135M-Instruct", self.model_config.architecture,
                     self.device, str(self.dtype).removeprefix("torch."), kernels.variant or "not built",
                     num_blocks, config.block_size, num_blocks * config.block_size)
+        logger.info("weights (quantization=%s): %s", config.quantization, model.weight_summary())
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

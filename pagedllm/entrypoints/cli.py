@@ -12,9 +12,9 @@ import itertools
 import logging
 import sys
 
-from pagedllm.bench import accuracy, latency, memory, scheduling, serving, sweep, throughput
+from pagedllm.bench import accuracy, latency, load, memory, scheduling, serving, sweep, throughput
 from pagedllm.bench.reliability import suite as reliability
-from pagedllm.config import DTYPES, EngineConfig
+from pagedllm.config import DTYPES, QUANTIZATIONS, EngineConfig
 from pagedllm.engine.scheduler import SCHEDULING_POLICIES
 from pagedllm.entrypoints.config_file import merge_config
 from pagedllm.entrypoints.openai.server_config import ServerConfig
@@ -35,7 +35,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "optionally under engine_args:); flags on the command line override it")
     group = parser.add_argument_group("engine")
     group.add_argument("--dtype", choices=DTYPES, default=_UNSET,
-                       help=f"weights and KV-cache precision {_default(EngineConfig, 'dtype')}")
+                       help=f"activation, float-weight and KV-cache precision {_default(EngineConfig, 'dtype')}")
+    group.add_argument("--quantization", choices=QUANTIZATIONS, default=_UNSET,
+                       help="auto keeps a GGUF's quantized weights quantized and float checkpoints float; none "
+                            "dequantizes; int8/int4 quantize float weights at load "
+                            f"{_default(EngineConfig, 'quantization')}")
     group.add_argument("--device", default=_UNSET, help="cpu or cuda (default: cuda when present)")
     group.add_argument("--block-size", type=int, default=_UNSET,
                        help=f"tokens per KV block, a power of two from 8 to 256 {_default(EngineConfig, 'block_size')}")
@@ -195,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sweep", sweep, "throughput and KV waste by block size, with a plot"),
         ("scheduling", scheduling, "scheduler + KV bookkeeping time per step"),
         ("accuracy", accuracy, "bfloat16 against float32 greedy tokens"),
+        ("load", load, "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),
         ("reliability", reliability, "load, soak, faults, fuzzing and security checks against real servers"),
     )
     for name, module, text in benchmarks:

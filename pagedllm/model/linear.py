@@ -1,14 +1,22 @@
-"""Linear layers whose weights are laid out once for oneDNN where that is faster.
+"""Linear layers and the token embedding, over float or group-quantized weights.
 
-On CPUs with fast bfloat16, oneDNN matmuls against a pre-reordered (blocked) weight run
+Float: on CPUs with fast bfloat16, oneDNN matmuls against a pre-reordered (blocked) weight run
 1.2-2x faster for the small batches of decode steps than F.linear, which reorders the
 weight on every call; results are bitwise the same. Elsewhere (float32, CUDA) F.linear.
+
+Quantized (quantization.py): few rows go through the compiled int8 dot-product kernel, which
+reads the packed weights once; many rows through float tiles the kernel dequantizes and a float
+matmul, where arithmetic, not weight traffic, bounds the step. Without the kernels (CUDA, no
+build) the weight is dequantized per call: correct, not fast.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.model.kernels import kernels as _C
+from pagedllm.model.quantization import QuantizedWeight, stack_rows
 
 # oneDNN picks its blocked layout for this many rows; measured good from 8 to 2048 rows.
 _BATCH_SIZE_HINT = 64
@@ -38,6 +46,7 @@ class Linear(nn.Module):
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_SIZE_HINT)
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
+        self.format = str(weight.dtype).removeprefix("torch.")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.prepacked:
@@ -48,3 +57,93 @@ class Linear(nn.Module):
             x = F.pad(x, (0, 0, 0, padding))
         out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return out[:num_rows] if padding else out
+
+
+# Rows up to which the int8 dot-product kernel beats dequantizing + a float matmul, and the size of
+# the float tiles beyond it (elements): measured with `pagedllm bench kernels` (see the README).
+DOT_PRODUCT_MAX_ROWS = 8
+_TILE_ELEMENTS = 1 << 20
+
+
+class QuantizedLinear(nn.Module):
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.format = weight.source
+        self.bits, self.group_size = weight.bits, weight.group_size
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("qweight", weight.qweight)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+        self.register_buffer("bias", bias)
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qweight, self.scales, self.mins, self.bits, self.group_size, self.format)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _C is None or not x.is_cpu:
+            return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
+        x = x.contiguous()
+        if x.shape[0] <= DOT_PRODUCT_MAX_ROWS:
+            out = x.new_empty(x.shape[0], self.out_features)
+            _C.quantized_linear(out, x, self.qweight, self.scales, self.mins, self.bias, self.bits, self.group_size)
+            return out
+        return self._through_float_tiles(x)
+
+    def _through_float_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T with W dequantized a tile of rows at a time, so the float copy stays in cache."""
+        tile_rows = max(16, _TILE_ELEMENTS // self.in_features)
+        tile = x.new_empty(min(tile_rows, self.out_features), self.in_features)
+        if tile.shape[0] == self.out_features:
+            _C.dequantize(tile, self.qweight, self.scales, self.mins, self.bits, self.group_size)
+            return F.linear(x, tile, self.bias)
+        out = x.new_empty(x.shape[0], self.out_features)
+        for start in range(0, self.out_features, tile_rows):
+            rows = slice(start, start + tile_rows)
+            part = tile[:self.qweight[rows].shape[0]]
+            _C.dequantize(part, self.qweight[rows], self.scales[rows], self.mins[rows] if self.mins is not None
+                          else None, self.bits, self.group_size)
+            out[:, rows] = F.linear(x, part, None if self.bias is None else self.bias[rows])
+        return out
+
+
+class ConcatLinear(nn.Module):
+    """Parts of one fused projection whose weights cannot be stacked (formats differ, as Q4_K_M files
+    mix Q4_K and Q6_K): each runs alone and the outputs are joined."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def fused_linear(weights: list[torch.Tensor | QuantizedWeight], bias: list[torch.Tensor] | None = None
+                 ) -> nn.Module:
+    """One layer computing the weights' outputs side by side (Q/K/V, gate/up), stacked into one
+    matmul where they share a format."""
+    joined_bias = None if bias is None else torch.cat(bias) if len(bias) > 1 else bias[0]
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], joined_bias)
+    if all(isinstance(w, QuantizedWeight) for w in weights) and len({w.format for w in weights}) == 1:
+        return QuantizedLinear(stack_rows(weights) if len(weights) > 1 else weights[0], joined_bias)
+    return ConcatLinear([fused_linear([w], None if bias is None else [b])
+                         for w, b in zip(weights, bias or [None] * len(weights))])
+
+
+class Embedding(nn.Module):
+    """Token embedding rows; a quantized table is dequantized row by row as tokens look it up."""
+
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.quantized = isinstance(weight, QuantizedWeight)
+        self.table = QuantizedLinear(weight) if self.quantized else None
+        self.register_buffer("weight", None if self.quantized else weight)
+        self.format = weight.source if self.quantized else str(weight.dtype).removeprefix("torch.")
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            return self.table.weight.rows(token_ids).dequantize(self.dtype)
+        return F.embedding(token_ids, self.weight)

@@ -3,10 +3,13 @@
 The variants differ only in flags of ModelConfig: q/k/v bias (Qwen2), per-head
 q/k RMSNorm (Qwen3), rope scaling (Llama 3.1) and tied embeddings. Q/K/V and
 gate/up projections are fused at load time so each layer does two big matmuls
-instead of five; on CPUs with fast bfloat16 their weights are laid out once for oneDNN
-(see linear.py).
+instead of five; on CPUs with fast bfloat16 float weights are laid out once for oneDNN, and
+quantized weights stay packed (see linear.py). Weights are taken from the checkpoint one at a
+time, each straight into its final form, so loading never holds a second copy of the model.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -14,13 +17,28 @@ from torch import nn
 
 from pagedllm.model.attention import AttentionMetadata, paged_attention
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.linear import Linear, padded_rows
+from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_linear, padded_rows
 from pagedllm.model.ops import rms_norm, silu_and_mul
+from pagedllm.model.quantization import QuantizedWeight
 from pagedllm.model.rope import Rotation, RotaryEmbedding
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
+
+
+class WeightTaker:
+    """Reads checkpoint tensors one by one: float ones in the model's dtype and device, quantized ones as they are."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor | QuantizedWeight], dtype: torch.dtype,
+                 device: torch.device):
+        self.weights, self.dtype, self.device = weights, dtype, device
+
+    def __call__(self, name: str) -> torch.Tensor | QuantizedWeight:
+        weight = self.weights[name]
+        if isinstance(weight, QuantizedWeight):
+            return weight.to(self.device)
+        return weight.to(dtype=self.dtype, device=self.device)
 
 
 class RMSNorm(nn.Module):
@@ -35,25 +53,23 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, config: ModelConfig, w: WeightTaker, prefix: str):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         attn = prefix + "self_attn."
-        self.qkv_proj = Linear(torch.cat([w[attn + n + "_proj.weight"] for n in "qkv"]),
-                               torch.cat([w[attn + n + "_proj.bias"] for n in "qkv"])
-                               if config.attention_bias else None)
-        self.o_proj = Linear(w[attn + "o_proj.weight"])
-        self.q_norm = RMSNorm(w[attn + "q_norm.weight"], config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(w[attn + "k_norm.weight"], config.rms_norm_eps) if config.qk_norm else None
+        self.qkv_proj = fused_linear([w(attn + n + "_proj.weight") for n in "qkv"],
+                                     [w(attn + n + "_proj.bias") for n in "qkv"] if config.attention_bias else None)
+        self.o_proj = fused_linear([w(attn + "o_proj.weight")])
+        self.q_norm = RMSNorm(w(attn + "q_norm.weight"), config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(w(attn + "k_norm.weight"), config.rms_norm_eps) if config.qk_norm else None
         mlp = prefix + "mlp."
-        self.gate_up_proj = Linear(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
-        self.down_proj = Linear(w[mlp + "down_proj.weight"])
-        self.input_norm = RMSNorm(w[prefix + "input_layernorm.weight"], config.rms_norm_eps)
-        self.post_attention_norm = RMSNorm(w[prefix + "post_attention_layernorm.weight"],
-                                           config.rms_norm_eps)
+        self.gate_up_proj = fused_linear([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")])
+        self.down_proj = fused_linear([w(mlp + "down_proj.weight")])
+        self.input_norm = RMSNorm(w(prefix + "input_layernorm.weight"), config.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(w(prefix + "post_attention_layernorm.weight"), config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -83,29 +99,50 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Runs a flat batch of tokens from many sequences; returns logits only where asked."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, max_positions: int):
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor | QuantizedWeight],
+                 dtype: torch.dtype, device: torch.device, max_positions: int):
         super().__init__()
         self.config = config
-        w = {name: tensor.to(dtype=dtype, device=device) for name, tensor in weights.items()}
-        self.embed_tokens = _frozen(w["model.embed_tokens.weight"])
-        self.lm_head = Linear(w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
+        w = WeightTaker(weights, dtype, device)
+        embedding = w("model.embed_tokens.weight")
+        self.embed_tokens = Embedding(embedding, dtype)
+        self.lm_head = fused_linear([embedding if config.tie_word_embeddings else w("lm_head.weight")])
+        del embedding
         self.layers = nn.ModuleList(
             DecoderLayer(config, w, f"model.layers.{i}.") for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(w["model.norm.weight"], config.rms_norm_eps)
+        self.norm = RMSNorm(w("model.norm.weight"), config.rms_norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling, device)
+        self.pads_batch = any(isinstance(module, Linear) and module.prepacked for module in self.modules())
+
+    def weight_summary(self) -> str:
+        """Each kind of layer's weight format and the bytes of weights held, for the start-up log."""
+        kinds: dict[str, set[str]] = {}
+        for name, module in self.named_modules():
+            if isinstance(module, (Linear, QuantizedLinear, Embedding)) and not name.endswith(".table"):
+                kind = next(part for part in name.split(".") if part not in ("layers", "parts") and not part.isdigit())
+                kinds.setdefault(kind, set()).add(module.format)
+        formats = ", ".join(f"{kind} {'/'.join(sorted(found))}" for kind, found in kinds.items())
+        return f"{formats}; {self.weight_bytes() / 2**20:.1f} MiB of weights"
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held, a tensor shared by two layers (tied embeddings) counted once."""
+        held = {}
+        for tensor in [*self.parameters(), *self.buffers()]:
+            # oneDNN's prepacked weights have no plain storage to share
+            held[id(tensor) if tensor.is_mkldnn else tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return sum(held.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits [len(logits_indices), vocab] for the rows that sample."""
-        if self.lm_head.prepacked:
+        if self.pads_batch:
             # Prepacked Linears take a few row counts only (see padded_rows): padding the batch once
             # here spares each of them a copy. Extra rows are token 0 at position 0; attention skips them.
             padding = padded_rows(input_ids.shape[0]) - input_ids.shape[0]
             input_ids, positions = F.pad(input_ids, (0, padding)), F.pad(positions, (0, padding))
-        hidden, residual = F.embedding(input_ids, self.embed_tokens), None
+        hidden, residual = self.embed_tokens(input_ids), None
         rotation = self.rope.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, rotation, kv_cache, meta)

