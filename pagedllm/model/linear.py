@@ -121,15 +121,28 @@ class ConcatLinear(nn.Module):
 
 def fused_linear(weights: list[torch.Tensor | QuantizedWeight], bias: list[torch.Tensor] | None = None
                  ) -> nn.Module:
-    """One layer computing the weights' outputs side by side (Q/K/V, gate/up), stacked into one
-    matmul where they share a format."""
-    joined_bias = None if bias is None else torch.cat(bias) if len(bias) > 1 else bias[0]
-    if all(isinstance(w, torch.Tensor) for w in weights):
-        return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], joined_bias)
-    if all(isinstance(w, QuantizedWeight) for w in weights) and len({w.format for w in weights}) == 1:
-        return QuantizedLinear(stack_rows(weights) if len(weights) > 1 else weights[0], joined_bias)
-    return ConcatLinear([fused_linear([w], None if bias is None else [b])
-                         for w, b in zip(weights, bias or [None] * len(weights))])
+    """One layer computing the weights' outputs side by side (Q/K/V, gate/up): consecutive weights
+    of one format are stacked into one matmul."""
+    runs: list[tuple[list, list]] = []   # (weights, biases) that stack
+    for weight, part_bias in zip(weights, bias or [None] * len(weights)):
+        if runs and _stacking_key(runs[-1][0][0]) == _stacking_key(weight):
+            runs[-1][0].append(weight)
+            runs[-1][1].append(part_bias)
+        else:
+            runs.append(([weight], [part_bias]))
+    layers = [_stacked(run_weights, run_biases) for run_weights, run_biases in runs]
+    return layers[0] if len(layers) == 1 else ConcatLinear(layers)
+
+
+def _stacking_key(weight: torch.Tensor | QuantizedWeight) -> tuple:
+    return ("float", weight.dtype) if isinstance(weight, torch.Tensor) else weight.format
+
+
+def _stacked(weights: list, biases: list) -> nn.Module:
+    bias = None if biases[0] is None else torch.cat(biases)
+    if isinstance(weights[0], torch.Tensor):
+        return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
+    return QuantizedLinear(stack_rows(weights) if len(weights) > 1 else weights[0], bias)
 
 
 class Embedding(nn.Module):
