@@ -37,23 +37,29 @@ typedef int8_t vsbytes __attribute__((vector_size(kLanes)));
 
 inline vfloat to_floats(vbytes q) { return __builtin_convertvector(q, vfloat); }
 
+// Groups are taken eight at a time: their eight sums fill one vector.
+constexpr int64_t kGroupsPerStep = 8;
+
 // Activation rows quantized per group: q in -127..127 (so the sign trick below cannot overflow),
-// scale = absmax / 127, and scale * sum(q) for the weights' min term.
+// scale = absmax / 127, and scale * sum(q) for the weights' min term. The per-group arrays have
+// a row stride rounded up to kGroupsPerStep, zero-padded, so a step can load eight at a time.
 struct QuantizedRows {
-  int64_t rows, cols, group;
+  int64_t rows, cols, group, stride;
   std::vector<int8_t> q;
   std::vector<float> scale, scaled_sum;
 
-  float group_scale(int64_t r, int64_t g) const { return scale[r * (cols / group) + g]; }
+  const float* scales(int64_t r, int64_t g) const { return scale.data() + r * stride + g; }
+  const float* sums(int64_t r, int64_t g) const { return scaled_sum.data() + r * stride + g; }
 };
 
 template <typename scalar_t>
 QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64_t group) {
-  QuantizedRows out{rows, cols, group, std::vector<int8_t>(rows * cols), std::vector<float>(rows * cols / group),
-                    std::vector<float>(rows * cols / group)};
-  at::parallel_for(0, rows * (cols / group), 64, [&](int64_t begin, int64_t end) {
+  const int64_t groups = cols / group, stride = (groups + kGroupsPerStep - 1) / kGroupsPerStep * kGroupsPerStep;
+  QuantizedRows out{rows, cols, group, stride, std::vector<int8_t>(rows * cols), std::vector<float>(rows * stride),
+                    std::vector<float>(rows * stride)};
+  at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t rg = begin; rg < end; ++rg) {
-      const int64_t r = rg / (cols / group), start = r * cols + (rg % (cols / group)) * group;
+      const int64_t r = rg / groups, g = rg % groups, start = r * cols + g * group;
       float absmax = 0.f;
       for (int64_t i = 0; i < group; ++i) absmax = std::max(absmax, std::abs(static_cast<float>(x[start + i])));
       const float scale = absmax / 127.f, inverse = absmax > 0.f ? 127.f / absmax : 0.f;
@@ -63,8 +69,8 @@ QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64
         out.q[start + i] = static_cast<int8_t>(q);
         sum += q;
       }
-      out.scale[rg] = scale;
-      out.scaled_sum[rg] = scale * static_cast<float>(sum);
+      out.scale[r * stride + g] = scale;
+      out.scaled_sum[r * stride + g] = scale * static_cast<float>(sum);
     }
   });
   return out;
@@ -92,49 +98,77 @@ inline float sum_lanes(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+// The dot products of eight groups (one vector of eight partial sums per 32 bytes) reduced to one
+// vector holding each group's sum, in group order.
+inline __m256i sum_groups(const __m256i* d, int64_t group) {
+  const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  if (group == 16) {   // halves of each 32 bytes are groups 2c, 2c + 1: [0 2 4 6 | 1 3 5 7] -> [0 ... 7]
+    return _mm256_permutevar8x32_epi32(h0123, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+  const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20), _mm256_permute2x128_si256(h0123, h4567, 0x31));
+}
+
+// Eight float16/float32 group parameters as floats, zero beyond n.
+template <typename scale_t>
+inline __m256 load_params(const scale_t* p, int64_t n) {
+  alignas(32) float values[kGroupsPerStep] = {};
+  for (int64_t i = 0; i < n; ++i) values[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(values);
+}
 #endif
 
-// One weight row against up to kTile activation rows: the weights are unpacked once per group and
-// met by every row of the tile. Returns the integer-exact dot products scaled by weight and activation scales.
+// One weight row against up to kTile activation rows: each step unpacks eight groups of weights
+// once, and every row of the tile meets them. Returns the integer-exact dot products scaled by
+// weight and activation scales, plus the weights' min term.
 constexpr int kTile = 4;
 
 template <int bits, typename scale_t>
 void dot_weight_row(float* result, const void* weight_row, const scale_t* scales, const scale_t* mins,
                     const QuantizedRows& a, int64_t first_row, int tile) {
   const int64_t groups = a.cols / a.group;
-  float min_terms[kTile] = {};
-  if (mins != nullptr) {
-    for (int t = 0; t < tile; ++t) {
-      const float* sums = a.scaled_sum.data() + (first_row + t) * groups;
-      for (int64_t g = 0; g < groups; ++g) min_terms[t] += static_cast<float>(mins[g]) * sums[g];
-    }
-  }
 #if defined(__AVX2__)
-  __m256 acc[kTile];
-  for (int t = 0; t < tile; ++t) acc[t] = _mm256_setzero_ps();
-  // 32 weights per step: one group of 32, or two groups of 16 (their scales fill a half each).
-  for (int64_t start = 0; start < a.cols; start += 32) {
-    const int64_t g = start / a.group;
-    __m256i u;                         // weights as unsigned bytes (|w| for signed weights)
-    __m256i sign_source;               // the signs to move onto the activations (signed weights)
-    if constexpr (bits == 4) {
-      u = unpack_nibbles(static_cast<const uint8_t*>(weight_row) + start / 2);
-    } else {
-      sign_source = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(weight_row) + start));
-      u = _mm256_sign_epi8(sign_source, sign_source);
+  __m256 acc[kTile], min_acc[kTile];
+  for (int t = 0; t < tile; ++t) acc[t] = min_acc[t] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += kGroupsPerStep) {
+    const int64_t step_groups = std::min(kGroupsPerStep, groups - g0), chunks = step_groups * a.group / 32;
+    const int64_t start = g0 * a.group;
+    alignas(32) uint8_t unsigned_weights[kGroupsPerStep][32];   // |w| as bytes, 32 columns a chunk
+    const int8_t* signed_weights = static_cast<const int8_t*>(weight_row) + start;
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m256i u;
+      if constexpr (bits == 4) {
+        u = unpack_nibbles(static_cast<const uint8_t*>(weight_row) + start / 2 + c * 16);
+      } else {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(signed_weights + c * 32));
+        u = _mm256_sign_epi8(w, w);
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(unsigned_weights[c]), u);
     }
-    const float w_lo = static_cast<float>(scales[g]);
-    const float w_hi = a.group == 16 ? static_cast<float>(scales[g + 1]) : w_lo;
+    const __m256 w_scales = load_params(scales + g0, step_groups);
+    const __m256 w_mins = mins != nullptr ? load_params(mins + g0, step_groups) : _mm256_setzero_ps();
     for (int t = 0; t < tile; ++t) {
       const int64_t r = first_row + t;
-      __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + r * a.cols + start));
-      if constexpr (bits == 8) s = _mm256_sign_epi8(s, sign_source);
-      const float a_lo = a.group_scale(r, g), a_hi = a.group == 16 ? a.group_scale(r, g + 1) : a_lo;
-      const __m256 scale = _mm256_set_m128(_mm_set1_ps(w_hi * a_hi), _mm_set1_ps(w_lo * a_lo));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, s)), scale, acc[t]);
+      const int8_t* activations = a.q.data() + r * a.cols + start;
+      __m256i d[kGroupsPerStep];
+      for (int64_t c = 0; c < kGroupsPerStep; ++c) {
+        if (c >= chunks) {
+          d[c] = _mm256_setzero_si256();
+          continue;
+        }
+        __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(activations + c * 32));
+        if constexpr (bits == 8) {   // the weights' signs moved onto the activations: |w| * sign(w) a
+          s = _mm256_sign_epi8(s, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(signed_weights + c * 32)));
+        }
+        d[c] = dot_u8s8(_mm256_load_si256(reinterpret_cast<const __m256i*>(unsigned_weights[c])), s);
+      }
+      const __m256 sums = _mm256_cvtepi32_ps(sum_groups(d, a.group));
+      acc[t] = _mm256_fmadd_ps(sums, _mm256_mul_ps(w_scales, _mm256_loadu_ps(a.scales(r, g0))), acc[t]);
+      if (mins != nullptr) min_acc[t] = _mm256_fmadd_ps(w_mins, _mm256_loadu_ps(a.sums(r, g0)), min_acc[t]);
     }
   }
-  for (int t = 0; t < tile; ++t) result[t] = sum_lanes(acc[t]) + min_terms[t];
+  for (int t = 0; t < tile; ++t) result[t] = sum_lanes(_mm256_add_ps(acc[t], min_acc[t]));
 #else   // any CPU: the same integer dot products, one element at a time
   for (int t = 0; t < tile; ++t) {
     const int64_t r = first_row + t;
@@ -151,9 +185,10 @@ void dot_weight_row(float* result, const void* weight_row, const scale_t* scales
         }
         dot += w * a.q[r * a.cols + i];
       }
-      total += static_cast<float>(scales[g]) * a.group_scale(r, g) * static_cast<float>(dot);
+      total += static_cast<float>(scales[g]) * *a.scales(r, g) * static_cast<float>(dot);
+      if (mins != nullptr) total += static_cast<float>(mins[g]) * *a.sums(r, g);
     }
-    result[t] = total + min_terms[t];
+    result[t] = total;
   }
 #endif
 }

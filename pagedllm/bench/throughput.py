@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("pagedllm", "hf", "both"), default="pagedllm")
     add_workload_arguments(parser)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="auto",
+                        help="comma-separated values (e.g. none,auto): pagedllm runs once per value, side by side")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -28,11 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None)
 
 
-def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:
+def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantization: str) -> dict:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(args.model, dtype=args.dtype, quantization=quantization, block_size=args.block_size,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory=args.kv_cache_memory)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
     started = time.perf_counter()
@@ -43,8 +46,9 @@ def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest]) -> dict
     engine = llm.llm_engine
     rate = measure_matmul_rate(engine.model_config, engine.dtype)
     floor = workload_flops(engine.model_config, workload) / rate
-    return _figures("pagedllm", workload, generated, elapsed,
+    return _figures(f"pagedllm (quantization={quantization})", workload, generated, elapsed,
                     dtype=str(engine.dtype).removeprefix("torch."),
+                    weights_mib=round(engine.runner.model.weight_bytes() / 2**20, 1),
                     preemptions=stats.num_preemptions, matmul_gflops=round(rate / 1e9, 1),
                     compute_floor_s=round(floor, 2), floor_fraction=round(floor / elapsed, 3))
 
@@ -98,7 +102,7 @@ def run(args: argparse.Namespace) -> None:
     workload = workload_from_args(args)
     results = []
     if args.backend in ("pagedllm", "both"):
-        results.append(run_pagedllm(args, workload))
+        results.extend(run_pagedllm(args, workload, quantization) for quantization in args.quantization.split(","))
     if args.backend in ("hf", "both"):
         results.append(run_hf(args, workload))
     print(f"{len(workload)} requests, {results[0]['prompt_tokens']} prompt + "
@@ -113,9 +117,9 @@ def run(args: argparse.Namespace) -> None:
         print(f"compute floor: the workload's model matmuls at {ours['matmul_gflops']} GFLOP/s "
               f"({ours['dtype']}, measured in this run) take {ours['compute_floor_s']} s; "
               f"pagedllm's wall time is {ours['floor_fraction']:.0%} efficient against it")
-    if len(results) == 2:
-        print(f"pagedllm / transformers output tok/s: "
-              f"{results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.1f}x")
+    for other in results[1:]:
+        print(f"{other['backend']} against {ours['backend']}, output tok/s: "
+              f"{other['output_tokens_per_s'] / ours['output_tokens_per_s']:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)

@@ -12,7 +12,7 @@ import itertools
 import logging
 import sys
 
-from pagedllm.bench import accuracy, latency, load, memory, scheduling, serving, sweep, throughput
+from pagedllm.bench import accuracy, kernels, latency, load, memory, scheduling, serving, sweep, throughput
 from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import DTYPES, QUANTIZATIONS, EngineConfig
 from pagedllm.engine.scheduler import SCHEDULING_POLICIES
@@ -199,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sweep", sweep, "throughput and KV waste by block size, with a plot"),
         ("scheduling", scheduling, "scheduler + KV bookkeeping time per step"),
         ("accuracy", accuracy, "bfloat16 against float32 greedy tokens"),
+        ("kernels", kernels, "quantized linear kernels against the float matmul, per row count"),
         ("load", load, "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),
         ("reliability", reliability, "load, soak, faults, fuzzing and security checks against real servers"),
     )
