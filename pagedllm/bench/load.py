@@ -166,11 +166,15 @@ def kv_pool_bytes(kv_caches: Iterable[Iterable]) -> int:
 
 def unique_tensor_bytes(tensors: Iterable) -> int:
     """Bytes of the storages behind tensors, each storage once: a tied embedding shared by two modules,
-    or q/k/v kept as views of one fused buffer, count what they hold, not what they show."""
+    or q/k/v kept as views of one fused buffer, count what they hold, not what they show. Weights
+    prepacked for oneDNN (is_mkldnn) have no storage to share or view, so each counts its own bytes."""
     sizes = {}
     for tensor in tensors:
-        storage = tensor.untyped_storage()
-        sizes[storage.data_ptr()] = storage.nbytes()
+        if tensor.is_mkldnn:
+            sizes[("mkldnn", id(tensor))] = tensor.nbytes
+        else:
+            storage = tensor.untyped_storage()
+            sizes[storage.data_ptr()] = storage.nbytes()
     return sum(sizes.values())
 
 
