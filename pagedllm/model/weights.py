@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -162,6 +163,12 @@ def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, keep_quantiz
                       for name in names if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name}
 
     def read(name: str) -> torch.Tensor | QuantizedWeight:
+        try:
+            return read_tensor(name)
+        finally:
+            _drop_mapped_pages(reader, tensors[name])
+
+    def read_tensor(name: str) -> torch.Tensor | QuantizedWeight:
         tensor = tensors[name]
         if keep_quantized and tensor.tensor_type.name in GGUF_QUANTIZED_TYPES and len(shapes[name]) == 2:
             weight = from_gguf(tensor.data, tensor.tensor_type.name, shapes[name])
@@ -177,6 +184,17 @@ def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, keep_quantiz
         return weight[row_orders[name]] if name in row_orders else weight
 
     return CheckpointWeights(read, {name: tensors[name].tensor_type.name for name in names})
+
+
+def _drop_mapped_pages(reader: gguf.GGUFReader, tensor) -> None:
+    """Tells the OS this process is done with a tensor's pages of the memory-mapped file (its values
+    were copied into their final form): they leave the process's resident memory and stay in the
+    page cache, so reading a file of N GB never holds N GB resident on top of the weights."""
+    mapping = getattr(reader.data, "_mmap", None)   # numpy.memmap's mmap object
+    if mapping is None:
+        return
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    mapping.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
 
 def _hf_name(gguf_name: str) -> str:
