@@ -155,7 +155,7 @@ def test_round_to_nearest_error_is_at_most_half_a_step(bits):
     quantized = quantize(weight, bits)
     assert (quantized.bits, quantized.group_size, quantized.shape) == (bits, 32, (16, 128))
     error = (quantized.dequantize() - weight).abs().reshape(16, 4, 32)
-    step = quantized.scales.float().unsqueeze(-1)
+    step = quantized.group_params(quantized.scales)[:16].float().unsqueeze(-1)
     # half a step, plus what float16 rounding of the scale (and the minimum) moves the grid by
     slack = 2 ** -11 * (weight.abs().reshape(16, 4, 32).amax(-1, keepdim=True)) * (3 if bits == 4 else 1)
     assert (error <= step / 2 + slack + 1e-7).all()
@@ -169,6 +169,9 @@ def test_embedding_rows_and_the_tied_head_share_the_packed_table():
     assert torch.equal(embedding(ids), weight.dequantize()[ids])
     head = fused_linear([weight])
     assert head.qweight.data_ptr() == embedding.table.qweight.data_ptr()
+    four_bit = quantize(torch.randn(37, 64), 4)   # 4-bit rows, the last tile padded
+    ids = torch.tensor([36, 0, 17, 17])
+    assert torch.equal(Embedding(four_bit, torch.float32)(ids), four_bit.dequantize()[ids])
 
 
 def test_projections_of_different_formats_run_side_by_side():

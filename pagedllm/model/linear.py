@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.kernels import kernels as _C
-from pagedllm.model.quantization import QuantizedWeight, stack_rows
+from pagedllm.model.quantization import TILE_ROWS, QuantizedWeight, stack_rows
 
 # oneDNN picks its blocked layout for this many rows; measured good from 8 to 2048 rows.
 _BATCH_SIZE_HINT = 64
@@ -78,7 +78,8 @@ class QuantizedLinear(nn.Module):
 
     @property
     def weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.qweight, self.scales, self.mins, self.bits, self.group_size, self.format)
+        return QuantizedWeight(self.qweight, self.scales, self.mins, self.bits, self.group_size, self.format,
+                               self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _C is None or not x.is_cpu:
@@ -91,19 +92,22 @@ class QuantizedLinear(nn.Module):
         return self._through_float_tiles(x)
 
     def _through_float_tiles(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T with W dequantized a tile of rows at a time, so the float copy stays in cache."""
-        tile_rows = max(16, _TILE_ELEMENTS // self.in_features)
-        tile = x.new_empty(min(tile_rows, self.out_features), self.in_features)
-        if tile.shape[0] == self.out_features:
-            _C.dequantize(tile, self.qweight, self.scales, self.mins, self.bits, self.group_size)
-            return F.linear(x, tile, self.bias)
+        """x @ W^T with W dequantized some row tiles at a time, so the float copy stays in cache."""
+        tiles_per_part = max(1, _TILE_ELEMENTS // (TILE_ROWS * self.in_features))
+        rows_per_part = tiles_per_part * TILE_ROWS
+        buffer = x.new_empty(min(rows_per_part, self.qweight.shape[0] * TILE_ROWS), self.in_features)
+        if rows_per_part >= self.out_features:
+            _C.dequantize(buffer, self.qweight, self.scales, self.mins, self.bits, self.group_size)
+            return F.linear(x, buffer[:self.out_features], self.bias)
         out = x.new_empty(x.shape[0], self.out_features)
-        for start in range(0, self.out_features, tile_rows):
-            rows = slice(start, start + tile_rows)
-            part = tile[:self.qweight[rows].shape[0]]
-            _C.dequantize(part, self.qweight[rows], self.scales[rows], self.mins[rows] if self.mins is not None
-                          else None, self.bits, self.group_size)
-            out[:, rows] = F.linear(x, part, None if self.bias is None else self.bias[rows])
+        for first_tile in range(0, self.qweight.shape[0], tiles_per_part):
+            tiles = slice(first_tile, first_tile + tiles_per_part)
+            rows = slice(first_tile * TILE_ROWS, min(self.out_features, (first_tile + tiles_per_part) * TILE_ROWS))
+            part = buffer[:self.qweight[tiles].shape[0] * TILE_ROWS]
+            _C.dequantize(part, self.qweight[tiles], self.scales[tiles],
+                          None if self.mins is None else self.mins[tiles], self.bits, self.group_size)
+            out[:, rows] = F.linear(x, part[:rows.stop - rows.start],
+                                    None if self.bias is None else self.bias[rows])
         return out
 
 
@@ -135,7 +139,11 @@ def fused_linear(weights: list[torch.Tensor | QuantizedWeight], bias: list[torch
 
 
 def _stacking_key(weight: torch.Tensor | QuantizedWeight) -> tuple:
-    return ("float", weight.dtype) if isinstance(weight, torch.Tensor) else weight.format
+    """Equal keys stack. A padded quantized weight (rows not a multiple of 16) would leave a gap in
+    the middle of a stack: it runs on its own."""
+    if isinstance(weight, torch.Tensor):
+        return "float", weight.dtype
+    return weight.format, id(weight) if weight.padded else None
 
 
 def _stacked(weights: list, biases: list) -> nn.Module:
@@ -158,5 +166,5 @@ class Embedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.quantized:
-            return self.table.weight.rows(token_ids).dequantize(self.dtype)
+            return self.table.weight.dequantize_rows(token_ids, self.dtype)
         return F.embedding(token_ids, self.weight)

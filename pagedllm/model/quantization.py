@@ -2,10 +2,13 @@
 quantization of float weights.
 
 A [rows, cols] weight is held in groups of `group_size` columns, each with a scale and, where the
-source has one, a minimum: value = scale * q + min.
-- 4 bits: q in 0..15, packed two per byte; a group's byte j holds element j (low nibble) and
-  element j + 16 (high nibble), Q4_0's own order, so one 16-byte load unpacks a group.
-- 8 bits: q a signed byte.
+source has one, a minimum: value = scale * q + min. 4 bits: q in 0..15; 8 bits: q a signed byte.
+The layout is tiled for the kernels' dot products: rows go in tiles of 16 (the last one padded
+with zeros), and within a tile the weights of 4 consecutive columns of all 16 rows sit together
+(64 values: [tile, cols / 4, 16 rows, 4 cols]), so one vector instruction meets one broadcast
+group of 4 activations with 16 output rows at once and each lane accumulates its own row: no
+horizontal sums. 4-bit tiles pack two such 64-value slots per 64 bytes (slot 2p in the low
+nibbles, 2p + 1 in the high ones). Scales and mins are [tile, groups, 16 rows].
 Every common GGUF type maps onto one of them exactly (scale * q is exact in float32 for each, so
 scale * q + min rounds as gguf's dequantization does; the tests check it element for element):
 | GGUF | format | group | scale, min |
@@ -28,20 +31,24 @@ import torch
 _SUPER_BLOCK = 256   # the K-quants' block
 
 
+TILE_ROWS = 16
+
+
 @dataclass
 class QuantizedWeight:
-    """A group-quantized [rows, cols] weight; `source` names where it came from (a GGUF type, int8, int4)."""
-    qweight: torch.Tensor         # 4 bits: uint8 [rows, cols // 2]; 8 bits: int8 [rows, cols]
-    scales: torch.Tensor          # [rows, cols // group_size], float16 or float32
+    """A group-quantized [rows, cols] weight in the tiled layout; `source` names where it came from
+    (a GGUF type, int8, int4)."""
+    qweight: torch.Tensor         # 4 bits: uint8 [tiles, cols * 8]; 8 bits: int8 [tiles, cols * 16]
+    scales: torch.Tensor          # [tiles, groups * 16], float16 or float32
     mins: torch.Tensor | None     # like scales, or None (value = scale * q)
     bits: int
     group_size: int
     source: str
+    num_rows: int                 # rows before the last tile's padding
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows, width = self.qweight.shape
-        return rows, width * 2 if self.bits == 4 else width
+        return self.num_rows, self.qweight.shape[1] // (8 if self.bits == 4 else TILE_ROWS)
 
     @property
     def format(self) -> tuple[int, int, torch.dtype, bool]:
@@ -49,47 +56,94 @@ class QuantizedWeight:
         return self.bits, self.group_size, self.scales.dtype, self.mins is not None
 
     @property
-    def nbytes(self) -> int:
-        parts = [self.qweight, self.scales] + ([self.mins] if self.mins is not None else [])
-        return sum(part.numel() * part.element_size() for part in parts)
-
-    def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
-        """The given rows (an index tensor or a slice), same format."""
-        return QuantizedWeight(self.qweight[index], self.scales[index],
-                               None if self.mins is None else self.mins[index], self.bits, self.group_size,
-                               self.source)
+    def padded(self) -> bool:
+        return self.num_rows % TILE_ROWS != 0
 
     def to(self, device: torch.device) -> QuantizedWeight:
         return QuantizedWeight(self.qweight.to(device), self.scales.to(device),
                                None if self.mins is None else self.mins.to(device), self.bits, self.group_size,
-                               self.source)
+                               self.source, self.num_rows)
+
+    def values(self) -> torch.Tensor:
+        """q as [tiles * 16, cols] (padding rows included), undoing the tiling."""
+        tiles, cols = self.qweight.shape[0], self.shape[1]
+        if self.bits == 4:
+            packed = self.qweight.view(tiles, cols // 8, 1, 64)
+            q = torch.cat([packed & 0x0F, packed >> 4], dim=2)   # slots 2p, 2p + 1
+        else:
+            q = self.qweight
+        return q.reshape(tiles, cols // 4, TILE_ROWS, 4).permute(0, 2, 1, 3).reshape(tiles * TILE_ROWS, cols)
+
+    def group_params(self, params: torch.Tensor) -> torch.Tensor:
+        """Scales or mins as [tiles * 16, groups]."""
+        tiles = params.shape[0]
+        return params.view(tiles, -1, TILE_ROWS).transpose(1, 2).reshape(tiles * TILE_ROWS, -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """value = scale * q + min in float32, then dtype; the PyTorch formula the kernels are checked against."""
-        if self.bits == 4:
-            packed = self.qweight.view(self.qweight.shape[0], -1, 16)
-            q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-        else:
-            q = self.qweight.view(self.qweight.shape[0], -1, self.group_size).float()
-        values = q * self.scales.float().unsqueeze(-1)
+        rows, cols = self.shape
+        q = self.values()[:rows].float().view(rows, -1, self.group_size)
+        values = q * self.group_params(self.scales)[:rows].float().unsqueeze(-1)
         if self.mins is not None:
-            values = values + self.mins.float().unsqueeze(-1)
-        return values.reshape(self.shape).to(dtype)
+            values = values + self.group_params(self.mins)[:rows].float().unsqueeze(-1)
+        return values.reshape(rows, cols).to(dtype)
+
+    def dequantize_rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` only (an embedding lookup): each row is read out of its tile."""
+        tiles, cols = self.qweight.shape[0], self.shape[1]
+        tile, row = index // TILE_ROWS, index % TILE_ROWS
+        if self.bits == 4:
+            packed = self.qweight.view(tiles, cols // 8, 64)[tile]                 # [n, cols / 8, 64]
+            packed = packed.view(-1, cols // 8, 1, TILE_ROWS, 4)
+            both = torch.cat([packed & 0x0F, packed >> 4], dim=2).view(-1, cols // 4, TILE_ROWS, 4)
+        else:
+            both = self.qweight.view(tiles, cols // 4, TILE_ROWS, 4)[tile]
+        q = both[torch.arange(len(index)), :, row].reshape(len(index), -1, self.group_size).float()
+
+        def params(p: torch.Tensor) -> torch.Tensor:
+            return p.view(tiles, -1, TILE_ROWS)[tile, :, row].float().unsqueeze(-1)
+
+        values = q * params(self.scales) + (params(self.mins) if self.mins is not None else 0)
+        return values.reshape(len(index), cols).to(dtype)
+
+
+def tiled(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int, group_size: int,
+          source: str) -> QuantizedWeight:
+    """The tiled QuantizedWeight of q [rows, cols] (values, one per element) and scales/mins [rows, groups]."""
+    rows, cols = q.shape
+    padding = -rows % TILE_ROWS
+    tiles = (rows + padding) // TILE_ROWS
+
+    def params(p: torch.Tensor | None) -> torch.Tensor | None:
+        if p is None:
+            return None
+        p = torch.nn.functional.pad(p, (0, 0, 0, padding))
+        return p.view(tiles, TILE_ROWS, -1).transpose(1, 2).contiguous().view(tiles, -1)
+
+    slots = torch.nn.functional.pad(q, (0, 0, 0, padding)).view(tiles, TILE_ROWS, cols // 4, 4).permute(0, 2, 1, 3)
+    if bits == 4:
+        pairs = slots.reshape(tiles, cols // 8, 2, 64)
+        packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).to(torch.uint8)
+    else:
+        packed = slots.to(torch.int8)
+    return QuantizedWeight(packed.reshape(tiles, -1).contiguous(), params(scales), params(mins), bits, group_size,
+                           source, rows)
 
 
 def stack_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """Weights of one format stacked along rows (fused Q/K/V or gate/up)."""
+    """Weights of one format stacked along rows (fused Q/K/V or gate/up); only the last may be padded."""
     first = weights[0]
-    if any(w.format != first.format for w in weights):
-        raise ValueError("only weights of one quantized format stack")
+    if any(w.format != first.format for w in weights) or any(w.padded for w in weights[:-1]):
+        raise ValueError("only weights of one quantized format, unpadded but for the last, stack")
     mins = None if first.mins is None else torch.cat([w.mins for w in weights])
     return QuantizedWeight(torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]), mins,
-                           first.bits, first.group_size, "+".join(dict.fromkeys(w.source for w in weights)))
+                           first.bits, first.group_size, "+".join(dict.fromkeys(w.source for w in weights)),
+                           sum(w.num_rows for w in weights))
 
 
-def _pack_nibbles(q: np.ndarray) -> np.ndarray:
-    """q: uint8 [..., groups, 32] in 0..15 -> [..., groups * 16] in the 4-bit layout."""
-    return (q[..., :16] | (q[..., 16:] << 4)).reshape(*q.shape[:-2], -1)
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """Q4_0/Q4_1 quants [..., 16] -> values [..., 32]: element j in byte j's low nibble, j + 16 in its high."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
 
 
 def _halves(raw: np.ndarray, start: int, count: int = 1) -> np.ndarray:
@@ -115,11 +169,11 @@ def _k_groups(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _repack_q4_0(raw):
     d = _halves(raw, 0)
-    return raw[:, 2:], d, -8 * d
+    return _nibbles(raw[:, 2:]), d, -8 * d
 
 
 def _repack_q4_1(raw):
-    return raw[:, 4:], _halves(raw, 0), _halves(raw, 2)
+    return _nibbles(raw[:, 4:]), _halves(raw, 0), _halves(raw, 2)
 
 
 def _repack_q8_0(raw):
@@ -131,7 +185,7 @@ def _repack_q4_k(raw):
     pairs = raw[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     q = (pairs & 0x0F).reshape(-1, 8, 32)
     scales, mins = _k_groups(raw)
-    return _pack_nibbles(q), scales, mins
+    return q, scales, mins
 
 
 def _repack_q5_k(raw):
@@ -139,7 +193,7 @@ def _repack_q5_k(raw):
     pairs = raw[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     q = (pairs & 0x0F).reshape(-1, 8, 32) | ((high_bits & 1) << 4)
     scales, mins = _k_groups(raw)
-    return q.reshape(raw.shape[0], -1).view(np.int8), scales, mins
+    return q.view(np.int8), scales, mins
 
 
 def _repack_q6_k(raw):
@@ -164,8 +218,10 @@ _GGUF_FORMATS = {
 GGUF_QUANTIZED_TYPES = frozenset(_GGUF_FORMATS)
 
 
-def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
-    """A GGUF tensor's raw blocks (uint8, as gguf's reader maps them) in the internal format, exactly."""
+def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int],
+              row_order: torch.Tensor | None = None) -> QuantizedWeight:
+    """A GGUF tensor's raw blocks (uint8, as gguf's reader maps them) in the internal format, exactly;
+    row_order, if given, reorders the rows first (llama.cpp's q/k permutation undone)."""
     bits, group, scale_dtype, block_bytes, block_columns, repack = _GGUF_FORMATS[type_name]
     rows, cols = shape
     raw = np.ascontiguousarray(data).reshape(rows * cols // block_columns, block_bytes)
@@ -173,15 +229,14 @@ def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quant
     if scale_dtype == torch.float16 and not _fits_float16(scales, mins):
         scale_dtype = torch.float32   # -8 d of Q4_0 can leave float16's range; float32 holds it exactly
 
-    def tensor(values: np.ndarray | None, dtype: torch.dtype, width: int) -> torch.Tensor | None:
+    def rows_of(values: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
         if values is None:
             return None
-        return torch.from_numpy(np.ascontiguousarray(values)).reshape(rows, width).to(dtype)
+        tensor = torch.from_numpy(np.ascontiguousarray(values)).reshape(rows, -1).to(dtype)
+        return tensor if row_order is None else tensor[row_order]
 
-    width = cols // 2 if bits == 4 else cols
-    return QuantizedWeight(tensor(q, torch.uint8 if bits == 4 else torch.int8, width),
-                           tensor(scales, scale_dtype, cols // group), tensor(mins, scale_dtype, cols // group),
-                           bits, group, type_name)
+    return tiled(rows_of(q, torch.uint8 if bits == 4 else torch.int8), rows_of(scales, scale_dtype),
+                 rows_of(mins, scale_dtype), bits, group, type_name)
 
 
 def _fits_float16(*arrays: np.ndarray | None) -> bool:
@@ -198,13 +253,11 @@ def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
     if bits == 8:
         scales = (groups.abs().amax(-1) / 127).half()
         q = torch.round(groups / _nonzero(scales).unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-        return QuantizedWeight(q.reshape(rows, cols), scales, None, 8, 32, "int8")
+        return tiled(q.reshape(rows, cols), scales, None, 8, 32, "int8")
     low, high = groups.amin(-1), groups.amax(-1)
     scales, mins = ((high - low) / 15).half(), low.half()
     q = torch.round((groups - mins.float().unsqueeze(-1)) / _nonzero(scales).unsqueeze(-1)).clamp(0, 15)
-    q = q.to(torch.uint8)
-    packed = q[..., :16] | (q[..., 16:] << 4)
-    return QuantizedWeight(packed.reshape(rows, cols // 2), scales, mins, 4, 32, "int4")
+    return tiled(q.to(torch.uint8).reshape(rows, cols), scales, mins, 4, 32, "int4")
 
 
 def _nonzero(scales: torch.Tensor) -> torch.Tensor:

@@ -171,8 +171,7 @@ def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, keep_quantiz
     def read_tensor(name: str) -> torch.Tensor | QuantizedWeight:
         tensor = tensors[name]
         if keep_quantized and tensor.tensor_type.name in GGUF_QUANTIZED_TYPES and len(shapes[name]) == 2:
-            weight = from_gguf(tensor.data, tensor.tensor_type.name, shapes[name])
-            return weight.rows(row_orders[name]) if name in row_orders else weight
+            return from_gguf(tensor.data, tensor.tensor_type.name, shapes[name], row_orders.get(name))
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
