@@ -13,6 +13,7 @@
 // vpdpbusd on AVX-512, maddubs on AVX2). A tile's weights are unpacked once and met by several
 // activation rows. dequantize writes float rows for the float-matmul path that very large batches take.
 #include "ops.h"
+#include "vectors.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -28,6 +30,11 @@
 #endif
 
 namespace {
+
+using pagedllm::broadcast;
+using pagedllm::kLanes;
+using pagedllm::narrow;
+using pagedllm::vfloat;
 
 constexpr int64_t kTileRows = 16;
 constexpr int kRowBlock = 4;   // activation rows that meet a tile's unpacked weights together
@@ -106,8 +113,9 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
   for (int r = 0; r < block; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i sums[kRowBlock];
-    for (int r = 0; r < block; ++r) sums[r] = _mm512_setzero_si512();
+    // Two sums per row, one per slot of a pair: independent chains keep vpdpbusd's latency hidden.
+    __m512i sums[kRowBlock], sums_odd[kRowBlock];
+    for (int r = 0; r < block; ++r) sums[r] = sums_odd[r] = _mm512_setzero_si512();
     for (int64_t s = g * slots_per_group; s < (g + 1) * slots_per_group; s += 2) {   // two slots a step
       __m512i w0, w1;
       __mmask64 negative0 = 0, negative1 = 0;
@@ -129,14 +137,16 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
           a0 = _mm512_mask_sub_epi8(a0, negative0, _mm512_setzero_si512(), a0);
           a1 = _mm512_mask_sub_epi8(a1, negative1, _mm512_setzero_si512(), a1);
         }
-        sums[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums[r], w0, a0), w1, a1);
+        sums[r] = _mm512_dpbusd_epi32(sums[r], w0, a0);
+        sums_odd[r] = _mm512_dpbusd_epi32(sums_odd[r], w1, a1);
       }
     }
     const __m512 w_scales = load16(scales + g * kTileRows);
     const __m512 w_mins = mins != nullptr ? load16(mins + g * kTileRows) : _mm512_setzero_ps();
     for (int r = 0; r < block; ++r) {
       const int64_t ag = (first_row + r) * groups + g;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag])), acc[r]);
+      const __m512 group_sums = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r], sums_odd[r]));
+      acc[r] = _mm512_fmadd_ps(group_sums, _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag])), acc[r]);
       if (mins != nullptr) acc[r] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(a.scaled_sum[ag]), acc[r]);
     }
   }
@@ -227,6 +237,26 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
 }
 #endif
 
+typedef uint8_t vbytes __attribute__((vector_size(kLanes)));
+typedef int8_t vsbytes __attribute__((vector_size(kLanes)));
+
+// One tile's q values back to row-major [16, cols] bytes: 4 bytes per row from each slot.
+template <int bits>
+void untile(uint8_t* dst, const uint8_t* tile, int64_t cols) {
+  const int64_t slots = cols / 4;
+  for (int64_t s = 0; s < slots; ++s) {
+    uint8_t slot[64];
+    if constexpr (bits == 4) {
+      const uint8_t* packed = tile + (s / 2) * 64;
+      const int shift = s % 2 == 0 ? 0 : 4;
+      for (int i = 0; i < 64; ++i) slot[i] = (packed[i] >> shift) & 0x0F;
+    } else {
+      std::memcpy(slot, tile + s * 64, 64);
+    }
+    for (int64_t n = 0; n < kTileRows; ++n) std::memcpy(dst + n * cols + s * 4, slot + n * 4, 4);
+  }
+}
+
 void check_format(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                   int64_t bits, int64_t group, int64_t cols) {
   TORCH_CHECK(bits == 4 || bits == 8, "quantized weights: bits must be 4 or 8, got ", bits);
@@ -310,22 +340,30 @@ void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::opti
     dispatch_format(bits, scales, [&](auto bits_constant, auto scale_type) {
       constexpr int kBits = decltype(bits_constant)::value;
       using scale_t = decltype(scale_type);
-      const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
+      using q_t = std::conditional_t<kBits == 4, uint8_t, int8_t>;
+      const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1), groups = cols / group;
       const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
       const scale_t* all_scales = scales.data_ptr<scale_t>();
       const scale_t* all_mins = mins ? mins->data_ptr<scale_t>() : nullptr;
-      at::parallel_for(0, tiles * kTileRows, std::max<int64_t>(1, 16384 / cols), [&](int64_t begin, int64_t end) {
-        for (int64_t row = begin; row < end; ++row) {
-          const int64_t t = row / kTileRows, n = row % kTileRows;
-          const uint8_t* tile = weights + t * tile_bytes;
+      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        std::vector<q_t> values(kTileRows * cols);   // one tile's q, row-major
+        for (int64_t t = begin; t < end; ++t) {
+          untile<kBits>(reinterpret_cast<uint8_t*>(values.data()), weights + t * tile_bytes, cols);
           const scale_t* tile_scales = all_scales + t * params_per_tile;
           const scale_t* tile_mins = all_mins ? all_mins + t * params_per_tile : nullptr;
-          for (int64_t c = 0; c < cols; ++c) {
-            const int64_t g = c / group;
-            const float min = tile_mins ? param(tile_mins, g, n) : 0.f;
-            // scale * q is exact for every source format (see quantization.py), so a fused
-            // multiply-add rounds as gguf's separate multiply and add do.
-            result[row * cols + c] = static_cast<scalar_t>(param(tile_scales, g, n) * TileLayout<kBits>::value(tile, n, c) + min);
+          for (int64_t n = 0; n < kTileRows; ++n) {
+            scalar_t* dst = result + (t * kTileRows + n) * cols;
+            for (int64_t g = 0; g < groups; ++g) {
+              // scale * q is exact for every source format (see quantization.py), so a fused
+              // multiply-add rounds as gguf's separate multiply and add do.
+              const vfloat scale = broadcast(param(tile_scales, g, n));
+              const vfloat min = broadcast(tile_mins ? param(tile_mins, g, n) : 0.f);
+              for (int64_t c = g * group; c < (g + 1) * group; c += kLanes) {
+                std::conditional_t<kBits == 4, vbytes, vsbytes> q;
+                std::memcpy(&q, values.data() + n * cols + c, sizeof(q));
+                narrow(__builtin_convertvector(q, vfloat) * scale + min, dst + c);
+              }
+            }
           }
         }
       });

@@ -68,4 +68,5 @@ def run(args: argparse.Namespace) -> None:
                 best = min(times, key=times.get)
                 print(f"| {out_features} x {in_features} | int{bits} | {rows} | "
                       + " | ".join(f"{seconds * 1e3:.3f}" for seconds in times.values()) + f" | {best} |")
-    print(f"\nthe layer switches from dot products to float tiles above {linear.DOT_PRODUCT_MAX_ROWS} rows")
+    print(f"\nthe layer switches from dot products to float tiles above {linear.DOT_PRODUCT_MAX_ROWS} rows of "
+          "bfloat16 activations (float32 activations always take the dot products)")

@@ -4,9 +4,9 @@ Float: on CPUs with fast bfloat16, oneDNN matmuls against a pre-reordered (block
 1.2-2x faster for the small batches of decode steps than F.linear, which reorders the
 weight on every call; results are bitwise the same. Elsewhere (float32, CUDA) F.linear.
 
-Quantized (quantization.py): few rows go through the compiled int8 dot-product kernel, which
-reads the packed weights once; many rows through float tiles the kernel dequantizes and a float
-matmul, where arithmetic, not weight traffic, bounds the step. Without the kernels (CUDA, no
+Quantized (quantization.py): the compiled int8 dot-product kernel, which reads the packed
+weights once per call; on CPUs with fast bfloat16, many rows (prefill) go through float tiles the
+kernel dequantizes and oneDNN's bfloat16 matmul, which then does the arithmetic faster. Without the kernels (CUDA, no
 build) the weight is dequantized per call: correct, not fast.
 """
 from __future__ import annotations
@@ -59,10 +59,12 @@ class Linear(nn.Module):
         return out[:num_rows] if padding else out
 
 
-# Rows up to which the int8 dot-product kernel beats dequantizing + a float matmul, and the size of
-# the float tiles beyond it (elements): measured with `pagedllm bench kernels` (see the README).
-DOT_PRODUCT_MAX_ROWS = 8
-_TILE_ELEMENTS = 1 << 20
+# Float tiles (dequantize + oneDNN's bfloat16 matmul) overtake the int8 dot products above this many rows
+# of bfloat16 activations; with float32 activations the dot products win at every row count (AVX2 and
+# AVX-512 alike: float32 matmuls are 2-4x slower than bfloat16 ones). Measured with
+# `pagedllm bench kernels` (see the README).
+DOT_PRODUCT_MAX_ROWS = 64
+_TILE_ELEMENTS = 1 << 20   # float tile size: stays in L2
 
 
 class QuantizedLinear(nn.Module):
@@ -85,7 +87,7 @@ class QuantizedLinear(nn.Module):
         if _C is None or not x.is_cpu:
             return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
         x = x.contiguous()
-        if x.shape[0] <= DOT_PRODUCT_MAX_ROWS:
+        if x.dtype != torch.bfloat16 or x.shape[0] <= DOT_PRODUCT_MAX_ROWS:
             out = x.new_empty(x.shape[0], self.out_features)
             _C.quantized_linear(out, x, self.qweight, self.scales, self.mins, self.bias, self.bits, self.group_size)
             return out
