@@ -10,6 +10,7 @@ from pagedllm.engine.scheduler import SCHEDULING_POLICIES
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: the model dtype
 
 
 def parse_memory_size(value: int | float | str) -> int:
@@ -33,6 +34,7 @@ def parse_memory_size(value: int | float | str) -> int:
 class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str | None = None
     block_size: int = 16
     max_num_seqs: int = 256
@@ -48,6 +50,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not (isinstance(self.block_size, int) and 8 <= self.block_size <= 256
                 and self.block_size & (self.block_size - 1) == 0):
             raise ValueError(f"block_size must be a power of two from 8 to 256, got {self.block_size!r}")

@@ -20,14 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--num-iters-warmup", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=16)
 
 
 def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, enable_prefix_caching=False,
-              max_num_batched_tokens=max(2048, args.batch_size * args.input_len))
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+              enable_prefix_caching=False, max_num_batched_tokens=max(2048, args.batch_size * args.input_len))
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     prefills, decodes = [], []
@@ -45,7 +46,8 @@ def run(args: argparse.Namespace) -> None:
             prefills.append(step_times[0])
             decodes.extend(step_times[1:])
     print(f"batch {args.batch_size}, input {args.input_len}, output {args.output_len}, "
-          f"dtype {str(engine.dtype).removeprefix('torch.')}, {args.num_iters} iterations")
+          f"dtype {str(engine.dtype).removeprefix('torch.')}, "
+          f"KV cache {str(engine.kv_cache_dtype).removeprefix('torch.')}, {args.num_iters} iterations")
     print("| figure | p50 | p99 |")
     print("|---|---|---|")
     print(f"| prefill of the batch, ms | {statistics.median(prefills) * 1e3:.1f} "

@@ -14,7 +14,7 @@ import sys
 
 from pagedllm.bench import accuracy, latency, memory, scheduling, serving, sweep, throughput
 from pagedllm.bench.reliability import suite as reliability
-from pagedllm.config import DTYPES, EngineConfig
+from pagedllm.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from pagedllm.engine.scheduler import SCHEDULING_POLICIES
 from pagedllm.entrypoints.config_file import merge_config
 from pagedllm.entrypoints.openai.server_config import ServerConfig
@@ -35,7 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "optionally under engine_args:); flags on the command line override it")
     group = parser.add_argument_group("engine")
     group.add_argument("--dtype", choices=DTYPES, default=_UNSET,
-                       help=f"weights and KV-cache precision {_default(EngineConfig, 'dtype')}")
+                       help=f"precision of weights and activations {_default(EngineConfig, 'dtype')}")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_UNSET,
+                       help="precision of the KV cache: auto is --dtype's; int8 keeps a scale per token and kv head "
+                            f"{_default(EngineConfig, 'kv_cache_dtype')}")
     group.add_argument("--device", default=_UNSET, help="cpu or cuda (default: cuda when present)")
     group.add_argument("--block-size", type=int, default=_UNSET,
                        help=f"tokens per KV block, a power of two from 8 to 256 {_default(EngineConfig, 'block_size')}")
