@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.accuracy import sequence_logprobs
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import parse_args
 from pagedllm.model.attention import CacheTensor
+from pagedllm.model.runner import allocate_kv_caches
 
 PROMPTS = ["Tell me a story about a robot.", "What is 2 + 2?", "Name a colour.",
            "Write a limerick about a cat who learned to code in Python.", "Explain why the sky is blue.",
@@ -27,8 +29,13 @@ def generate(llm, params=GREEDY):
 
 
 @pytest.fixture(scope="module")
-def auto_tokens():
-    return [completions[0] for completions in generate(LLM(dtype="float32", kv_cache_memory=KV_CACHE_MEMORY))]
+def auto_llm():
+    return LLM(dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
+
+
+@pytest.fixture(scope="module")
+def auto_tokens(auto_llm):
+    return [completions[0] for completions in generate(auto_llm)]
 
 
 def expected_num_blocks(config, kv_cache_dtype):
@@ -59,6 +66,23 @@ def test_each_kv_cache_dtype_generates_in_a_pool_sized_for_it(kv_cache_dtype, au
         # on write: the copies must carry their scales, or the second sample would read other K/V.
         pairs = generate(llm, SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
         assert [completions[0] for completions in pairs] == [completions[1] for completions in pairs] == tokens
+
+
+def test_teacher_forcing_reproduces_the_engines_own_greedy_decode(auto_llm):
+    """The accuracy bench's one-prefill log-probabilities, at the positions the engine decoded one by one,
+    pick the tokens it picked with the log-probabilities it reported."""
+    prompt = auto_llm.get_tokenizer().encode("The history of paged memory begins")
+    output = auto_llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    sequence = prompt + list(output.token_ids)
+    runner = auto_llm.llm_engine.runner
+    caches = allocate_kv_caches(auto_llm.llm_engine.model_config, -(-len(sequence) // runner.block_size),
+                                runner.block_size, torch.float32, runner.device)
+    rows = sequence_logprobs(runner, sequence, caches)[len(prompt) - 1:-1]
+    tokens = torch.tensor(output.token_ids)
+    assert torch.equal(rows.argmax(-1), tokens)
+    reported = torch.tensor([step[token].logprob for step, token in zip(output.logprobs, output.token_ids)])
+    torch.testing.assert_close(rows[torch.arange(MAX_TOKENS), tokens], reported, atol=1e-4, rtol=0)
 
 
 def test_copying_blocks_copies_their_scales():

@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("memory", memory, "KV utilisation, sharing and concurrency figures"),
         ("sweep", sweep, "throughput and KV waste by block size, with a plot"),
         ("scheduling", scheduling, "scheduler + KV bookkeeping time per step"),
-        ("accuracy", accuracy, "bfloat16 against float32 greedy tokens"),
+        ("accuracy", accuracy, "bfloat16 against float32 greedy tokens, or KV cache dtypes teacher-forced"),
         ("reliability", reliability, "load, soak, faults, fuzzing and security checks against real servers"),
     )
     for name, module, text in benchmarks:

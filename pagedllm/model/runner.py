@@ -34,10 +34,16 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
-def _new_cache(shape: tuple[int, ...], scales_shape: tuple[int, ...], dtype: torch.dtype,
-               device: torch.device) -> CacheTensor:
-    scales = _zeros(scales_shape, torch.float32, device) if has_scales(dtype) else None
-    return CacheTensor(_zeros(shape, dtype, device), scales)
+def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, cache_dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[CacheTensor, CacheTensor]]:
+    """Every layer's zeroed K and V caches in cache_dtype, laid out as kv_cache_shapes says, scales included."""
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    scales_shape = kv_scales_shape(num_blocks, block_size, config.num_key_value_heads)
+
+    def new_cache(shape: tuple[int, ...]) -> CacheTensor:
+        scales = _zeros(scales_shape, torch.float32, device) if has_scales(cache_dtype) else None
+        return CacheTensor(_zeros(shape, cache_dtype, device), scales)
+    return [(new_cache(k_shape), new_cache(v_shape)) for _ in range(config.num_hidden_layers)]
 
 
 class ModelRunner:
@@ -48,11 +54,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.vocab_size = config.vocab_size
-        k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        scales_shape = kv_scales_shape(num_blocks, block_size, config.num_key_value_heads)
-        self.kv_caches = [(_new_cache(k_shape, scales_shape, kv_cache_dtype, device),
-                           _new_cache(v_shape, scales_shape, kv_cache_dtype, device))
-                          for _ in range(config.num_hidden_layers)]
+        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, kv_cache_dtype, device)
         self.generators: dict[str, torch.Generator] = {}
         self.use_kernel = kernel_available(device, config.head_dim)
         torch.manual_seed(seed)
