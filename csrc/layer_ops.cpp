@@ -3,10 +3,12 @@
 // activation, and at decode batch sizes each op costs more in dispatch than in arithmetic.
 // Roundings follow Hugging Face's formulas where they round to the model dtype mid-way.
 #include "ops.h"
+#include "paged_cache.h"
 #include "vectors.h"
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace {
@@ -53,6 +55,57 @@ void check_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
   TORCH_CHECK(out.is_contiguous() && x.is_contiguous() && weight.is_contiguous(), "rms_norm: tensors must be contiguous");
   TORCH_CHECK(x.size(-1) % kLanes == 0 && weight.numel() == x.size(-1), "rms_norm: hidden size must be a multiple of 16");
   TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), "rms_norm: one dtype");
+}
+
+// One row of head_dim elements into a cache of cache_t, dst_stride apart (keys are stored
+// transposed). The float types round to nearest even, as torch's .to() does. int8 rows are
+// quantized symmetrically: scale = absmax / 127, element = round(x / scale) (ties to even), and
+// the scale is returned (1 for the float types); an all-zero row stores zeros with scale 0.
+template <typename cache_t, typename scalar_t>
+float store_row(const scalar_t* src, int64_t n, cache_t* dst, int64_t dst_stride) {
+  if constexpr (kScaled<cache_t>) {
+    float absmax = 0.f;
+    for (int64_t i = 0; i < n; ++i) absmax = std::max(absmax, std::abs(static_cast<float>(src[i])));
+    const float scale = absmax / 127.f;
+    const float divisor = scale > 0.f ? scale : 1.f;
+    for (int64_t i = 0; i < n; ++i)
+      dst[i * dst_stride] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(src[i]) / divisor),
+                                                           -127.f, 127.f));
+    return scale;
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i * dst_stride] = static_cast<cache_t>(src[i]);
+    return 1.f;
+  }
+}
+
+template <typename scalar_t, typename cache_t>
+void write_rows(const at::Tensor& k_cache, const at::Tensor& v_cache, const OptionalTensor& k_scales,
+                const OptionalTensor& v_scales, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  const CacheLayout layout = paged_cache<cache_t>(k_cache, v_cache, k_scales, v_scales);
+  const int64_t tokens = k.size(0), head_dim = layout.head_dim, block_size = layout.block_size;
+  cache_t* keys = static_cast<cache_t*>(k_cache.data_ptr());
+  cache_t* values = static_cast<cache_t*>(v_cache.data_ptr());
+  float* key_scales = k_scales ? k_scales->data_ptr<float>() : nullptr;
+  float* value_scales = v_scales ? v_scales->data_ptr<float>() : nullptr;
+  const scalar_t* k_src = k.data_ptr<scalar_t>();
+  const scalar_t* v_src = v.data_ptr<scalar_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  at::parallel_for(0, tokens, grain(2 * layout.num_kv_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      for (int64_t h = 0; h < layout.num_kv_heads; ++h) {
+        const int64_t part = layout.part(block, h);   // this head's part of the block
+        const float k_scale = store_row(k_src + t * k.stride(0) + h * k.stride(1), head_dim,
+                                        keys + part + offset, block_size);   // transposed
+        const float v_scale = store_row(v_src + t * v.stride(0) + h * v.stride(1), head_dim,
+                                        values + part + offset * head_dim, 1);
+        if constexpr (kScaled<cache_t>) {
+          key_scales[layout.scale_part(block, h) + offset] = k_scale;
+          value_scales[layout.scale_part(block, h) + offset] = v_scale;
+        }
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -127,28 +180,16 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
   });
 }
 
-void write_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping) {
-  const int64_t tokens = k.size(0), kv_heads = k.size(1), head_dim = k.size(2), block_size = v_cache.size(2);
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k.stride(2) == 1 && v.stride(2) == 1,
-              "write_kv: caches contiguous, rows dense");
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, OptionalTensor k_scales, OptionalTensor v_scales, at::Tensor k,
+              at::Tensor v, at::Tensor slot_mapping) {
+  check_caches(k_cache, v_cache, k_scales, v_scales, "write_kv");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.scalar_type() == v.scalar_type(),
+              "write_kv: K and V rows dense, of one dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "write_kv: int64 slots");
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
-    scalar_t* keys = k_cache.data_ptr<scalar_t>();
-    scalar_t* values = v_cache.data_ptr<scalar_t>();
-    const scalar_t* k_src = k.data_ptr<scalar_t>();
-    const scalar_t* v_src = v.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, grain(2 * kv_heads * head_dim), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          const int64_t part = (block * kv_heads + h) * head_dim * block_size;   // this head's part of the block
-          const scalar_t* key = k_src + t * k.stride(0) + h * k.stride(1);
-          for (int64_t d = 0; d < head_dim; ++d) keys[part + d * block_size + offset] = key[d];   // transposed
-          std::memcpy(values + part + offset * head_dim, v_src + t * v.stride(0) + h * v.stride(1),
-                      head_dim * sizeof(scalar_t));
-        }
-      }
+    dispatch_cache_type<scalar_t>(k_cache.scalar_type(), "write_kv", [&](auto element) {
+      using cache_t = decltype(element);
+      write_rows<scalar_t, cache_t>(k_cache, v_cache, k_scales, v_scales, k, v, slot_mapping);
     });
   });
 }

@@ -4,21 +4,31 @@
 
 #include <torch/extension.h>
 
-// out, q: [tokens, heads, head_dim] (q's tokens may be strided, e.g. rows of qkv); k_cache: [blocks, kv_heads, head_dim, block_size];
-// v_cache: [blocks, kv_heads, block_size, head_dim]; block_tables: [rows, max_blocks] int64;
-// token_rows[i]: the block-table row of token i; kv_lens[i]: how many keys token i attends
-// to (its position + 1).
+#include <optional>
+
+// Caches as csrc/paged_cache.h lays them out: k_cache [blocks, kv_heads, head_dim, block_size],
+// v_cache [blocks, kv_heads, block_size, head_dim], in the model dtype or a KV cache dtype
+// (bfloat16, float16, float8_e5m2, int8); k_scales, v_scales: [blocks, kv_heads, block_size]
+// float32 for int8 caches, None otherwise.
+
+// out, q: [tokens, heads, head_dim] (q's tokens may be strided, e.g. rows of qkv); block_tables:
+// [rows, max_blocks] int64; token_rows[i]: the block-table row of token i; kv_lens[i]: how many
+// keys token i attends to (its position + 1).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                     std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
                      at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens, double scale);
 
 // Prefill chunks: out, q as above; chunk c's query tokens are rows [query_starts[c], query_starts[c + 1])
 // at positions context_lens[c] onwards, its keys (all in the cache already) reached through
 // block_tables[c]; each token attends causally to its sequence's keys up to its own position.
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                       std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
                        at::Tensor block_tables, at::Tensor query_starts, at::Tensor context_lens, double scale);
 
-// k, v: [tokens, kv_heads, head_dim] (rows may be strided) stored at flat slots of the caches above.
-void write_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);
+// k, v: [tokens, kv_heads, head_dim] (rows may be strided) stored at flat slots of the caches, in
+// their dtype (rounded to nearest even; int8 quantized per slot and kv head, see paged_cache.h).
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, std::optional<at::Tensor> k_scales,
+              std::optional<at::Tensor> v_scales, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);
 
 // out = weight * (x / rms(x)), row by row; x: [tokens, hidden].
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);

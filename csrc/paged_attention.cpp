@@ -4,7 +4,9 @@
 // csrc/prefill_attention.cpp, which shares each K/V read among many queries). A decode
 // step reads every cached K/V row once, so the kernel should run at memory speed: rows
 // are widened to floats 16 lanes at a time and the softmax's exp is a vector polynomial,
-// not a libm call per score.
+// not a libm call per score. A smaller KV cache dtype (kv_cache_dtype) means fewer bytes per
+// step: its elements are widened the same way, int8 ones with their per-slot scales applied to
+// the scores and probabilities they produce.
 #include "ops.h"
 #include "paged_cache.h"
 #include "vectors.h"
@@ -19,9 +21,10 @@ namespace {
 
 using namespace pagedllm;
 
-// The shapes of one call, and the raw pointers the tasks read.
-template <typename scalar_t>
-struct Problem : PagedCache<scalar_t> {
+// The shapes of one call, and the raw pointers the tasks read: queries and output in the
+// model's scalar_t, the caches in cache_t.
+template <typename scalar_t, typename cache_t>
+struct Problem : PagedCache<cache_t> {
   int64_t group, max_blocks, q_token_stride;
   float scale;
   const scalar_t* q;
@@ -31,9 +34,9 @@ struct Problem : PagedCache<scalar_t> {
 
 // Asks for a block (all kv heads' parts, side by side) while earlier ones are computed:
 // blocks lie anywhere in the cache, so the hardware prefetcher cannot guess where the next is.
-template <typename scalar_t>
-inline void prefetch(const scalar_t* block, int64_t elements) {
-  constexpr int64_t kLine = 64 / sizeof(scalar_t);
+template <typename cache_t>
+inline void prefetch(const cache_t* block, int64_t elements) {
+  constexpr int64_t kLine = 64 / sizeof(cache_t);
   for (int64_t i = 0; i < elements; i += kLine) __builtin_prefetch(block + i);
 }
 
@@ -67,15 +70,16 @@ void for_head_tiles(int64_t group, F&& f) {
 // Scores of one kv head's part of a block for `Heads` query heads: keys are stored
 // transposed, so 16 slots come out of plain vector FMAs (one query element times 16
 // keys) with no horizontal sums. Even and odd dimensions go to separate accumulators
-// (two dependency chains per head instead of one).
-template <typename scalar_t, int Heads>
-inline void score_block(const scalar_t* keys, int64_t head_dim, int64_t block_size, const float* query,
-                        float* scores, int64_t score_stride) {
+// (two dependency chains per head instead of one). int8 keys: a slot's scale multiplies its
+// whole dot product, once per 16 slots rather than once per element.
+template <typename cache_t, int Heads>
+inline void score_block(const cache_t* keys, const float* key_scales, int64_t head_dim, int64_t block_size,
+                        const float* query, float* scores, int64_t score_stride) {
   for (int64_t slot = 0; slot < block_size; slot += kLanes) {
     const int64_t width = std::min<int64_t>(kLanes, block_size - slot);   // < 16 in small blocks only
     vfloat even[Heads] = {}, odd[Heads] = {};
     for (int64_t d = 0; d < head_dim; d += 2) {
-      const scalar_t* row = keys + d * block_size + slot;
+      const cache_t* row = keys + d * block_size + slot;
       const vfloat k0 = width == kLanes ? widen(row) : widen_partial(row, width);
       const vfloat k1 = width == kLanes ? widen(row + block_size) : widen_partial(row + block_size, width);
       for (int h = 0; h < Heads; ++h) {
@@ -83,17 +87,20 @@ inline void score_block(const scalar_t* keys, int64_t head_dim, int64_t block_si
         odd[h] += query[h * head_dim + d + 1] * k1;
       }
     }
-    for (int h = 0; h < Heads; ++h) {
-      const vfloat sum = even[h] + odd[h];
-      std::memcpy(scores + h * score_stride + slot, &sum, width * sizeof(float));
+    for (int h = 0; h < Heads; ++h) even[h] += odd[h];
+    if constexpr (kScaled<cache_t>) {
+      const vfloat scale = width == kLanes ? widen(key_scales + slot) : widen_partial(key_scales + slot, width);
+      for (int h = 0; h < Heads; ++h) even[h] *= scale;
     }
+    for (int h = 0; h < Heads; ++h) std::memcpy(scores + h * score_stride + slot, &even[h], width * sizeof(float));
   }
 }
 
 // acc[h] += sum_j probs[h][j] * value_j over the first n slots of one kv head's part of a
-// block; values are rows, so 16 dimensions accumulate per instruction.
-template <typename scalar_t, int Heads>
-inline void accumulate_block(const scalar_t* values, int64_t head_dim, int64_t n, const float* probs,
+// block; values are rows, so 16 dimensions accumulate per instruction. int8 values come with
+// their scales folded into probs (scale_probs).
+template <typename cache_t, int Heads>
+inline void accumulate_block(const cache_t* values, int64_t head_dim, int64_t n, const float* probs,
                              int64_t prob_stride, float* acc) {
   for (int64_t c = 0; c < head_dim; c += kLanes) {
     vfloat even[Heads], odd[Heads] = {};
@@ -114,6 +121,13 @@ inline void accumulate_block(const scalar_t* values, int64_t head_dim, int64_t n
   }
 }
 
+// probs[h][j] *= scales[j] for `heads` rows of probabilities, slots j < n: p_j (scale_j v_j) is
+// (p_j scale_j) v_j, so the value loop reads int8 values as they are, one multiply per slot and head.
+inline void scale_probs(float* probs, int64_t prob_stride, int64_t heads, const float* scales, int64_t n) {
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t j = 0; j < n; ++j) probs[h * prob_stride + j] *= scales[j];
+}
+
 // One query token, all heads. Blocks are walked in table order with every kv head's part
 // of a block taken together: a block's parts lie side by side, so reads run through whole
 // blocks, and through runs of blocks where the pool handed a sequence neighbouring ones (a
@@ -121,8 +135,8 @@ inline void accumulate_block(const scalar_t* values, int64_t head_dim, int64_t n
 // tokens x 30 layers: blocks in order 60 -> 28 ms against one kv head at a time, blocks in
 // random order 70 -> 80 ms; the shared workload's decode attention 15.3 -> 10.1 s.
 // Keys first, then the softmax, then the values.
-template <typename scalar_t>
-void attend_token(const Problem<scalar_t>& p, int64_t token, Scratch& scratch) {
+template <typename scalar_t, typename cache_t>
+void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, Scratch& scratch) {
   const int64_t head_dim = p.head_dim, block_size = p.block_size, group = p.group;
   const int64_t num_heads = p.num_kv_heads * group, block_elements = p.num_kv_heads * head_dim * block_size;
   const int64_t kv_len = p.lens[token];
@@ -137,22 +151,29 @@ void attend_token(const Problem<scalar_t>& p, int64_t token, Scratch& scratch) {
   scratch.acc.assign(num_heads * head_dim, 0.f);
   float *query = scratch.query.data(), *scores = scratch.scores.data(), *acc = scratch.acc.data();
 
-  // Block i of the walk is the K of table[i] for i < num_blocks, then the V of table[i - num_blocks].
+  // Block i of the walk is the K of table[i] for i < num_blocks, then the V of table[i - num_blocks]
+  // (with its scales, for int8).
+  const int64_t scale_elements = p.num_kv_heads * block_size;
   auto prefetch_block = [&](int64_t i) {
-    if (i < num_blocks) prefetch(p.k_cache + table[i] * block_elements, block_elements);
-    else if (i < 2 * num_blocks) prefetch(p.v_cache + table[i - num_blocks] * block_elements, block_elements);
+    if (i >= 2 * num_blocks) return;
+    const bool keys = i < num_blocks;
+    const int64_t block = table[keys ? i : i - num_blocks];
+    prefetch((keys ? p.k_cache : p.v_cache) + block * block_elements, block_elements);
+    if constexpr (kScaled<cache_t>)
+      prefetch((keys ? p.k_scales : p.v_scales) + block * scale_elements, scale_elements);
   };
   for (int64_t i = 0; i < kPrefetchAhead; ++i) prefetch_block(i);
 
   for (int64_t b = 0; b < num_blocks; ++b) {
     prefetch_block(b + kPrefetchAhead);
     for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
-      const scalar_t* keys = p.keys(table[b], kv_head);
+      const cache_t* keys = p.keys(table[b], kv_head);
+      const float* key_scales = kScaled<cache_t> ? p.key_scales(table[b], kv_head) : nullptr;
       for_head_tiles(group, [&](auto heads, int64_t first) {
         constexpr int kHeads = decltype(heads)::value;
         const int64_t head = kv_head * group + first;
-        score_block<scalar_t, kHeads>(keys, head_dim, block_size, query + head * head_dim,
-                                      scores + head * padded_len + b * block_size, padded_len);
+        score_block<cache_t, kHeads>(keys, key_scales, head_dim, block_size, query + head * head_dim,
+                                     scores + head * padded_len + b * block_size, padded_len);
       });
     }
   }
@@ -171,11 +192,14 @@ void attend_token(const Problem<scalar_t>& p, int64_t token, Scratch& scratch) {
     prefetch_block(num_blocks + b + kPrefetchAhead);
     const int64_t n = std::min(block_size, kv_len - b * block_size);
     for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
-      const scalar_t* values = p.values(table[b], kv_head);
+      const cache_t* values = p.values(table[b], kv_head);
+      if constexpr (kScaled<cache_t>)
+        scale_probs(scores + kv_head * group * padded_len + b * block_size, padded_len, group,
+                    p.value_scales(table[b], kv_head), n);
       for_head_tiles(group, [&](auto heads, int64_t first) {
         constexpr int kHeads = decltype(heads)::value;
         const int64_t head = kv_head * group + first;
-        accumulate_block<scalar_t, kHeads>(values, head_dim, n, scores + head * padded_len + b * block_size,
+        accumulate_block<cache_t, kHeads>(values, head_dim, n, scores + head * padded_len + b * block_size,
                                            padded_len, acc + head * head_dim);
       });
     }
@@ -185,16 +209,14 @@ void attend_token(const Problem<scalar_t>& p, int64_t token, Scratch& scratch) {
   for (int64_t i = 0; i < num_heads * head_dim; i += kLanes) narrow(widen(acc + i), out + i);
 }
 
-template <typename scalar_t>
-void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& token_rows,
-            const at::Tensor& kv_lens, double scale) {
-  const int64_t num_tokens = q.size(0), num_kv_heads = k_cache.size(1);
-  const Problem<scalar_t> p{{q.size(2), num_kv_heads, k_cache.size(3), k_cache.data_ptr<scalar_t>(),
-                             v_cache.data_ptr<scalar_t>()},
-                            q.size(1) / num_kv_heads, block_tables.size(1), q.stride(0), static_cast<float>(scale),
-                            q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
-                            token_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>()};
+template <typename scalar_t, typename cache_t>
+void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t>& cache,
+            const at::Tensor& block_tables, const at::Tensor& token_rows, const at::Tensor& kv_lens, double scale) {
+  const int64_t num_tokens = q.size(0);
+  const Problem<scalar_t, cache_t> p{cache, q.size(1) / cache.num_kv_heads, block_tables.size(1), q.stride(0),
+                                     static_cast<float>(scale), q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                     block_tables.data_ptr<int64_t>(), token_rows.data_ptr<int64_t>(),
+                                     kv_lens.data_ptr<int64_t>()};
   // Tokens are handed out one at a time: sequences differ in length, so equal shares of
   // tokens would leave one thread idle while another finishes long ones.
   std::atomic<int64_t> next_token{0};
@@ -207,16 +229,21 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 
 }  // namespace
 
-void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                     at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens, double scale) {
-  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              block_tables.is_contiguous(), "paged_attention: tensors must be contiguous");
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, OptionalTensor k_scales,
+                     OptionalTensor v_scales, at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens,
+                     double scale) {
+  check_caches(k_cache, v_cache, k_scales, v_scales, "paged_attention");
+  TORCH_CHECK(out.is_contiguous() && block_tables.is_contiguous(), "paged_attention: tensors must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: each token's heads must be dense");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && token_rows.scalar_type() == at::kLong &&
               kv_lens.scalar_type() == at::kLong, "paged_attention: index tensors must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads must be a multiple of kv heads");
   TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 256, "paged_attention: head_dim must be a multiple of 16, at most 256");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    attend<scalar_t>(out, q, k_cache, v_cache, block_tables, token_rows.contiguous(), kv_lens.contiguous(), scale);
+    dispatch_cache_type<scalar_t>(k_cache.scalar_type(), "paged_attention", [&](auto element) {
+      using cache_t = decltype(element);
+      attend<scalar_t>(out, q, paged_cache<cache_t>(k_cache, v_cache, k_scales, v_scales), block_tables,
+                       token_rows.contiguous(), kv_lens.contiguous(), scale);
+    });
   });
 }

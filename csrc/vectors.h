@@ -1,10 +1,11 @@
 // Vectors of 16 floats for the CPU kernels, as GCC/Clang vector types: one AVX-512
 // register where the build machine has it (-march=native), two AVX registers or four SSE
-// ones elsewhere, so one source serves every x86 CPU. Loads widen bfloat16/float16 to
-// float, stores round back; the arithmetic runs on floats.
+// ones elsewhere, so one source serves every x86 CPU. Loads widen bfloat16/float16 (and the
+// KV cache's float8 e5m2 and int8) to float, stores round back; the arithmetic runs on floats.
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -18,9 +19,11 @@ typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 typedef uint16_t vbits16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint8_t vbits8 __attribute__((vector_size(kLanes * sizeof(uint8_t))));
+typedef int8_t vint8 __attribute__((vector_size(kLanes * sizeof(int8_t))));
 
 template <typename scalar_t>
-inline vfloat widen(const scalar_t* src) {   // float16 and others: element by element
+inline vfloat widen(const scalar_t* src) {   // others: element by element
   vfloat v;
   for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(src[i]);
   return v;
@@ -39,6 +42,41 @@ inline vfloat widen<c10::BFloat16>(const c10::BFloat16* src) {
   vbits16 bits;
   std::memcpy(&bits, src, sizeof(bits));
   return reinterpret_cast<vfloat>(__builtin_convertvector(bits, vuint) << 16);
+}
+
+// float16 bits, one number per lane, to floats with integer operations and one multiply (any ISA,
+// no F16C): exponent and mantissa move to their float places, and the multiply by 2^(127 - 15)
+// rebiases the exponent, normalising subnormals on the way; infinities and NaNs (exponent all
+// ones) get float's all-ones exponent instead. Exact for every input.
+inline vfloat half_bits_to_float(vuint half) {
+  const vuint magnitude = (half & 0x7fffu) << 13;
+  const vfloat finite = reinterpret_cast<vfloat>(magnitude) * 0x1p112f;
+  const vuint special = reinterpret_cast<vuint>(magnitude | 0x7f800000u);
+  const vuint bits = (half & 0x7c00u) == 0x7c00u ? special : reinterpret_cast<vuint>(finite);
+  return reinterpret_cast<vfloat>(bits | (half & 0x8000u) << 16);
+}
+
+template <>
+inline vfloat widen<c10::Half>(const c10::Half* src) {
+  vbits16 bits;
+  std::memcpy(&bits, src, sizeof(bits));
+  return half_bits_to_float(__builtin_convertvector(bits, vuint));
+}
+
+// float8 e5m2 is the top byte of a float16.
+template <>
+inline vfloat widen<c10::Float8_e5m2>(const c10::Float8_e5m2* src) {
+  vbits8 bits;
+  std::memcpy(&bits, src, sizeof(bits));
+  return half_bits_to_float(__builtin_convertvector(bits, vuint) << 8);
+}
+
+// int8: the quantized value, before its scale (the kernels apply scales per slot, see paged_cache.h).
+template <>
+inline vfloat widen<int8_t>(const int8_t* src) {
+  vint8 values;
+  std::memcpy(&values, src, sizeof(values));
+  return __builtin_convertvector(values, vfloat);
 }
 
 // The first n < kLanes elements, the other lanes zero.

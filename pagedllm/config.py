@@ -13,6 +13,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # auto: a GGUF keeps its own quantization, float checkpoints stay float; none: everything dequantized;
 # int8 / int4: float weights quantized group-wise at load (pagedllm/model/quantization.py).
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: the model dtype
 
 
 def parse_memory_size(value: int | float | str) -> int:
@@ -37,6 +38,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str | None = None
     block_size: int = 16
     max_num_seqs: int = 256
@@ -54,6 +56,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not (isinstance(self.block_size, int) and 8 <= self.block_size <= 256
                 and self.block_size & (self.block_size - 1) == 0):
             raise ValueError(f"block_size must be a power of two from 8 to 256, got {self.block_size!r}")

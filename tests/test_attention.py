@@ -1,61 +1,140 @@
-"""The C++ paged-attention kernel against the PyTorch path and a dense reference."""
+"""The C++ paged-attention kernels against the PyTorch path and a dense reference, for every KV cache dtype."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pagedllm.model import attention
-from pagedllm.model.attention import AttentionMetadata, paged_attention
+from pagedllm.model.attention import AttentionMetadata, CacheTensor, paged_attention
 
 pytestmark = pytest.mark.skipif(attention._C is None, reason="C++ kernel not built")
 
+# (model dtype, KV cache dtype) pairs the engine can make: kv_cache_dtype "auto" is the model dtype.
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+               (torch.float32, torch.float8_e5m2), (torch.float32, torch.int8),
+               (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float16),
+               (torch.bfloat16, torch.float8_e5m2), (torch.bfloat16, torch.int8)]
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2, torch.int8]
 
-def scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype, generator):
-    """Dense K/V per sequence, the same written slot by slot into shuffled physical blocks
-    of the documented cache layout, and the block tables."""
+
+def layouts(block_sizes):
+    """(dtype, cache_dtype, block_size): every block size over a cache in the model dtype; over the others
+    8 and 24, which between them take the whole-vector and the partial-vector paths of each read."""
+    return [(dtype, cache_dtype, block_size) for dtype, cache_dtype in DTYPE_PAIRS for block_size in block_sizes
+            if dtype == cache_dtype or block_size in (8, 24)]
+
+
+def tolerance(dtype):
+    """The reference attends over the very values the cache holds (dequantized), so a cache dtype adds
+    no error of its own. float32 queries: the same float arithmetic in another order, int8 scales
+    applied to a dot product rather than to each of its terms (a few float roundings, ~1e-7 relative,
+    on outputs of size ~1). bfloat16 queries: the output is rounded to bfloat16 (2^-9 relative), and
+    over a bfloat16 cache the probabilities are too (each 2^-9 relative, so at most 2^-9 * max |v|,
+    ~1e-2 for standard normal values): 2e-2 leaves a margin."""
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def reference_quantize(rows, cache_dtype):
+    """What a cache of cache_dtype should hold for rows [..., head_dim]: torch's own rounding for the
+    float dtypes; for int8, round(x / scale) with scale = absmax / 127 per row (zeros, scale 0, for a
+    zero row). Returns the elements and the scales (None but for int8)."""
+    if cache_dtype != torch.int8:
+        return rows.to(cache_dtype), None
+    scales = rows.float().abs().amax(-1) / 127
+    return torch.nan_to_num(torch.round(rows.float() / scales[..., None])).to(torch.int8), scales
+
+
+def dequantize(elements, scales):
+    return elements.float() if scales is None else elements.float() * scales[..., None]
+
+
+def noise_cache(shape, scales_shape, cache_dtype, generator):
+    """A cache whose every slot holds noise, scales included, as unwritten slots may."""
+    elements = torch.randn(shape, generator=generator)
+    if cache_dtype != torch.int8:
+        return CacheTensor(elements.to(cache_dtype))
+    scales = torch.rand(scales_shape, generator=generator)
+    return CacheTensor((elements * 40).clamp(-127, 127).to(torch.int8), scales)
+
+
+def scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype, generator, cache_dtype=None):
+    """Dense K/V per sequence (in dtype), the same written slot by slot, as the reference quantizes them,
+    into shuffled physical blocks of the documented cache layout (of cache_dtype, default dtype), the
+    block tables, and the dense K/V as the cache holds them (dequantized, float32)."""
+    cache_dtype = cache_dtype or dtype
     max_blocks = max(-(-n // block_size) for n in seq_lens)
     num_blocks = len(seq_lens) * max_blocks + 3
     order = torch.randperm(num_blocks, generator=generator)
     tables = order[:len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks).contiguous()
     k_shape, v_shape = attention.kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(k_shape, generator=generator).to(dtype)   # unwritten slots hold noise
-    v_cache = torch.randn(v_shape, generator=generator).to(dtype)
+    scales_shape = attention.kv_scales_shape(num_blocks, block_size, kv_heads)
+    k_cache, v_cache = (noise_cache(shape, scales_shape, cache_dtype, generator) for shape in (k_shape, v_shape))
     keys = [torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype) for n in seq_lens]
     values = [torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype) for n in seq_lens]
+    held_keys, held_values = [], []
     for i, n in enumerate(seq_lens):
+        (k, k_scales), (v, v_scales) = reference_quantize(keys[i], cache_dtype), reference_quantize(values[i], cache_dtype)
         for t in range(n):
             block, offset = tables[i, t // block_size], t % block_size
-            k_cache[block, :, :, offset] = keys[i][t]
-            v_cache[block, :, offset, :] = values[i][t]
-    return k_cache, v_cache, tables, keys, values
+            k_cache.data[block, :, :, offset] = k[t]
+            v_cache.data[block, :, offset, :] = v[t]
+            if k_scales is not None:
+                k_cache.scales[block, :, offset] = k_scales[t]
+                v_cache.scales[block, :, offset] = v_scales[t]
+        held_keys.append(dequantize(k, k_scales))
+        held_values.append(dequantize(v, v_scales))
+    return k_cache, v_cache, tables, held_keys, held_values
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [8, 16, 24, 64])
+def caches_of(k_cache, v_cache):
+    """The kernels' cache arguments."""
+    return k_cache.data, v_cache.data, k_cache.scales, v_cache.scales
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,block_size", layouts([8, 16, 24, 64]))
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (20, 2, 128)])
-def test_kernel_matches_dense_attention(dtype, block_size, heads, kv_heads, head_dim):
+def test_kernel_matches_dense_attention(dtype, cache_dtype, block_size, heads, kv_heads, head_dim):
     generator = torch.Generator().manual_seed(0)
     seq_lens = [1, 5, 16, 17, 100, 333]
     k_cache, v_cache, tables, keys, values = scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype,
-                                                             generator)
+                                                             generator, cache_dtype)
     # q as the model passes it: the first columns of each token's qkv row
     qkv = torch.randn(len(seq_lens), (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
     q = qkv[:, :heads * head_dim].view(len(seq_lens), heads, head_dim)
     lens = torch.tensor(seq_lens)
     out = torch.empty(q.shape, dtype=dtype)
-    attention._C.paged_attention(out, q, k_cache, v_cache, tables, torch.arange(len(seq_lens)), lens, 0.125)
+    attention._C.paged_attention(out, q, *caches_of(k_cache, v_cache), tables, torch.arange(len(seq_lens)), lens,
+                                 0.125)
     for i in range(len(seq_lens)):
         expected = F.scaled_dot_product_attention(
-            q[i].float().unsqueeze(1), keys[i].float().transpose(0, 1), values[i].float().transpose(0, 1),
+            q[i].float().unsqueeze(1), keys[i].transpose(0, 1), values[i].transpose(0, 1),
             scale=0.125, enable_gqa=True).squeeze(1)
-        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out[i].float(), expected, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(out[i].float(), expected, **tolerance(dtype))
 
 
-def test_kernel_and_pytorch_paths_agree_inside_paged_attention():
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e5m2])
+def test_kernel_widens_every_float16_and_fp8_value_exactly(cache_dtype):
+    """One-key sequences: each probability is exactly 1, so the output is the cached value itself, widened.
+    Every bit pattern of the dtype is cached (subnormals, infinities and NaNs included)."""
+    bits = torch.arange(2 ** (8 * cache_dtype.itemsize), dtype=torch.int32)
+    every_value = (bits.to(torch.int16) if cache_dtype == torch.float16 else bits.to(torch.uint8)).view(cache_dtype)
+    head_dim = 256
+    num_seqs = every_value.numel() // head_dim
+    v_cache = torch.zeros(num_seqs, 1, 8, head_dim, dtype=cache_dtype)   # a block per sequence, its key in slot 0
+    v_cache[:, 0, 0] = every_value.view(num_seqs, head_dim)
+    k_cache = torch.zeros(num_seqs, 1, head_dim, 8, dtype=cache_dtype)
+    out = torch.empty(num_seqs, 1, head_dim)
+    attention._C.paged_attention(out, torch.ones(num_seqs, 1, head_dim), k_cache, v_cache, None, None,
+                                 torch.arange(num_seqs)[:, None], torch.arange(num_seqs),
+                                 torch.ones(num_seqs, dtype=torch.int64), 1.0)
+    torch.testing.assert_close(out.flatten(), every_value.float(), atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_kernel_and_pytorch_paths_agree_inside_paged_attention(cache_dtype):
     generator = torch.Generator().manual_seed(1)
     # two decodes, then a 17-token chunk after a cached prefix of 60 tokens and a whole 20-token prompt
     seq_lens, new_tokens = [3, 40, 77, 20], [1, 1, 17, 20]
-    k_cache, v_cache, tables, _, _ = scattered_cache(seq_lens, 16, 2, 32, torch.float32, generator)
+    k_cache, v_cache, tables, _, _ = scattered_cache(seq_lens, 16, 2, 32, torch.float32, generator, cache_dtype)
     positions = torch.cat([torch.arange(n - new, n) for n, new in zip(seq_lens, new_tokens)])
     rows = torch.repeat_interleave(torch.arange(4), torch.tensor(new_tokens))
     slots = tables[rows, positions // 16] * 16 + positions % 16
@@ -69,38 +148,59 @@ def test_kernel_and_pytorch_paths_agree_inside_paged_attention():
                                  decode_seq_lens=torch.tensor(seq_lens[:2]), prefill_query_starts=torch.tensor([2, 19, 39]),
                                  prefill_context_lens=torch.tensor([60, 0]), prefill_block_tables=tables[2:],
                                  block_size=16, use_kernel=use_kernel)
-        caches.append((k_cache.clone(), v_cache.clone()))
+        caches.append(tuple(CacheTensor(c.data.clone(), None if c.scales is None else c.scales.clone())
+                            for c in (k_cache, v_cache)))
         results.append(paged_attention(q, k_new, v_new, *caches[-1], meta, 32 ** -0.5))
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
     assert not results[0][-3:].any()
-    written = torch.zeros(k_cache.shape[0] * 16, dtype=torch.bool)
+    written = torch.zeros(k_cache.data.shape[0] * 16, dtype=torch.bool)
     written[slots] = True
     by_slot = (lambda k: k.permute(0, 3, 1, 2), lambda v: v.permute(0, 2, 1, 3))   # [blocks, slots, heads, dim]
     for view, cache, original in zip(by_slot, caches[0], (k_cache, v_cache)):   # only the real tokens' slots changed
-        changed = (view(cache) != view(original)).flatten(2).any(-1).flatten()
+        bits = (lambda c: view(c.data).view(torch.uint8)) if cache_dtype.itemsize == 1 else (lambda c: view(c.data))
+        changed = (bits(cache) != bits(original)).flatten(2).any(-1).flatten()
         assert torch.equal(changed, written)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_kernel_matches_indexing(dtype):
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_write_kv_stores_what_the_reference_quantization_gives(dtype, cache_dtype):
+    if cache_dtype == torch.float32 and dtype != torch.float32:
+        pytest.skip("a float32 cache serves float32 models only")
     generator = torch.Generator().manual_seed(2)
     k_shape, v_shape = attention.kv_cache_shapes(6, 16, 3, 64)
+    scales_shape = attention.kv_scales_shape(6, 16, 3)
     slots = torch.tensor([0, 17, 95, 40, 63])
-    kv = torch.randn(5, 2 * 3 * 64 + 8, generator=generator).to(dtype)
+    kv = torch.randn(5, 2 * 3 * 64 + 8, generator=generator).to(dtype) * 3
+    kv[3, 64:128] = 0   # one all-zero row (token 3, kv head 1 of K)
     k, v = kv[:, :192].view(5, 3, 64), kv[:, 192:384].view(5, 3, 64)   # strided rows
     caches = []
     for kernel in (attention._C, None):
-        k_cache, v_cache = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
+        k_cache, v_cache = (CacheTensor(torch.zeros(shape, dtype=cache_dtype),
+                                        torch.zeros(scales_shape) if cache_dtype == torch.int8 else None)
+                            for shape in (k_shape, v_shape))
         original, attention._C = attention._C, kernel
         try:
             attention.write_kv(k_cache, v_cache, k, v, slots)
         finally:
             attention._C = original
         caches.append((k_cache, v_cache))
+    as_bits = (lambda t: t.view(torch.uint8)) if cache_dtype.itemsize == 1 else (lambda t: t)
     for kernel_cache, indexed_cache in zip(*caches):
-        assert torch.equal(kernel_cache, indexed_cache)
-    k_cache, v_cache = caches[1]
-    assert torch.equal(k_cache[5, :, :, 15], k[2]) and torch.equal(v_cache[1, :, 1], v[1])   # slot 95, slot 17
+        assert torch.equal(as_bits(kernel_cache.data), as_bits(indexed_cache.data))
+        if cache_dtype == torch.int8:
+            assert torch.equal(kernel_cache.scales, indexed_cache.scales)
+    k_cache, v_cache = caches[0]
+    blocks, offsets = slots // 16, slots % 16
+    for rows, cache, stored in ((k, k_cache, k_cache.data[blocks, :, :, offsets]),
+                                (v, v_cache, v_cache.data[blocks, :, offsets])):
+        expected, expected_scales = reference_quantize(rows, cache_dtype)
+        assert torch.equal(as_bits(stored), as_bits(expected))
+        if cache_dtype == torch.int8:
+            assert torch.equal(cache.scales[blocks, :, offsets], expected_scales)
+    if cache_dtype == torch.int8:
+        assert k_cache.scales[2, 1, 8] == 0 and not k_cache.data[2, 1, :, 8].any()   # slot 40: the zero row
+        assert k_cache.data.abs().max() == 127   # each row's largest element takes the whole range
 
 
 def causal_reference(q, keys, values, context_len, scale):
@@ -112,10 +212,9 @@ def causal_reference(q, keys, values, context_len, scale):
                                           enable_gqa=True).transpose(0, 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [8, 16, 24, 64, 128])
+@pytest.mark.parametrize("dtype,cache_dtype,block_size", layouts([8, 16, 24, 64, 128]))
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (20, 2, 128)])
-def test_prefill_kernel_matches_dense_causal_attention(dtype, block_size, heads, kv_heads, head_dim):
+def test_prefill_kernel_matches_dense_causal_attention(dtype, cache_dtype, block_size, heads, kv_heads, head_dim):
     generator = torch.Generator().manual_seed(3)
     # (context already cached, chunk length): whole prompts, chunks after a cached prefix,
     # lengths around block edges, an odd last key, a single-token chunk, and 700 keys (more than
@@ -123,17 +222,27 @@ def test_prefill_kernel_matches_dense_causal_attention(dtype, block_size, heads,
     chunks = [(0, 1), (0, 17), (0, 130), (16, 5), (37, 64), (100, 1), (5, 250), (300, 400)]
     seq_lens = [context + length for context, length in chunks]
     k_cache, v_cache, tables, keys, values = scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype,
-                                                             generator)
+                                                             generator, cache_dtype)
     num_tokens = sum(length for _, length in chunks)
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
     q = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)   # strided, as the model passes it
     starts = torch.tensor([0] + [length for _, length in chunks]).cumsum(0)
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     scale = head_dim ** -0.5
-    attention._C.prefill_attention(out, q, k_cache, v_cache, tables, starts,
+    attention._C.prefill_attention(out, q, *caches_of(k_cache, v_cache), tables, starts,
                                    torch.tensor([context for context, _ in chunks]), scale)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (context, length) in enumerate(chunks):
         rows = slice(starts[i], starts[i + 1])
         expected = causal_reference(q[rows], keys[i], values[i], context, scale)
-        torch.testing.assert_close(out[rows].float(), expected, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(out[rows].float(), expected, **tolerance(dtype))
+
+
+def test_kernels_refuse_int8_caches_without_scales_and_scales_elsewhere():
+    k_cache = torch.zeros(2, 1, 32, 8, dtype=torch.int8)
+    v_cache = torch.zeros(2, 1, 8, 32, dtype=torch.int8)
+    k, slots = torch.zeros(1, 1, 32), torch.tensor([0])
+    with pytest.raises(RuntimeError, match="int8 caches take scales, the other dtypes none"):
+        attention._C.write_kv(k_cache, v_cache, None, None, k, k, slots)
+    scales = torch.zeros(2, 1, 8)
+    with pytest.raises(RuntimeError, match="int8 caches take scales, the other dtypes none"):
+        attention._C.write_kv(k_cache.float(), v_cache.float(), scales, scales, k, k, slots)

@@ -1,8 +1,17 @@
-"""`pagedllm bench accuracy`: how often bfloat16 picks the same greedy tokens as float32.
+"""`pagedllm bench accuracy`: how close a cheaper run stays to float32.
 
-Both runs take the same prompts (from the workload) and decode greedily. Reported:
-the share of sequences identical to the end, the mean length of the common prefix,
-and the share of positions holding the same token.
+By default, how often bfloat16 picks the same greedy tokens as float32: both runs take the
+same prompts (from the workload) and decode greedily. Reported: the share of sequences
+identical to the end, the mean length of the common prefix, and the share of positions
+holding the same token.
+
+With --kv-cache-dtypes, teacher-forced, per KV cache dtype against kv_cache_dtype=auto, the
+weights float32 throughout: each of 16 chat prompts is continued by the float32 model itself
+(sampled at temperature 1 with a seed: text the model finds likely, not a greedy loop), and the
+whole sequence is read in one prefill over a float32 cache and over each dtype's cache. The
+next-token distributions are compared at every position: top-1 agreement and mean
+KL(float32 || dtype) per token, in nats. A prefill attends each position to the cache as
+decoding would, so this is the error decoding sees, without one flipped token derailing the rest.
 """
 from __future__ import annotations
 
@@ -10,6 +19,7 @@ import argparse
 import statistics
 
 from pagedllm.bench.workload import random_workload
+from pagedllm.config import KV_CACHE_DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,15 +28,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="natural chat prompts (default) instead of the workload's random token ids")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", choices=KV_CACHE_DTYPES, metavar="DTYPE",
+                        help="instead: teacher-forced comparison of these KV cache dtypes with kv_cache_dtype=auto, "
+                             f"float32 weights ({', '.join(KV_CACHE_DTYPES)})")
+    parser.add_argument("--continuation-len", type=int, default=256,
+                        help="with --kv-cache-dtypes: tokens sampled after each prompt (default: 256)")
 
 
 PROMPTS = ["Explain why the sky is blue.", "Write a haiku about the sea.", "What is 17 times 23?",
            "List three uses of Python.", "Summarise the plot of Hamlet in two sentences.",
            "How do vaccines work?", "Translate 'good morning' into French and German.",
            "Give me a recipe for pancakes."]
+# The teacher-forced comparison's 16: the greedy comparison's 8 (its README figure) and 8 more.
+TEACHER_FORCED_PROMPTS = PROMPTS + [
+    "Describe how a bicycle works.", "Write a short story about a lighthouse keeper.",
+    "What are the causes of the French Revolution?", "Explain recursion to a ten-year-old.",
+    "Compare cats and dogs as pets.", "How does a refrigerator keep food cold?",
+    "Write a letter to a friend about your holiday.", "What should I pack for a week of hiking?"]
+
+
+def conversations(prompts: list[str]) -> list[list[dict]]:
+    return [[{"role": "user", "content": prompt}] for prompt in prompts]
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.kv_cache_dtypes:
+        compare_kv_cache_dtypes(args)
+    else:
+        compare_greedy_tokens(args)
+
+
+def compare_greedy_tokens(args: argparse.Namespace) -> None:
     from pagedllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -34,8 +66,7 @@ def run(args: argparse.Namespace) -> None:
     for dtype in ("float32", "bfloat16"):
         llm = LLM(args.model, dtype=dtype, kv_cache_memory="1GiB")
         if args.chat:
-            conversations = [[{"role": "user", "content": prompt}] for prompt in PROMPTS]
-            outputs = llm.chat(conversations, params, use_tqdm=False)
+            outputs = llm.chat(conversations(PROMPTS), params, use_tqdm=False)
         else:
             workload = random_workload(num=args.num_prompts, vocab=llm.llm_engine.model_config.vocab_size)
             outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in workload], params,
@@ -53,3 +84,59 @@ def run(args: argparse.Namespace) -> None:
     print("|---|---|---|")
     print(f"| {sum(p == args.max_tokens for p in prefixes) / len(prefixes):.0%} "
           f"| {statistics.fmean(prefixes):.1f} of {args.max_tokens} | {same_positions / total:.1%} |")
+
+
+def sequence_logprobs(runner, token_ids: list[int], kv_caches):
+    """Log-probabilities [positions, vocab] of the next token after each position of one sequence, from
+    one prefill of all of it through the runner's model into kv_caches (blocks 0 onwards)."""
+    import torch
+
+    from pagedllm.model.attention import AttentionMetadata
+
+    device, length = runner.device, len(token_ids)
+    positions = torch.arange(length, device=device)
+    no_decodes = torch.zeros(0, dtype=torch.int64, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=positions, num_decode_tokens=0, decode_block_tables=no_decodes.view(0, 0), decode_seq_lens=no_decodes,
+        prefill_query_starts=torch.tensor([0, length], device=device),
+        prefill_context_lens=torch.tensor([0], device=device),
+        prefill_block_tables=torch.arange(-(-length // runner.block_size), device=device)[None],
+        block_size=runner.block_size, use_kernel=runner.use_kernel)
+    with torch.inference_mode():
+        logits = runner.model(torch.tensor(token_ids, device=device), positions, kv_caches, meta, positions)
+    return logits.log_softmax(-1)
+
+
+def compare_kv_cache_dtypes(args: argparse.Namespace) -> None:
+    import torch
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.engine.llm_engine import resolve_kv_cache_dtype
+    from pagedllm.model.runner import allocate_kv_caches, kv_bytes_per_block
+
+    llm = LLM(args.model, dtype="float32", kv_cache_memory="1GiB")
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=args.continuation_len, ignore_eos=True)
+    outputs = llm.chat(conversations(TEACHER_FORCED_PROMPTS), params, use_tqdm=False)
+    sequences = [output.prompt_token_ids + list(output.outputs[0].token_ids) for output in outputs]
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    num_blocks = -(-max(map(len, sequences)) // runner.block_size)
+    cache_dtypes = {name: resolve_kv_cache_dtype(name, torch.float32) for name in ("auto", *args.kv_cache_dtypes)}
+    caches = {name: allocate_kv_caches(engine.model_config, num_blocks, runner.block_size, dtype, runner.device)
+              for name, dtype in cache_dtypes.items()}
+    agreeing = dict.fromkeys(args.kv_cache_dtypes, 0)
+    divergence = dict.fromkeys(args.kv_cache_dtypes, 0.0)
+    for sequence in sequences:
+        reference = sequence_logprobs(runner, sequence, caches["auto"])
+        for name in args.kv_cache_dtypes:
+            candidate = sequence_logprobs(runner, sequence, caches[name])
+            agreeing[name] += int((candidate.argmax(-1) == reference.argmax(-1)).sum())
+            divergence[name] += float((reference.exp() * (reference - candidate)).sum())
+    positions = sum(map(len, sequences))
+    print(f"{len(sequences)} chat prompts, each continued by {args.continuation_len} tokens the float32 model "
+          f"sampled ({positions} positions, {min(map(len, sequences))}-{max(map(len, sequences))} tokens a "
+          f"sequence); float32 weights, each KV cache dtype against auto (float32)")
+    print("| kv_cache_dtype | KV bytes per token | top-1 agreement | mean KL per token (nats) |")
+    print("|---|---|---|---|")
+    for name in args.kv_cache_dtypes:
+        per_token = kv_bytes_per_block(engine.model_config, 1, cache_dtypes[name])
+        print(f"| {name} | {per_token} | {agreeing[name] / positions:.2%} | {divergence[name] / positions:.2e} |")

@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto",
                         help="comma-separated values (e.g. none,auto): measured side by side in this run")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=16)
 
 
@@ -30,11 +31,13 @@ def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM
 
     batch_sizes = [int(size) for size in args.batch_size.split(",")]
-    print(f"input {args.input_len}, output {args.output_len}, {args.num_iters} iterations")
+    print(f"input {args.input_len}, output {args.output_len}, KV cache {args.kv_cache_dtype}, "
+          f"{args.num_iters} iterations")
     print("| quantization | dtype | batch | prefill ms p50 | p99 | decode step ms p50 | p99 | decode tok/s |")
     print("|---|---|---|---|---|---|---|---|")
     for quantization in args.quantization.split(","):
-        llm = LLM(args.model, dtype=args.dtype, quantization=quantization, block_size=args.block_size,
+        llm = LLM(args.model, dtype=args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  block_size=args.block_size,
                   enable_prefix_caching=False, max_num_seqs=max(batch_sizes),
                   max_num_batched_tokens=max(2048, max(batch_sizes) * args.input_len))
         for batch_size in batch_sizes:

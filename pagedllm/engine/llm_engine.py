@@ -73,6 +73,14 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device
     return torch.float32
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: "auto" is the model dtype; fp8_e5m2 (vLLM's name) is torch.float8_e5m2;
+    int8 caches also keep a float32 scale per token and kv head."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    return torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else getattr(torch, kv_cache_dtype)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -81,6 +89,7 @@ class LLMEngine:
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.dtype = resolve_dtype(config.dtype, checkpoint.config.torch_dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = self._resolve_max_model_len()
         model = CausalLM(checkpoint.config, checkpoint.weights, self.dtype, self.device, self.max_model_len)
         del checkpoint
@@ -88,16 +97,18 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self._resolve_token_budget(),
                                    config.enable_chunked_prefill, config.scheduling_policy)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device, config.seed)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_cache_dtype, self.device,
+                                  config.seed)
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, ChildState] = {}
         self.parent_of: dict[str, str] = {}
         self.pending_forks: dict[str, list[Request]] = {}   # first child's id -> siblings to fork from it
         self.last_step_stats: StepStats | None = None
-        logger.info("model %s (%s) on %s, dtype %s, CPU kernels %s; KV cache: %d blocks of %d tokens = %d tokens",
+        logger.info("model %s (%s) on %s, dtype %s, CPU kernels %s; KV cache: %s, %d blocks of %d tokens = %d tokens",
                     config.model or "bundled SmolLM2-135M-Instruct", self.model_config.architecture,
                     self.device, str(self.dtype).removeprefix("torch."), kernels.variant or "not built",
-                    num_blocks, config.block_size, num_blocks * config.block_size)
+                    str(self.kv_cache_dtype).removeprefix("torch."), num_blocks, config.block_size,
+                    num_blocks * config.block_size)
         logger.info("weights (quantization=%s): %s", config.quantization, model.weight_summary())
 
     def _resolve_max_model_len(self) -> int:
@@ -118,7 +129,7 @@ class LLMEngine:
         return budget or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
 
     def _num_kv_blocks(self) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype)
         budget = self.config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)

@@ -14,7 +14,7 @@ import sys
 
 from pagedllm.bench import accuracy, kernels, latency, load, memory, scheduling, serving, sweep, throughput
 from pagedllm.bench.reliability import suite as reliability
-from pagedllm.config import DTYPES, QUANTIZATIONS, EngineConfig
+from pagedllm.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from pagedllm.engine.scheduler import SCHEDULING_POLICIES
 from pagedllm.entrypoints.config_file import merge_config
 from pagedllm.entrypoints.openai.server_config import ServerConfig
@@ -35,11 +35,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "optionally under engine_args:); flags on the command line override it")
     group = parser.add_argument_group("engine")
     group.add_argument("--dtype", choices=DTYPES, default=_UNSET,
-                       help=f"activation, float-weight and KV-cache precision {_default(EngineConfig, 'dtype')}")
+                       help=f"precision of activations and float weights {_default(EngineConfig, 'dtype')}")
     group.add_argument("--quantization", choices=QUANTIZATIONS, default=_UNSET,
                        help="auto keeps a GGUF's quantized weights quantized and float checkpoints float; none "
                             "dequantizes; int8/int4 quantize float weights at load "
                             f"{_default(EngineConfig, 'quantization')}")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_UNSET,
+                       help="precision of the KV cache: auto is --dtype's; int8 keeps a scale per token and kv head "
+                            f"{_default(EngineConfig, 'kv_cache_dtype')}")
     group.add_argument("--device", default=_UNSET, help="cpu or cuda (default: cuda when present)")
     group.add_argument("--block-size", type=int, default=_UNSET,
                        help=f"tokens per KV block, a power of two from 8 to 256 {_default(EngineConfig, 'block_size')}")
@@ -198,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("memory", memory, "KV utilisation, sharing and concurrency figures"),
         ("sweep", sweep, "throughput and KV waste by block size, with a plot"),
         ("scheduling", scheduling, "scheduler + KV bookkeeping time per step"),
-        ("accuracy", accuracy, "bfloat16 against float32 greedy tokens"),
+        ("accuracy", accuracy, "bfloat16 against float32 greedy tokens, or KV cache dtypes teacher-forced"),
         ("kernels", kernels, "quantized linear kernels against the float matmul, per row count"),
         ("load", load, "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),
         ("reliability", reliability, "load, soak, faults, fuzzing and security checks against real servers"),

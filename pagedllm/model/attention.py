@@ -6,6 +6,12 @@ batched call each; on CPU by the C++ kernels (csrc/paged_attention.cpp for decod
 csrc/prefill_attention.cpp for prefill chunks), which read K/V in place through the
 block tables, cached prefix included. Elsewhere (CUDA, or no compiled kernels) each
 row's blocks are gathered and SDPA attends to them.
+
+The cache may hold K/V in a smaller dtype than the model's (`kv_cache_dtype`): bfloat16,
+float16, float8 e5m2, or int8 with a float32 scale per slot and kv head. Decode attention
+reads every cached K/V byte once per step, so fewer bytes per token make it faster and let
+the same memory hold more tokens. New K/V are rounded (or quantized) as they are written;
+the kernels widen the elements as they read them, and the gathering path dequantizes.
 """
 from __future__ import annotations
 
@@ -43,6 +49,26 @@ class AttentionMetadata:
         return (key_index[None, :] < self.decode_seq_lens[:, None])[:, None, None, :]
 
 
+@dataclass(frozen=True)
+class CacheTensor:
+    """One layer's K or V cache: its elements, laid out as kv_cache_shapes says, and for int8 their
+    scales ([blocks, kv_heads, block_size] float32: an element's value is its int8 times its slot's
+    scale; None for the other dtypes). The model hands it to paged_attention as it is."""
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+
+    def copy_blocks(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Copies whole blocks (copy on write), scales included."""
+        for tensor in (self.data, self.scales):
+            if tensor is not None:
+                tensor.index_copy_(0, destinations, tensor.index_select(0, sources))
+
+
+def has_scales(cache_dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype keeps a scale per slot and kv head (int8 does)."""
+    return cache_dtype == torch.int8
+
+
 def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The K and V cache shapes of one layer.
@@ -55,60 +81,86 @@ def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_di
             (num_blocks, num_kv_heads, block_size, head_dim))
 
 
+def kv_scales_shape(num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+    """The shape of one layer's K (and V) scales, for caches that have them."""
+    return num_blocks, num_kv_heads, block_size
+
+
 def kernel_available(device: torch.device, head_dim: int) -> bool:
     """Whether the C++ kernels serve: built, on CPU, and a head size they vectorise."""
     return _C is not None and device.type == "cpu" and head_dim % 16 == 0 and head_dim <= 256
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def quantize(rows: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows [..., head_dim] as a cache of cache_dtype stores them, and their scales [...] (None but
+    for int8): rounded to nearest even, or for int8 symmetrically, scale = absmax / 127 and element =
+    round(x / scale), ties to even (an all-zero row: zeros, scale 0). The formula of write_kv's kernel."""
+    if not has_scales(cache_dtype):
+        return rows.to(cache_dtype), None
+    rows = rows.float()
+    scales = rows.abs().amax(-1) / 127
+    divisors = torch.where(scales > 0, scales, 1)
+    return torch.round(rows / divisors[..., None]).clamp(-127, 127).to(cache_dtype), scales
+
+
+def write_kv(k_cache: CacheTensor, v_cache: CacheTensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Stores new K/V rows ([tokens, kv_heads, head_dim]) at their flat slots."""
-    if _C is not None and k_cache.is_cpu and k.stride(-1) == 1 and v.stride(-1) == 1:
-        _C.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    """Stores new K/V rows ([tokens, kv_heads, head_dim]) at their flat slots, in the cache's dtype."""
+    if _C is not None and k_cache.data.is_cpu and k.stride(-1) == 1 and v.stride(-1) == 1:
+        _C.write_kv(k_cache.data, v_cache.data, k_cache.scales, v_cache.scales, k, v, slot_mapping)
         return
-    block_size = v_cache.shape[2]
+    block_size = v_cache.data.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, :, :, offsets] = k
-    v_cache[blocks, :, offsets] = v
+    (k_rows, k_scales), (v_rows, v_scales) = (quantize(rows, k_cache.data.dtype) for rows in (k, v))
+    k_cache.data[blocks, :, :, offsets] = k_rows
+    v_cache.data[blocks, :, offsets] = v_rows
+    if k_scales is not None:
+        k_cache.scales[blocks, :, offsets] = k_scales
+        v_cache.scales[blocks, :, offsets] = v_scales
 
 
-def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor
+def _gather(k_cache: CacheTensor, v_cache: CacheTensor, block_table: torch.Tensor, dtype: torch.dtype
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., blocks] table -> keys and values as [..., kv_heads, blocks * block_size, head_dim]."""
-    def as_rows(blocks: torch.Tensor) -> torch.Tensor:   # [..., blocks, kv_heads, block_size, head_dim]
-        return blocks.transpose(-4, -3).flatten(-3, -2)
-    return as_rows(k_cache[block_table].transpose(-1, -2)), as_rows(v_cache[block_table])
+    """[..., blocks] table -> keys and values in dtype as [..., kv_heads, blocks * block_size, head_dim]."""
+    def as_rows(cache: CacheTensor, blocks: torch.Tensor) -> torch.Tensor:
+        # blocks: [..., blocks, kv_heads, block_size, head_dim]; scales: [..., blocks, kv_heads, block_size]
+        if cache.scales is not None:
+            blocks = blocks.float() * cache.scales[block_table].unsqueeze(-1)
+        return blocks.to(dtype).transpose(-4, -3).flatten(-3, -2)
+    return (as_rows(k_cache, k_cache.data[block_table].transpose(-1, -2)),
+            as_rows(v_cache, v_cache.data[block_table]))
 
 
-def _decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: CacheTensor, v_cache: CacheTensor,
                       meta: AttentionMetadata, scale: float) -> None:
     if meta.use_kernel:   # q may be a view into qkv: the kernel reads it in place
-        _C.paged_attention(out, q, k_cache, v_cache, meta.decode_block_tables,
-                           meta.decode_rows, meta.decode_seq_lens, scale)
+        _C.paged_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
+                           meta.decode_block_tables, meta.decode_rows, meta.decode_seq_lens, scale)
         return
-    keys, values = _gather(k_cache, v_cache, meta.decode_block_tables)
+    keys, values = _gather(k_cache, v_cache, meta.decode_block_tables, q.dtype)
     out.copy_(F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
                                              scale=scale, enable_gqa=True).squeeze(2))
 
 
 def _prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       k_cache: CacheTensor, v_cache: CacheTensor, meta: AttentionMetadata,
                        scale: float) -> None:
     if meta.use_kernel:
-        _C.prefill_attention(out, q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_starts,
-                             meta.prefill_context_lens, scale)
+        _C.prefill_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
+                             meta.prefill_block_tables, meta.prefill_query_starts, meta.prefill_context_lens, scale)
         return
+    exact_cache = k_cache.data.dtype == k.dtype   # the cache holds the new K/V as they are
     starts = meta.prefill_query_starts.tolist()
     for chunk, context in enumerate(meta.prefill_context_lens.tolist()):
         start, end = starts[chunk], starts[chunk + 1]
         query = q[start:end].transpose(0, 1)
         mask = None
-        if context == 0:   # the whole sequence is in this chunk: its own K/V suffice
+        if context == 0 and exact_cache:   # the whole sequence is in this chunk: its own K/V suffice
             keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
         else:
             length = context + end - start
             blocks = meta.prefill_block_tables[chunk, :-(-length // meta.block_size)]
-            keys, values = (part[:, :length] for part in _gather(k_cache, v_cache, blocks))
+            keys, values = (part[:, :length] for part in _gather(k_cache, v_cache, blocks, q.dtype))
             positions = torch.arange(context, length, device=q.device)
             mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]
         # A batch dimension of one: with it PyTorch's flash-attention kernel serves (GQA too).
@@ -117,10 +169,10 @@ def _prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
             scale=scale, enable_gqa=True)[0].transpose(0, 1)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: CacheTensor,
+                    v_cache: CacheTensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] for the new tokens;
-    caches laid out as kv_cache_shapes says. Rows past len(meta.slot_mapping) are padding.
+    one layer's caches (CacheTensor). Rows past len(meta.slot_mapping) are padding.
 
     Writes the new K/V into the cache, then attends each token to its sequence's
     cached keys up to and including its own position. Returns [tokens, heads, head_dim],

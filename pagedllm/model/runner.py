@@ -8,15 +8,20 @@ import torch
 
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledRequest
-from pagedllm.model.attention import AttentionMetadata, kernel_available, kv_cache_shapes
+from pagedllm.model.attention import (AttentionMetadata, CacheTensor, has_scales, kernel_available, kv_cache_shapes,
+                                      kv_scales_shape)
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.sampler import SamplerOutput, SamplingBatch, sample
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
+SCALE_BYTES = 4   # one float32 scale per slot and kv head, for the caches that have them
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
+    """K and V of every layer for one block of tokens, in the KV cache dtype (scales included)."""
+    bytes_per_head = config.head_dim * cache_dtype.itemsize + (SCALE_BYTES if has_scales(cache_dtype) else 0)
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * bytes_per_head
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -25,21 +30,31 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     Zeros matter: masked-out slots of a gathered block still enter the attention matmul."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, cache_dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[CacheTensor, CacheTensor]]:
+    """Every layer's zeroed K and V caches in cache_dtype, laid out as kv_cache_shapes says, scales included."""
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    scales_shape = kv_scales_shape(num_blocks, block_size, config.num_key_value_heads)
+
+    def new_cache(shape: tuple[int, ...]) -> CacheTensor:
+        scales = _zeros(scales_shape, torch.float32, device) if has_scales(cache_dtype) else None
+        return CacheTensor(_zeros(shape, cache_dtype, device), scales)
+    return [(new_cache(k_shape), new_cache(v_shape)) for _ in range(config.num_hidden_layers)]
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype,
                  device: torch.device, seed: int):
         config = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
         self.vocab_size = config.vocab_size
-        k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(_zeros(k_shape, dtype, device), _zeros(v_shape, dtype, device))
-                          for _ in range(config.num_hidden_layers)]
+        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, kv_cache_dtype, device)
         self.generators: dict[str, torch.Generator] = {}
         self.use_kernel = kernel_available(device, config.head_dim)
         torch.manual_seed(seed)
@@ -86,9 +101,9 @@ class ModelRunner:
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         sources, destinations = (torch.tensor(ids, device=self.device) for ids in zip(*block_copies))
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.index_copy_(0, destinations, k_cache.index_select(0, sources))
-            v_cache.index_copy_(0, destinations, v_cache.index_select(0, sources))
+        for layer in self.kv_caches:
+            for cache in layer:
+                cache.copy_blocks(sources, destinations)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)

@@ -1,0 +1,119 @@
+"""kv_cache_dtype end to end on the bundled model: every dtype generates, a smaller one holds more
+tokens in the same memory, bfloat16/float16 mostly agree with auto, bad values are refused by name."""
+import logging
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.accuracy import sequence_logprobs
+from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.cli import parse_args
+from pagedllm.model.attention import CacheTensor
+from pagedllm.model.runner import allocate_kv_caches
+
+PROMPTS = ["Tell me a story about a robot.", "What is 2 + 2?", "Name a colour.",
+           "Write a limerick about a cat who learned to code in Python.", "Explain why the sky is blue.",
+           "How do vaccines work?", "Give me a recipe for pancakes.", "List three uses of Python."]
+MAX_TOKENS = 16
+KV_CACHE_MEMORY = 64 * 2**20
+# float32 weights and activations throughout: only the KV cache's precision differs between runs.
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+TORCH_NAMES = {"auto": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp8_e5m2": "float8_e5m2",
+               "int8": "int8"}
+
+
+def generate(llm, params=GREEDY):
+    outputs = llm.chat([[{"role": "user", "content": prompt}] for prompt in PROMPTS], params, use_tqdm=False)
+    return [[list(completion.token_ids) for completion in output.outputs] for output in outputs]
+
+
+@pytest.fixture(scope="module")
+def auto_llm():
+    return LLM(dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
+
+
+@pytest.fixture(scope="module")
+def auto_tokens(auto_llm):
+    return [completions[0] for completions in generate(auto_llm)]
+
+
+def expected_num_blocks(config, kv_cache_dtype):
+    """The pool for KV_CACHE_MEMORY, worked out here: per block of 16 tokens, K and V of every layer and kv
+    head, head_dim elements of the dtype's size each, plus a 4-byte scale per token and kv head for int8."""
+    element_bytes = {"auto": 4, "bfloat16": 2, "float16": 2, "fp8_e5m2": 1, "int8": 1}[kv_cache_dtype]
+    per_head = config.head_dim * element_bytes + (4 if kv_cache_dtype == "int8" else 0)
+    return KV_CACHE_MEMORY // (2 * config.num_hidden_layers * 16 * config.num_key_value_heads * per_head)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16", "fp8_e5m2", "int8"])
+def test_each_kv_cache_dtype_generates_in_a_pool_sized_for_it(kv_cache_dtype, auto_tokens, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
+        llm = LLM(dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=KV_CACHE_MEMORY)
+    assert f"KV cache: {TORCH_NAMES[kv_cache_dtype]}, " in caplog.text
+    engine = llm.llm_engine
+    assert engine.kv_manager.pool.num_blocks == expected_num_blocks(engine.model_config, kv_cache_dtype)
+    assert engine.kv_manager.pool.num_blocks > 1.8 * expected_num_blocks(engine.model_config, "auto")
+    tokens = [completions[0] for completions in generate(llm)]
+    assert all(len(sequence) == MAX_TOKENS for sequence in tokens)
+    if kv_cache_dtype in ("bfloat16", "float16"):
+        # Rounding K/V to 8 (11) significant bits moves logits by ~1e-3: a near tie can flip a token
+        # and the rest of its sequence with it, but most positions must agree.
+        same = sum(a == b for ours, theirs in zip(tokens, auto_tokens) for a, b in zip(ours, theirs))
+        assert same >= 0.75 * MAX_TOKENS * len(PROMPTS)
+    if kv_cache_dtype == "int8":
+        # Two greedy samples per prompt share the prompt's blocks, and the partial last block is copied
+        # on write: the copies must carry their scales, or the second sample would read other K/V.
+        pairs = generate(llm, SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        assert [completions[0] for completions in pairs] == [completions[1] for completions in pairs] == tokens
+
+
+def test_teacher_forcing_reproduces_the_engines_own_greedy_decode(auto_llm):
+    """The accuracy bench's one-prefill log-probabilities, at the positions the engine decoded one by one,
+    pick the tokens it picked with the log-probabilities it reported."""
+    prompt = auto_llm.get_tokenizer().encode("The history of paged memory begins")
+    output = auto_llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    sequence = prompt + list(output.token_ids)
+    runner = auto_llm.llm_engine.runner
+    caches = allocate_kv_caches(auto_llm.llm_engine.model_config, -(-len(sequence) // runner.block_size),
+                                runner.block_size, torch.float32, runner.device)
+    rows = sequence_logprobs(runner, sequence, caches)[len(prompt) - 1:-1]
+    tokens = torch.tensor(output.token_ids)
+    assert torch.equal(rows.argmax(-1), tokens)
+    reported = torch.tensor([step[token].logprob for step, token in zip(output.logprobs, output.token_ids)])
+    torch.testing.assert_close(rows[torch.arange(MAX_TOKENS), tokens], reported, atol=1e-4, rtol=0)
+
+
+def test_copying_blocks_copies_their_scales():
+    generator = torch.Generator().manual_seed(0)
+    cache = CacheTensor(torch.randint(-127, 128, (4, 2, 8, 16), generator=generator, dtype=torch.int8),
+                        torch.rand(4, 2, 16, generator=generator))
+    original = CacheTensor(cache.data.clone(), cache.scales.clone())
+    cache.copy_blocks(torch.tensor([0, 2]), torch.tensor([3, 1]))
+    for source, destination in ((0, 3), (2, 1)):
+        assert torch.equal(cache.data[destination], original.data[source])
+        assert torch.equal(cache.scales[destination], original.scales[source])
+    assert torch.equal(cache.scales[0], original.scales[0]) and torch.equal(cache.scales[2], original.scales[2])
+
+
+def test_bad_kv_cache_dtypes_are_refused_naming_the_choices(tmp_path, capsys):
+    message = "kv_cache_dtype must be one of auto, bfloat16, float16, fp8_e5m2, int8, got 'fp8'"
+    with pytest.raises(ValueError, match=message):
+        LLM(kv_cache_dtype="fp8")
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--kv-cache-dtype", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+    path = tmp_path / "config.yaml"
+    path.write_text("engine_args:\n  kv-cache-dtype: fp8\n")
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--config", str(path)])
+    assert message in capsys.readouterr().err
+
+
+def test_the_flag_and_the_yaml_key_set_the_field(tmp_path):
+    assert parse_args(["generate", "Hi", "--kv-cache-dtype", "int8"]).engine_config == EngineConfig(
+        kv_cache_dtype="int8")
+    path = tmp_path / "config.yaml"
+    path.write_text("kv_cache_dtype: fp8_e5m2\n")
+    assert parse_args(["serve", "--config", str(path)]).engine_config == EngineConfig(kv_cache_dtype="fp8_e5m2")
