@@ -127,7 +127,9 @@ def test_measure_load_reports_the_loaded_model(tiny_gguf):
     registered = [tensor for module in runner.model.modules()
                   for tensor in (*module._parameters.values(), *module._buffers.values()) if tensor is not None]
     assert measured.weight_bytes == storage_bytes(registered) > 0
-    assert measured.kv_pool_bytes == storage_bytes(t for layer in runner.kv_caches for t in layer)
+    caches = [cache for layer in runner.kv_caches for cache in layer]
+    assert measured.kv_pool_bytes == storage_bytes([c.data for c in caches] + [c.scales for c in caches
+                                                                               if c.scales is not None])
     assert 0 < measured.kv_pool_bytes <= parse_memory_size(LLM_KWARGS["kv_cache_memory"])
     assert measured.load_seconds > 0
     assert 0 < measured.baseline_rss <= measured.peak_rss

@@ -30,7 +30,7 @@ def generate(llm, params=GREEDY):
 
 @pytest.fixture(scope="module")
 def auto_llm():
-    return LLM(dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
+    return LLM(dtype="float32", quantization="none", kv_cache_memory=KV_CACHE_MEMORY)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def expected_num_blocks(config, kv_cache_dtype):
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16", "fp8_e5m2", "int8"])
 def test_each_kv_cache_dtype_generates_in_a_pool_sized_for_it(kv_cache_dtype, auto_tokens, caplog):
     with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
-        llm = LLM(dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=KV_CACHE_MEMORY)
+        llm = LLM(dtype="float32", quantization="none", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=KV_CACHE_MEMORY)
     assert f"KV cache: {TORCH_NAMES[kv_cache_dtype]}, " in caplog.text
     engine = llm.llm_engine
     assert engine.kv_manager.pool.num_blocks == expected_num_blocks(engine.model_config, kv_cache_dtype)

@@ -5,6 +5,11 @@ same prompts (from the workload) and decode greedily. Reported: the share of seq
 identical to the end, the mean length of the common prefix, and the share of positions
 holding the same token.
 
+With --quantizations, teacher-forced in the same way (below), the model with quantized weights
+against the same weights dequantized (quantization=none), float32 activations: for a GGUF, auto
+(its own formats); for a float checkpoint (--float-bundled: the bundled model's weights as a
+float safetensors folder), int8 and int4.
+
 With --kv-cache-dtypes, teacher-forced, per KV cache dtype against kv_cache_dtype=auto, the
 weights float32 throughout: each of 16 chat prompts is continued by the float32 model itself
 (sampled at temperature 1 with a seed: text the model finds likely, not a greedy loop), and the
@@ -31,8 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtypes", nargs="+", choices=KV_CACHE_DTYPES, metavar="DTYPE",
                         help="instead: teacher-forced comparison of these KV cache dtypes with kv_cache_dtype=auto, "
                              f"float32 weights ({', '.join(KV_CACHE_DTYPES)})")
+    parser.add_argument("--quantizations", nargs="+", choices=("auto", "int8", "int4"), metavar="QUANTIZATION",
+                        help="instead: teacher-forced comparison of the model run with these quantization values "
+                             "against quantization=none (its weights dequantized), float32 activations")
+    parser.add_argument("--float-bundled", action="store_true",
+                        help="with --quantizations: use a float safetensors copy of the bundled model (its GGUF "
+                             "weights dequantized, written once under ~/.cache/pagedllm) as the model")
     parser.add_argument("--continuation-len", type=int, default=256,
-                        help="with --kv-cache-dtypes: tokens sampled after each prompt (default: 256)")
+                        help="teacher-forced comparisons: tokens sampled after each prompt (default: 256)")
 
 
 PROMPTS = ["Explain why the sky is blue.", "Write a haiku about the sea.", "What is 17 times 23?",
@@ -54,6 +65,8 @@ def conversations(prompts: list[str]) -> list[list[dict]]:
 def run(args: argparse.Namespace) -> None:
     if args.kv_cache_dtypes:
         compare_kv_cache_dtypes(args)
+    elif args.quantizations:
+        compare_quantizations(args)
     else:
         compare_greedy_tokens(args)
 
@@ -140,3 +153,67 @@ def compare_kv_cache_dtypes(args: argparse.Namespace) -> None:
     for name in args.kv_cache_dtypes:
         per_token = kv_bytes_per_block(engine.model_config, 1, cache_dtypes[name])
         print(f"| {name} | {per_token} | {agreeing[name] / positions:.2%} | {divergence[name] / positions:.2e} |")
+
+
+def teacher_sequences(llm, continuation_len: int) -> list[list[int]]:
+    """The 16 chat prompts, each continued by `llm` itself (sampled at temperature 1, seeded)."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=continuation_len, ignore_eos=True)
+    outputs = llm.chat(conversations(TEACHER_FORCED_PROMPTS), params, use_tqdm=False)
+    return [output.prompt_token_ids + list(output.outputs[0].token_ids) for output in outputs]
+
+
+def compare_quantizations(args: argparse.Namespace) -> None:
+    """Top-1 agreement and mean KL(dequantized || quantized) per token, teacher-forced as for the KV
+    cache dtypes: the same sequences, read in one prefill by each model, float32 activations and cache."""
+    import torch
+
+    from pagedllm import LLM
+    from pagedllm.model.runner import allocate_kv_caches
+
+    model = str(float_copy_of_bundled_model()) if args.float_bundled else args.model
+    reference_llm = LLM(model, dtype="float32", quantization="none", kv_cache_memory="1GiB")
+    sequences = teacher_sequences(reference_llm, args.continuation_len)
+    runner = reference_llm.llm_engine.runner
+    num_blocks = -(-max(map(len, sequences)) // runner.block_size)
+
+    def logprobs_of(llm) -> list:
+        engine = llm.llm_engine
+        caches = allocate_kv_caches(engine.model_config, num_blocks, runner.block_size, torch.float32, runner.device)
+        return [sequence_logprobs(engine.runner, sequence, caches) for sequence in sequences]
+
+    references = logprobs_of(reference_llm)
+    rows = []
+    for quantization in args.quantizations:
+        llm = LLM(model, dtype="float32", quantization=quantization, kv_cache_memory="1GiB")
+        agreeing, divergence = 0, 0.0
+        for reference, candidate in zip(references, logprobs_of(llm)):
+            agreeing += int((candidate.argmax(-1) == reference.argmax(-1)).sum())
+            divergence += float((reference.exp() * (reference - candidate)).sum())
+        rows.append((quantization, llm.llm_engine.runner.model.weight_summary(), agreeing, divergence))
+        del llm
+    positions = sum(map(len, sequences))
+    print(f"{model or 'bundled model'}: {len(sequences)} chat prompts, each continued by {args.continuation_len} "
+          f"tokens the dequantized model sampled ({positions} positions); float32 activations and KV cache; "
+          "each quantization against quantization=none")
+    print("| quantization | weights | top-1 agreement | mean KL per token (nats) |")
+    print("|---|---|---|---|")
+    for quantization, summary, agreeing, divergence in rows:
+        print(f"| {quantization} | {summary} | {agreeing / positions:.2%} | {divergence / positions:.2e} |")
+
+
+def float_copy_of_bundled_model():
+    """A float32 safetensors folder of the bundled model (transformers' own dequantization of its GGUF),
+    written once: the float checkpoint int8/int4 are measured on, with nothing downloaded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedllm.model.loader import bundled_model_path
+    from pagedllm.tokenizer import tokenizer_cache_dir
+
+    folder = tokenizer_cache_dir().parent / "smollm2-135m-float32"   # beside the synthetic GGUFs
+    if not (folder / "model.safetensors").is_file():
+        gguf_path = bundled_model_path()
+        AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(folder)
+    return folder

@@ -18,7 +18,6 @@ import logging
 import multiprocessing
 import time
 import traceback
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,36 +145,17 @@ def _measure_in_this_process(model: str | None, kwargs: dict[str, object], sende
             model=model or "bundled", load_seconds=load_seconds, baseline_rss=baseline,
             peak_rss=_rss_bytes("VmHWM"), final_rss=_rss_bytes("VmRSS"),
             baseline_file_rss=baseline_file, final_file_rss=_rss_bytes("RssFile"),
-            weight_bytes=model_weight_bytes(runner.model), kv_pool_bytes=kv_pool_bytes(runner.kv_caches))))
+            weight_bytes=runner.model.weight_bytes(), kv_pool_bytes=kv_pool_bytes(runner.kv_caches))))
     except Exception:   # any failure, reported to the parent whole
         sender.send(("error", traceback.format_exc()))
     finally:
         sender.close()
 
 
-def model_weight_bytes(model) -> int:
-    """Bytes of the model's parameters and buffers (quantized layers keep their packed data as buffers);
-    a tensor shared by two modules, as tied embeddings are, counts once."""
-    return unique_tensor_bytes([*model.parameters(), *model.buffers()])
-
-
-def kv_pool_bytes(kv_caches: Iterable[Iterable]) -> int:
-    """Bytes of the KV pool: every tensor of every layer's cache entry, each once."""
-    return unique_tensor_bytes(tensor for layer in kv_caches for tensor in layer)
-
-
-def unique_tensor_bytes(tensors: Iterable) -> int:
-    """Bytes of the storages behind tensors, each storage once: a tied embedding shared by two modules,
-    or q/k/v kept as views of one fused buffer, count what they hold, not what they show. Weights
-    prepacked for oneDNN (is_mkldnn) have no storage to share or view, so each counts its own bytes."""
-    sizes = {}
-    for tensor in tensors:
-        if tensor.is_mkldnn:
-            sizes[("mkldnn", id(tensor))] = tensor.nbytes
-        else:
-            storage = tensor.untyped_storage()
-            sizes[storage.data_ptr()] = storage.nbytes()
-    return sum(sizes.values())
+def kv_pool_bytes(kv_caches) -> int:
+    """Bytes of the KV pool: every layer's K and V cache, int8 scales included."""
+    return sum(cache.data.nbytes + (cache.scales.nbytes if cache.scales is not None else 0)
+               for layer in kv_caches for cache in layer)
 
 
 def _rss_bytes(key: str) -> int:

@@ -126,11 +126,14 @@ class CausalLM(nn.Module):
         return f"{formats}; {self.weight_bytes() / 2**20:.1f} MiB of weights"
 
     def weight_bytes(self) -> int:
-        """Bytes of weights held, a tensor shared by two layers (tied embeddings) counted once."""
+        """Bytes of the storages behind the parameters and buffers, each once: a tied embedding shared by
+        two layers counts what it holds. oneDNN's prepacked weights have no plain storage: their own bytes."""
         held = {}
         for tensor in [*self.parameters(), *self.buffers()]:
-            # oneDNN's prepacked weights have no plain storage to share
-            held[id(tensor) if tensor.is_mkldnn else tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+            if tensor.is_mkldnn:
+                held[("prepacked", id(tensor))] = tensor.nbytes
+            else:
+                held[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return sum(held.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
