@@ -80,8 +80,9 @@ void dispatch_cache_type(at::ScalarType type, const char* op, F&& f) {
     case at::kHalf: return f(c10::Half{});
     case at::kFloat8_e5m2: return f(c10::Float8_e5m2{});
     case at::kChar: return f(int8_t{});
-    default: TORCH_CHECK(false, op, ": no kernel for a ", type, " KV cache with ", c10::CppTypeToScalarType<scalar_t>::value,
-                         " queries");
+    default:
+      TORCH_CHECK(false, op, ": no kernel for a ", type, " KV cache with ",
+                  c10::CppTypeToScalarType<scalar_t>::value, " queries");
   }
 }
 

@@ -72,7 +72,7 @@ def scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype, generator, 
     values = [torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype) for n in seq_lens]
     held_keys, held_values = [], []
     for i, n in enumerate(seq_lens):
-        (k, k_scales), (v, v_scales) = reference_quantize(keys[i], cache_dtype), reference_quantize(values[i], cache_dtype)
+        (k, k_scales), (v, v_scales) = (reference_quantize(rows[i], cache_dtype) for rows in (keys, values))
         for t in range(n):
             block, offset = tables[i, t // block_size], t % block_size
             k_cache.data[block, :, :, offset] = k[t]

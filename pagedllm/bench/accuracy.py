@@ -110,8 +110,8 @@ def sequence_logprobs(runner, token_ids: list[int], kv_caches):
     positions = torch.arange(length, device=device)
     no_decodes = torch.zeros(0, dtype=torch.int64, device=device)
     meta = AttentionMetadata(
-        slot_mapping=positions, num_decode_tokens=0, decode_block_tables=no_decodes.view(0, 0), decode_seq_lens=no_decodes,
-        prefill_query_starts=torch.tensor([0, length], device=device),
+        slot_mapping=positions, num_decode_tokens=0, decode_block_tables=no_decodes.view(0, 0),
+        decode_seq_lens=no_decodes, prefill_query_starts=torch.tensor([0, length], device=device),
         prefill_context_lens=torch.tensor([0], device=device),
         prefill_block_tables=torch.arange(-(-length // runner.block_size), device=device)[None],
         block_size=runner.block_size, use_kernel=runner.use_kernel)
