@@ -206,6 +206,7 @@ def compare_quantizations(args: argparse.Namespace) -> None:
 def float_copy_of_bundled_model():
     """A float32 safetensors folder of the bundled model (transformers' own dequantization of its GGUF),
     written once: the float checkpoint int8/int4 are measured on, with nothing downloaded."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pagedllm.model.loader import bundled_model_path
@@ -214,6 +215,12 @@ def float_copy_of_bundled_model():
     folder = tokenizer_cache_dir().parent / "smollm2-135m-float32"   # beside the synthetic GGUFs
     if not (folder / "model.safetensors").is_file():
         gguf_path = bundled_model_path()
-        AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        # transformers will not save a model it loaded from a GGUF: write its float tensors and config ourselves
+        state = {name: tensor.contiguous() for name, tensor in model.state_dict().items() if name != "lm_head.weight"}
+        folder.mkdir(parents=True, exist_ok=True)
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(folder)
+        save_file(state, folder / "model.safetensors")
         AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(folder)
     return folder
