@@ -127,7 +127,7 @@ def compare_kv_cache_dtypes(args: argparse.Namespace) -> None:
     from pagedllm.engine.llm_engine import resolve_kv_cache_dtype
     from pagedllm.model.runner import allocate_kv_caches, kv_bytes_per_block
 
-    llm = LLM(args.model, dtype="float32", kv_cache_memory="1GiB")
+    llm = LLM(args.model, dtype="float32", quantization="none", kv_cache_memory="1GiB")
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=args.continuation_len, ignore_eos=True)
     outputs = llm.chat(conversations(TEACHER_FORCED_PROMPTS), params, use_tqdm=False)
     sequences = [output.prompt_token_ids + list(output.outputs[0].token_ids) for output in outputs]
