@@ -48,7 +48,7 @@ def bundled_reference(bundled_gguf_path):
 
 @pytest.fixture(scope="module")
 def bundled_llm():
-    return LLM(dtype="float32", kv_cache_memory="256MiB")
+    return LLM(dtype="float32", quantization="none", kv_cache_memory="256MiB")   # the float path, exact
 
 
 TEXTS = [
