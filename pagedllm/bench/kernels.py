@@ -1,10 +1,9 @@
-"""`pagedllm bench kernels`: the quantized linear layer's two paths against the float matmul, per row count.
+"""`pagedllm bench kernels`: the quantized linear kernel against the alternatives, per row count.
 
 For each of the model's layer shapes and each weight format, times (a) the int8 dot-product
-kernel, (b) float tiles dequantized by the kernel and a float matmul, and (c) the float layer
-the model would otherwise run (prepacked oneDNN in bfloat16 where the CPU has it, F.linear in
-float32), all in the same run. The row count where (b) overtakes (a) is what
-pagedllm.model.linear.DOT_PRODUCT_MAX_ROWS is set from.
+kernel that quantized layers run, (b) the weight dequantized by the kernel and a float matmul
+(the alternative for prefill-sized batches), and (c) the float layer the model would otherwise
+run (prepacked oneDNN in bfloat16 where the CPU has it, F.linear in float32), all in the same run.
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ def run(args: argparse.Namespace) -> None:
     from pagedllm.engine.llm_engine import resolve_dtype
     from pagedllm.model import kernels, linear
     from pagedllm.model.loader import load_checkpoint
-    from pagedllm.model.quantization import quantize
+    from pagedllm.model.quantization import TILE_ROWS, quantize
 
     if kernels.kernels is None:
         raise SystemExit("the C++ kernels are not built: nothing to measure")
@@ -46,7 +45,7 @@ def run(args: argparse.Namespace) -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     print(f"CPU kernels {kernels.variant}, activations {str(dtype).removeprefix('torch.')}, "
           f"{torch.get_num_threads()} threads; ms per call")
-    print("| out x in | format | rows | dot products | float tiles | float layer | best |")
+    print("| out x in | format | rows | dot products | dequantized matmul | float layer | best |")
     print("|---|---|---|---|---|---|---|")
     generator = torch.Generator().manual_seed(0)
     for out_features, in_features in shapes:
@@ -62,11 +61,16 @@ def run(args: argparse.Namespace) -> None:
                     kernels.kernels.quantized_linear(out, x, layer.qweight, layer.scales, layer.mins, None,
                                                      layer.bits, layer.group_size)
 
+                dense = x.new_empty(layer.qweight.shape[0] * TILE_ROWS, in_features)
+
+                def dequantized_matmul():
+                    kernels.kernels.dequantize(dense, layer.qweight, layer.scales, layer.mins, layer.bits,
+                                               layer.group_size)
+                    return torch.nn.functional.linear(x, dense[:out_features])
+
                 times = {"dot products": _seconds_per_call(dot_products, args.min_time),
-                         "float tiles": _seconds_per_call(lambda: layer._through_float_tiles(x), args.min_time),
+                         "dequantized matmul": _seconds_per_call(dequantized_matmul, args.min_time),
                          "float layer": _seconds_per_call(lambda: float_layer(x), args.min_time)}
                 best = min(times, key=times.get)
                 print(f"| {out_features} x {in_features} | int{bits} | {rows} | "
                       + " | ".join(f"{seconds * 1e3:.3f}" for seconds in times.values()) + f" | {best} |")
-    print(f"\nthe layer switches from dot products to float tiles above {linear.DOT_PRODUCT_MAX_ROWS} rows of "
-          "bfloat16 activations (float32 activations always take the dot products)")

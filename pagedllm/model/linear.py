@@ -4,9 +4,10 @@ Float: on CPUs with fast bfloat16, oneDNN matmuls against a pre-reordered (block
 1.2-2x faster for the small batches of decode steps than F.linear, which reorders the
 weight on every call; results are bitwise the same. Elsewhere (float32, CUDA) F.linear.
 
-Quantized (quantization.py): the compiled int8 dot-product kernel, which reads the packed
-weights once per call; on CPUs with fast bfloat16, many rows (prefill) go through float tiles the
-kernel dequantizes and oneDNN's bfloat16 matmul, which then does the arithmetic faster. Without the kernels (CUDA, no
+Quantized (quantization.py): the compiled int8 dot-product kernel for every row count. Each
+row's result depends on that row alone, so a request's tokens do not change with the batch it
+shares (prefill or decode, preempted and recomputed or not); float tiles through oneDNN's bfloat16
+matmul were faster for prefill-sized batches on bf16 CPUs but made results batch-dependent. Without the kernels (CUDA, no
 build) the weight is dequantized per call: correct, not fast.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.kernels import kernels as _C
-from pagedllm.model.quantization import TILE_ROWS, QuantizedWeight, stack_rows
+from pagedllm.model.quantization import QuantizedWeight, stack_rows
 
 # oneDNN picks its blocked layout for this many rows; measured good from 8 to 2048 rows.
 _BATCH_SIZE_HINT = 64
@@ -59,14 +60,6 @@ class Linear(nn.Module):
         return out[:num_rows] if padding else out
 
 
-# Float tiles (dequantize + oneDNN's bfloat16 matmul) overtake the int8 dot products above this many rows
-# of bfloat16 activations; with float32 activations the dot products win at every row count (AVX2 and
-# AVX-512 alike: float32 matmuls are 2-4x slower than bfloat16 ones). Measured with
-# `pagedllm bench kernels` (see the README).
-DOT_PRODUCT_MAX_ROWS = 64
-_TILE_ELEMENTS = 1 << 20   # float tile size: stays in L2
-
-
 class QuantizedLinear(nn.Module):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None):
         super().__init__()
@@ -86,30 +79,9 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _C is None or not x.is_cpu:
             return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
-        x = x.contiguous()
-        if x.dtype != torch.bfloat16 or x.shape[0] <= DOT_PRODUCT_MAX_ROWS:
-            out = x.new_empty(x.shape[0], self.out_features)
-            _C.quantized_linear(out, x, self.qweight, self.scales, self.mins, self.bias, self.bits, self.group_size)
-            return out
-        return self._through_float_tiles(x)
-
-    def _through_float_tiles(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T with W dequantized some row tiles at a time, so the float copy stays in cache."""
-        tiles_per_part = max(1, _TILE_ELEMENTS // (TILE_ROWS * self.in_features))
-        rows_per_part = tiles_per_part * TILE_ROWS
-        buffer = x.new_empty(min(rows_per_part, self.qweight.shape[0] * TILE_ROWS), self.in_features)
-        if rows_per_part >= self.out_features:
-            _C.dequantize(buffer, self.qweight, self.scales, self.mins, self.bits, self.group_size)
-            return F.linear(x, buffer[:self.out_features], self.bias)
         out = x.new_empty(x.shape[0], self.out_features)
-        for first_tile in range(0, self.qweight.shape[0], tiles_per_part):
-            tiles = slice(first_tile, first_tile + tiles_per_part)
-            rows = slice(first_tile * TILE_ROWS, min(self.out_features, (first_tile + tiles_per_part) * TILE_ROWS))
-            part = buffer[:self.qweight[tiles].shape[0] * TILE_ROWS]
-            _C.dequantize(part, self.qweight[tiles], self.scales[tiles],
-                          None if self.mins is None else self.mins[tiles], self.bits, self.group_size)
-            out[:, rows] = F.linear(x, part[:rows.stop - rows.start],
-                                    None if self.bias is None else self.bias[rows])
+        _C.quantized_linear(out, x.contiguous(), self.qweight, self.scales, self.mins, self.bias, self.bits,
+                            self.group_size)
         return out
 
 
