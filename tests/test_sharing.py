@@ -146,7 +146,7 @@ def test_stats_are_derived_from_the_pool(tiny_dir):
 # beams have the same length, and length_penalty / early_stopping cannot reorder them.
 @pytest.fixture(scope="module")
 def bundled():
-    llm = LLM(dtype="float32", kv_cache_memory="128MiB")
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory="128MiB")   # the float path: exact
     path = bundled_model_path()
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     reference.generation_config.eos_token_id = None
