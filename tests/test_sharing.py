@@ -180,7 +180,7 @@ def test_beam_search_in_a_cache_too_small_for_all_its_beams_still_ends_with_the_
     for a preempted sibling makes way for it instead of holding its blocks for ever."""
     roomy, _ = bundled
     per_block = kv_bytes_per_block(roomy.llm_engine.model_config, 8, torch.float32)
-    small = LLM(dtype="float32", block_size=8, kv_cache_memory=3 * per_block, max_model_len=24)
+    small = LLM(dtype="float32", quantization="none", block_size=8, kv_cache_memory=3 * per_block, max_model_len=24)
     prompt = {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}
     params = BeamSearchParams(beam_width=2, max_tokens=17, ignore_eos=True)
     beams = [sequence.output_token_ids for sequence in small.beam_search(prompt, params)[0].sequences]
