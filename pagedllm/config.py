@@ -5,14 +5,13 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from pagedllm.engine.scheduler import SCHEDULING_POLICIES
-
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # auto: a GGUF keeps its own quantization, float checkpoints stay float; none: everything dequantized;
 # int8 / int4: float weights quantized group-wise at load (pagedllm/model/quantization.py).
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: the model dtype
 
 

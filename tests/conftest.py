@@ -88,14 +88,14 @@ def fail_request_at(monkeypatch):
     from pagedllm.engine import llm_engine
 
     def install(request_id: str, num_output_tokens: int) -> None:
-        real_append_token = llm_engine.append_token
+        real_process_token = llm_engine.process_token
 
-        def append_token(child, *args):
+        def process_token(child, *args):
             request = child.request
             if request.request_id == request_id and request.num_output_tokens == num_output_tokens:
                 raise RuntimeError("injected failure")
-            return real_append_token(child, *args)
+            return real_process_token(child, *args)
 
-        monkeypatch.setattr(llm_engine, "append_token", append_token)
+        monkeypatch.setattr(llm_engine, "process_token", process_token)
 
     return install

@@ -228,16 +228,16 @@ def test_a_request_failing_inside_the_engine_fails_alone(engine, fail_request_at
 
 
 def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypatch):
-    real_execute = engine.runner.execute
+    real_execute = engine.runner.execute_model
     failed_batch = []
 
-    def execute(scheduled, *args):
+    def execute(scheduler_output):
         if not failed_batch:
-            failed_batch.extend(row.request.request_id for row in scheduled)
+            failed_batch.extend(scheduler_output.num_scheduled_tokens)
             raise RuntimeError("injected step failure")
-        return real_execute(scheduled, *args)
+        return real_execute(scheduler_output)
 
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.runner, "execute_model", execute)
     prompts = random_prompts(4, seed=7)
 
     async def scenario(llm):
@@ -255,17 +255,17 @@ def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(engine, monkeypat
 def test_the_event_loop_keeps_running_while_the_engine_steps(engine, monkeypatch):
     """Each step blocks until the event loop has answered it: were the loop blocked by the step, as it would
     be if steps ran on it, no step could end."""
-    real_execute = engine.runner.execute
+    real_execute = engine.runner.execute_model
     stepping, answered = threading.Event(), threading.Event()
 
-    def execute_once_answered(scheduled, *args):
+    def execute_once_answered(scheduler_output):
         answered.clear()
         stepping.set()
         if not answered.wait(TIMEOUT):
             raise RuntimeError("the event loop did not run while the step blocked")
-        return real_execute(scheduled, *args)
+        return real_execute(scheduler_output)
 
-    monkeypatch.setattr(engine.runner, "execute", execute_once_answered)
+    monkeypatch.setattr(engine.runner, "execute_model", execute_once_answered)
     prompts = random_prompts(4, seed=8)
 
     async def scenario(llm):
@@ -313,7 +313,7 @@ def test_if_the_loop_dies_every_caller_gets_engine_dead_error(engine, monkeypatc
             raise RuntimeError("injected abort failure")   # the clean-up after the failed step fails too
         real_abort_request(request_ids)
 
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.runner, "execute_model", execute)
     monkeypatch.setattr(engine, "abort_request", abort_request)
     prompts = random_prompts(2, seed=11)
 

@@ -10,7 +10,7 @@ from pagedllm.bench.accuracy import sequence_logprobs
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import parse_args
 from pagedllm.model.attention import CacheTensor
-from pagedllm.model.runner import allocate_kv_caches
+from pagedllm.worker.model_runner import allocate_kv_caches
 
 PROMPTS = ["Tell me a story about a robot.", "What is 2 + 2?", "Name a colour.",
            "Write a limerick about a cat who learned to code in Python.", "Explain why the sky is blue.",

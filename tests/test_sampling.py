@@ -1,14 +1,16 @@
 """SamplingParams validation and the batched sampler, checked against hand computations and torch references."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.model import sampler
-from pagedllm.model.sampler import SamplingBatch, _apply_penalties, sample
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedllm.worker import sampler
+from pagedllm.worker.input_batch import SamplingColumns
+from pagedllm.worker.sampler import SamplingBatch, _apply_penalties, sample
 
 # ---------------------------------------------------------------- SamplingParams
 
@@ -114,16 +116,20 @@ def test_clone_and_children():
 # ---------------------------------------------------------------- sampler helpers
 
 def build(params, logits, prompts=None, outputs=None, eos=None, generators=None):
+    """A SamplingBatch for these rows, through the persistent batch's columns as the runner fills them."""
     rows = len(params)
-    return SamplingBatch.build(
-        params=params,
-        prompt_token_ids=prompts or [[] for _ in range(rows)],
-        output_token_ids=outputs or [[] for _ in range(rows)],
-        eos_token_ids=eos or [() for _ in range(rows)],
-        generators=generators or [None] * rows,
-        vocab_size=logits.shape[1],
-        device=logits.device,
-    )
+    prompts = prompts or [[] for _ in range(rows)]
+    outputs = outputs or [[] for _ in range(rows)]
+    columns = SamplingColumns(rows)
+    for row, (row_params, row_eos, generator) in enumerate(zip(params, eos or [()] * rows,
+                                                               generators or [None] * rows)):
+        columns.set_row(row, row_params, row_eos, generator)
+    sequences = [prompt + output for prompt, output in zip(prompts, outputs)]
+    token_ids = np.zeros((rows, max(map(len, sequences), default=0) + 1), np.int32)
+    for row, sequence in enumerate(sequences):
+        token_ids[row, :len(sequence)] = sequence
+    return SamplingBatch.build(columns, np.arange(rows), token_ids, np.array([len(p) for p in prompts]),
+                               np.array([len(s) for s in sequences]), logits.shape[1], logits.device)
 
 
 def draw_many(row_logits, params, draws=2000):

@@ -5,6 +5,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.step import SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -173,7 +174,7 @@ def test_a_fork_shares_a_running_source_and_queues_behind_a_preempted_one():
     assert shared in scheduler.running and kv.get_block_table("shared") == kv.get_block_table("s")
     assert shared.num_computed_tokens == 5 and shared.all_token_ids == source.all_token_ids
     scheduler.running.remove(source)
-    scheduler._preempt(source)
+    scheduler._preempt(source, SchedulerOutput())
     queued = Request("queued", [1, 2, 3, 4, 5], params, (), 8, arrival_time=2.0)
     scheduler.fork(source, queued)
     assert queued in scheduler.waiting and "queued" not in kv.block_tables and queued.num_computed_tokens == 0

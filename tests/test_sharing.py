@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.model.loader import bundled_model_path
-from pagedllm.model.runner import kv_bytes_per_block
+from pagedllm.worker.model_runner import kv_bytes_per_block
 
 
 @pytest.fixture(scope="module")
@@ -193,20 +193,20 @@ def test_beams_share_blocks_and_dropped_beams_free_theirs(bundled):
     llm, _ = bundled
     engine = llm.llm_engine
     peak = {"used": 0, "logical": 0}
-    run_step = engine.run_step
+    step = engine.step
 
     def observed_step():
-        result = run_step()
+        result = step()
         usage = engine.kv_manager.usage()
         if usage.num_logical_blocks > peak["logical"]:
             peak.update(used=usage.num_used_blocks, logical=usage.num_logical_blocks)
         return result
 
-    engine.run_step = observed_step
+    engine.step = observed_step
     try:
         prompt = llm.get_tokenizer().encode("Write a long story about a lighthouse keeper. " * 8)
         llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=4, max_tokens=20))
     finally:
-        del engine.run_step
+        del engine.step
     assert peak["used"] < peak["logical"] / 2    # 4 beams over a long shared prompt
     assert engine.kv_manager.pool.num_used_blocks == 0

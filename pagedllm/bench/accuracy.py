@@ -125,7 +125,7 @@ def compare_kv_cache_dtypes(args: argparse.Namespace) -> None:
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.engine.llm_engine import resolve_kv_cache_dtype
-    from pagedllm.model.runner import allocate_kv_caches, kv_bytes_per_block
+    from pagedllm.worker.model_runner import allocate_kv_caches, kv_bytes_per_block
 
     llm = LLM(args.model, dtype="float32", quantization="none", kv_cache_memory="1GiB")
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=args.continuation_len, ignore_eos=True)
@@ -170,7 +170,7 @@ def compare_quantizations(args: argparse.Namespace) -> None:
     import torch
 
     from pagedllm import LLM
-    from pagedllm.model.runner import allocate_kv_caches
+    from pagedllm.worker.model_runner import allocate_kv_caches
 
     model = str(float_copy_of_bundled_model()) if args.float_bundled else args.model
     reference_llm = LLM(model, dtype="float32", quantization="none", kv_cache_memory="1GiB")

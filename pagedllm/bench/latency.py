@@ -66,7 +66,7 @@ def measure(llm, args: argparse.Namespace, batch_size: int) -> tuple[list[float]
         while engine.has_unfinished_requests():
             engine.step()
             stats = engine.last_step_stats
-            step_times.append(stats.scheduling_seconds + stats.model_seconds)
+            step_times.append(stats.scheduling_seconds + stats.prepare_seconds + stats.model_seconds)
         if iteration >= args.num_iters_warmup:
             prefills.append(step_times[0])
             decodes.extend(step_times[1:])

@@ -68,15 +68,15 @@ def print_sharing(workload: list[BenchRequest], max_tokens: int) -> None:
     llm = LLM(kv_cache_memory="1GiB")
     engine = llm.llm_engine
     samples: list[tuple[int, int]] = []
-    run_step = engine.run_step
+    step = engine.step
 
     def observed_step():
-        result = run_step()
+        result = step()
         usage = engine.kv_manager.usage()
         samples.append((usage.num_used_blocks, usage.num_logical_blocks))
         return result
 
-    engine.run_step = observed_step
+    engine.step = observed_step
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     print(f"(b) KV blocks held with sharing vs without ({len(prompts)} workload prompts, "
           f"{max_tokens} new tokens, block size {engine.kv_manager.block_size})")

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.output_processor import ChildState, ParentRequest, append_token
+from pagedllm.engine.output_processor import BeamSearchParent, ChildState, ParentRequest, process_token
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stats import EngineStats, StepStats
@@ -17,10 +18,10 @@ from pagedllm.kv.manager import KVCacheManager
 from pagedllm.model import kernels
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.loader import load_checkpoint
-from pagedllm.model.runner import ModelRunner, kv_bytes_per_block
-from pagedllm.model.sampler import SamplerOutput
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.step import ModelRunnerOutput
+from pagedllm.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +99,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self._resolve_token_budget(),
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_cache_dtype, self.device,
-                                  config.seed)
-        self.parents: dict[str, ParentRequest] = {}
-        self.children: dict[str, ChildState] = {}
+                                  config.seed, self.max_model_len)
+        self.parents: dict[str, ParentRequest | BeamSearchParent] = {}
+        self.children: dict[str, ChildState] = {}   # plain and parallel samples (not beams) by request id
         self.parent_of: dict[str, str] = {}
-        self.pending_forks: dict[str, list[Request]] = {}   # first child's id -> siblings to fork from it
+        self.beam_searches: list[BeamSearchParent] = []
         self.last_step_stats: StepStats | None = None
         logger.info("model %s (%s) on %s, dtype %s, CPU kernels %s; KV cache: %s, %d blocks of %d tokens = %d tokens",
                     config.model or "bundled SmolLM2-135M-Instruct", self.model_config.architecture,
@@ -160,15 +161,24 @@ class LLMEngine:
         raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]} "
                          f"(either with an optional 'cache_salt'), got {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        """Validates and queues a request; raises ValueError (naming the numbers) if it can never run."""
+        """Validates and queues a request, sampled or (with BeamSearchParams) beam-searched; raises
+        ValueError (naming the numbers) if it can never run."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         checked = self.check_prompt(prompt, params)
+        arrival_time = arrival_time or time.monotonic()
+        if isinstance(params, BeamSearchParams):
+            search = BeamSearch(request_id, checked.token_ids, params, self.model_config.eos_token_ids,
+                                checked.max_tokens, checked.cache_salt, arrival_time, priority)
+            parent = BeamSearchParent(request_id, checked.text, checked.token_ids, search, self.tokenizer)
+            self.parents[request_id] = parent
+            self.beam_searches.append(parent)
+            self.scheduler.add_request(search.first_request)
+            return
         prompt_ids = checked.token_ids
         num_children = params.best_of or params.n
-        arrival_time = arrival_time or time.monotonic()
         children = []
         for index in range(num_children):
             child_params = params.for_child(index) if num_children > 1 else params
@@ -184,12 +194,9 @@ class LLMEngine:
             self.parent_of[child.request.request_id] = request_id
         # Parallel samples share one prefill: the first child runs it, the others are forked
         # from it when it samples, taking their first tokens from the same logits.
-        first = children[0].request
-        self.scheduler.add_request(first)
-        if num_children > 1:
-            self.pending_forks[first.request_id] = [child.request for child in children[1:]]
+        self.scheduler.add_request(children[0].request, [child.request for child in children[1:]])
 
-    def check_prompt(self, prompt: PromptType, params: SamplingParams) -> CheckedPrompt:
+    def check_prompt(self, prompt: PromptType, params: SamplingParams | BeamSearchParams) -> CheckedPrompt:
         """Tokenizes and validates a prompt; raises ValueError naming what cannot run."""
         cache_salt = cache_salt_of(prompt)
         text, prompt_ids = self._tokenize(prompt)
@@ -209,7 +216,7 @@ class LLMEngine:
                              f"cache has ({self.kv_manager.pool.num_blocks} blocks of "
                              f"{self.kv_manager.block_size}); raise kv_cache_memory")
         vocab = self.model_config.vocab_size
-        if any(token_id >= vocab for token_id in params.stop_token_ids):
+        if isinstance(params, SamplingParams) and any(token_id >= vocab for token_id in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}, "
                              f"got {params.stop_token_ids}")
         return CheckedPrompt(text, prompt_ids, max_tokens, cache_salt)
@@ -220,9 +227,8 @@ class LLMEngine:
             parent = self.parents.get(request_id)
             if parent is None:
                 continue
-            for child in parent.children:
-                if not child.request.is_finished:
-                    self.finish_request(child.request, RequestStatus.FINISHED_ABORTED)
+            for request in parent.unfinished_requests():
+                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
             self._forget(parent)
 
     def has_unfinished_requests(self) -> bool:
@@ -233,72 +239,59 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled batch; returns an output for each user request that progressed."""
-        sampled_requests, samples = self.run_step()
-        if samples is None:
+        started = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if not (scheduler_output.num_scheduled_tokens or scheduler_output.finished_req_ids
+                or scheduler_output.preempted_req_ids):
             return []
-        progressed: dict[str, ParentRequest] = {}
-        token_ids = samples.token_ids.tolist()
-        token_logprobs = samples.logprobs.tolist()
-        top_ids = samples.top_logprob_ids.tolist() if samples.top_logprob_ids is not None else None
-        top_values = samples.top_logprobs.tolist() if samples.top_logprobs is not None else None
-        ranks = samples.token_ranks.tolist() if samples.token_ranks is not None else None
-        for row, request in enumerate(sampled_requests):
-            child = self.children[request.request_id]
-            top = None
-            if request.sampling_params.logprobs is not None:
-                top = self._logprob_entry(token_ids[row], token_logprobs[row], ranks[row], top_ids[row],
-                                          top_values[row], request.sampling_params.logprobs)
+        scheduled = time.perf_counter()
+        runner_output = self.runner.execute_model(scheduler_output)
+        computed = time.perf_counter()
+        sampled = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self._process_outputs(sampled, runner_output)
+        self.last_step_stats = StepStats(
+            scheduling_seconds=(scheduled - started) + (time.perf_counter() - computed),
+            prepare_seconds=runner_output.prepare_seconds,
+            model_seconds=computed - scheduled - runner_output.prepare_seconds,
+            num_seqs=len(scheduler_output.num_scheduled_tokens),
+            num_tokens=scheduler_output.total_num_scheduled_tokens,
+            num_preemptions=len(scheduler_output.preempted_req_ids),
+        )
+        return outputs
+
+    def _process_outputs(self, sampled: list[tuple[Request, int]], runner_output: ModelRunnerOutput
+                         ) -> list[RequestOutput]:
+        """Detokenizes the appended tokens, applies stop strings, and makes the user requests' outputs."""
+        progressed: dict[str, ParentRequest | BeamSearchParent] = {}
+        for request, row in sampled:
             try:
-                status = append_token(child, token_ids[row], token_logprobs[row], top)
+                self._process_token(request, runner_output, row)
             except Exception as exc:  # one request's failure must not take the batch down
                 logger.exception("request %s failed", request.request_id)
                 request.error = f"{type(exc).__name__}: {exc}"
-                status = RequestStatus.FINISHED_ERROR
-            if status is not None:
-                self.finish_request(request, status)
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
             parent_id = self.parent_of[request.request_id]
             progressed[parent_id] = self.parents[parent_id]
+        for parent in [parent for parent in self.beam_searches if parent.finished]:
+            progressed[parent.request_id] = parent
         outputs = [output for parent in progressed.values() if (output := parent.make_output()) is not None]
         for parent in progressed.values():
             if parent.finished:
                 self._forget(parent)
         return outputs
 
-    def run_step(self) -> tuple[list[Request], SamplerOutput | None]:
-        """Schedules, runs the model and updates KV bookkeeping; returns who sampled what.
-
-        The sampled tokens are not yet appended: step() and beam search each decide that.
-        """
-        started = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if not plan.scheduled:
-            return [], None
-        if self.pending_forks:   # rare (n > 1 before its first token): skip the loop on plain steps
-            for row in plan.scheduled:
-                if row.samples:
-                    row.also_sample_for = self.pending_forks.pop(row.request.request_id, [])
-        scheduled = time.perf_counter()
-        sampled_requests, samples = self.runner.execute(plan.scheduled, plan.block_copies)
-        computed = time.perf_counter()
-        for row in plan.scheduled:
-            request = row.request
-            request.num_computed_tokens += row.num_new_tokens
-            self.kv_manager.cache_full_blocks(request.request_id, request.all_token_ids,
-                                              request.num_computed_tokens)
-            for sibling in row.also_sample_for:
-                self.fork(request, sibling)
-        self.last_step_stats = StepStats(
-            scheduling_seconds=(scheduled - started) + (time.perf_counter() - computed),
-            model_seconds=computed - scheduled,
-            num_seqs=len(plan.scheduled),
-            num_tokens=plan.num_scheduled_tokens,
-            num_preemptions=len(plan.preempted),
-        )
-        return sampled_requests, samples
-
-    def fork(self, source: Request, target: Request) -> None:
-        """Starts `target` from `source`'s tokens and KV, sharing every block (copy on write)."""
-        self.scheduler.fork(source, target)
+    def _process_token(self, request: Request, runner_output: ModelRunnerOutput, row: int) -> None:
+        child = self.children[request.request_id]
+        token_id = runner_output.sampled_token_ids[row]
+        top = None
+        if request.sampling_params.logprobs is not None:
+            top = self._logprob_entry(token_id, runner_output.logprobs[row], runner_output.token_ranks[row],
+                                      runner_output.top_logprob_ids[row], runner_output.top_logprobs[row],
+                                      request.sampling_params.logprobs)
+        stop_string = process_token(child, token_id, top)
+        if stop_string is not None:   # ends the request even if max_tokens did in the same token
+            request.stop_reason = stop_string
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     def _logprob_entry(self, token_id: int, token_logprob: float, rank: int, top_ids: list[int],
                        top_values: list[float], k: int) -> dict[int, Logprob]:
@@ -310,14 +303,11 @@ class LLMEngine:
                 entry[top_id] = Logprob(value, top_rank, decode([top_id], skip_special_tokens=False))
         return entry
 
-    def finish_request(self, request: Request, status: RequestStatus) -> None:
-        """Ends one sequence and frees its blocks at once."""
-        self.scheduler.finish(request, status)
-        self.runner.release(request.request_id)
-
-    def _forget(self, parent: ParentRequest) -> None:
+    def _forget(self, parent: ParentRequest | BeamSearchParent) -> None:
         del self.parents[parent.request_id]
-        self.pending_forks.pop(parent.children[0].request.request_id, None)
+        if isinstance(parent, BeamSearchParent):
+            self.beam_searches.remove(parent)
+            return
         for child in parent.children:
             del self.children[child.request.request_id]
             del self.parent_of[child.request.request_id]

@@ -1,13 +1,14 @@
-"""From sampled tokens to user-facing outputs: detokenize, check stops, group parallel samples.
+"""From appended tokens to user-facing outputs: detokenize, check stop strings, group samples and beams.
 
-A user request with n > 1 (or best_of) runs as independent child requests that
-share the prompt; this module keeps them together and reports them as one
-RequestOutput.
+A user request with n > 1 (or best_of) runs as child requests that share the prompt, and a beam
+search as the beams of its BeamSearch; this module keeps them together and reports each user
+request as one RequestOutput.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -19,6 +20,7 @@ class ChildState:
     request: Request
     index: int
     detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)   # per output token, when asked
     num_reported_tokens: int = 0   # for DELTA outputs: tokens already sent
 
 
@@ -36,6 +38,9 @@ class ParentRequest:
     @property
     def finished(self) -> bool:
         return all(child.request.is_finished for child in self.children)
+
+    def unfinished_requests(self) -> list[Request]:
+        return [child.request for child in self.children if not child.request.is_finished]
 
     def make_output(self) -> RequestOutput | None:
         """The output the request's output_kind asks for now; None when there is nothing to report."""
@@ -67,36 +72,52 @@ def _completion(child: ChildState, index: int, delta: bool) -> CompletionOutput:
         text=child.detokenizer.stream_delta(finished) if delta else child.detokenizer.visible_text(finished),
         token_ids=request.all_token_ids[request.num_prompt_tokens + start:],
         cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
-        logprobs=request.logprobs[start:] if wants_logprobs else None,
+        logprobs=child.logprobs[start:] if wants_logprobs else None,
         finish_reason=status.value if finished else None,
         stop_reason=request.stop_reason,
     )
 
 
-def append_token(child: ChildState, token_id: int, token_logprob: float,
-                 top_logprobs: dict[int, Logprob] | None) -> RequestStatus | None:
-    """Adds a sampled token; returns the finishing status if the request is now done.
+class BeamSearchParent:
+    """A user request answered by beam search: reported once, when the search ends, as its best beams."""
 
-    A token that ends the request (EOS or a stop_token_id) stays in token_ids but,
-    as in vLLM, adds no text unless include_stop_str_in_output is set.
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], search: BeamSearch,
+                 tokenizer):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.search = search
+        self.tokenizer = tokenizer
+
+    @property
+    def finished(self) -> bool:
+        return self.search.finished
+
+    def unfinished_requests(self) -> list[Request]:
+        return [beam.request for beam in self.search.live]
+
+    def make_output(self) -> RequestOutput | None:
+        if not self.finished:
+            return None
+        outputs = [CompletionOutput(index=index, text=self.tokenizer.decode(sequence.output_token_ids),
+                                    token_ids=sequence.output_token_ids, cumulative_logprob=sequence.cum_logprob,
+                                    logprobs=sequence.logprobs, finish_reason=sequence.finish_reason)
+                   for index, sequence in enumerate(self.search.best())]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished=True)
+
+
+def process_token(child: ChildState, token_id: int, top_logprobs: dict[int, Logprob] | None) -> str | None:
+    """Takes in a token the scheduler appended (and checked against the token-level stops); returns the
+    stop string it completed, if any.
+
+    A token that ended the request (EOS or a stop_token_id) adds no text, as in vLLM, unless
+    include_stop_str_in_output is set.
     """
     request = child.request
-    params = request.sampling_params
-    request.all_token_ids.append(token_id)
-    request.cumulative_logprob += token_logprob
     if top_logprobs is not None:
-        request.logprobs.append(top_logprobs)
-    if request.num_output_tokens >= params.min_tokens:
-        stops_on_eos = token_id in request.eos_token_ids and not params.ignore_eos
-        if stops_on_eos or token_id in params.stop_token_ids:
-            if params.include_stop_str_in_output:
-                child.detokenizer.append([token_id])
-            request.stop_reason = None if stops_on_eos else token_id
-            return RequestStatus.FINISHED_STOPPED
-    stop_string = child.detokenizer.append([token_id])
-    if stop_string is not None:
-        request.stop_reason = stop_string
-        return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= request.max_tokens:
-        return RequestStatus.FINISHED_LENGTH
-    return None
+        child.logprobs.append(top_logprobs)
+    if request.status is RequestStatus.FINISHED_STOPPED:   # only a token stop can have ended it yet
+        if request.sampling_params.include_stop_str_in_output:
+            child.detokenizer.append([token_id])
+        return None
+    return child.detokenizer.append([token_id])

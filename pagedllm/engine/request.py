@@ -41,9 +41,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
     stop_reason: int | str | None = None
     error: str | None = None
+    beam_search: object | None = None   # the BeamSearch this beam belongs to; it chooses the beam's tokens
+    # What the workers' batch holds of this request, so that a step sends only what changed;
+    # 0 tokens: not in the batch (not yet scheduled, or preempted since).
+    worker_num_tokens: int = 0
+    worker_num_blocks: int = 0
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

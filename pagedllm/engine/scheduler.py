@@ -1,4 +1,5 @@
-"""Decides, each step, which requests run and how many tokens each computes.
+"""Owns the request lifecycle: decides, each step, which requests run and how many tokens each
+computes, and applies what the step sampled.
 
 One rule covers prefill and decode alike: a request is scheduled for the tokens
 it has that have no KV yet (`num_tokens - num_computed_tokens`), cut to the
@@ -14,43 +15,20 @@ step would run nothing while requests wait, those requests hold the blocks that
 waiting ones (often their own siblings) need: they are preempted and parked, that is, not
 admitted again until they have a new token to compute, so the blocks go to requests that
 can move their search on.
+
+`schedule()` hands the step to the workers as plain data (pagedllm/step.py): a request they do not
+hold comes whole, a running one as what it gained since its last step. `update_from_output()` applies
+the result in one place: computed tokens advanced, full blocks cached, sampled tokens appended and
+checked against the token-level stops (EOS, stop_token_ids, max_tokens), beams advanced, finished
+requests freed. Stop strings need text, so the output processor checks them and calls `finish`.
 """
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.kv.manager import KVCacheManager
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    block_table: list[int]
-    # Pending siblings (parallel samples) that take their first token from this row's logits; a shared
-    # empty tuple unless there are some, as building a list per row per step showed in profiles.
-    also_sample_for: Sequence[Request] = ()
-
-    @property
-    def samples(self) -> bool:
-        """A row samples when this step brings its KV up to the end of the sequence."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+from pagedllm.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
@@ -61,38 +39,46 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
+        self.requests: dict[str, Request] = {}   # every unfinished request the scheduler holds
         # Both kept sorted by _order_key, so the back of `running` is always the one to preempt.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._parked: dict[str, int] = {}   # request id -> its length when parked (see the module docstring)
+        # First sample's id -> its parallel siblings, forked from it in the step where it first samples.
+        self._pending_forks: dict[str, list[Request]] = {}
+        self._finished_ids: list[str] = []   # finished since the last step: the workers forget them
 
     def _order_key(self, request: Request) -> tuple:
         if self.policy == "priority":
             return request.priority, request.arrival_time
         return (request.arrival_time,)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, siblings: list[Request] = ()) -> None:
+        """Queues a request; `siblings` (the other parallel samples of its prompt) are forked from it
+        when it first samples, sharing its prefill and every block."""
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+        if siblings:
+            self._pending_forks[request.request_id] = list(siblings)
+
+    def _enqueue(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=self._order_key)
 
-    def add_running(self, request: Request) -> None:
-        """Admits a request whose KV is already in place (a fork of a running one)."""
-        request.status = RequestStatus.RUNNING
-        bisect.insort(self.running, request, key=self._order_key)
-
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        scheduled: list[tuple[Request, int]] = []
         budget = self.max_num_batched_tokens
-        running, add = self.running, out.scheduled.append
-        allocate, block_table = self.kv_manager.allocate_slots, self.kv_manager.get_block_table
+        running, add = self.running, scheduled.append
+        allocate = self.kv_manager.allocate_slots
         index = 0
         while index < len(running) and budget > 0:   # the hot loop: ~1 us per request (bench scheduling)
             request = running[index]
-            request_id = request.request_id
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - computed
             if num_new == 0:  # waits for siblings (beam search) before it gets a new token
@@ -100,27 +86,84 @@ class Scheduler:
                 continue
             if num_new > budget:
                 num_new = budget
-            if not allocate(request_id, computed + num_new, computed) and not self._preempt_until_fits(
+            if not allocate(request.request_id, computed + num_new, computed) and not self._preempt_until_fits(
                     request, num_new, out):
                 break
-            add(ScheduledRequest(request, num_new, block_table(request_id)))
+            add((request, num_new))
             budget -= num_new
             index += 1
-        if not out.preempted:
-            self._admit_waiting(budget, out)
-        if not out.scheduled and self.waiting:   # also when the only request with work preempted itself
-            self._park_idle_for_waiting(budget, out)
-        out.block_copies = self.kv_manager.take_block_copies()
+        if not out.preempted_req_ids:
+            self._admit_waiting(budget, scheduled)
+        if not scheduled and self.waiting:   # also when the only request with work preempted itself
+            self._park_idle_for_waiting(budget, scheduled, out)
+        self._describe(scheduled, out)
         return out
 
-    def _park_idle_for_waiting(self, budget: int, out: SchedulerOutput) -> None:
+    def _describe(self, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> None:
+        """Fills the step's plain data: new requests whole, running ones by what changed since their last step."""
+        kv = self.kv_manager
+        block_table = kv.get_block_table
+        rewritten = kv.take_rewritten_entries()   # copy-on-write replaced these requests' table entries
+        cached: CachedRequestData = out.scheduled_cached_reqs
+        num_scheduled = out.num_scheduled_tokens
+        for request, num_new in scheduled:
+            request_id = request.request_id
+            table = block_table(request_id)
+            tokens = request.all_token_ids
+            if request.worker_num_tokens:
+                start = request.worker_num_blocks
+                if rewritten and request_id in rewritten:
+                    start = min(start, rewritten[request_id])
+                cached.request_ids.append(request_id)
+                cached.new_token_ids.append(tokens[request.worker_num_tokens:])
+                cached.block_table_starts.append(start)
+                cached.new_block_ids.append(table[start:])
+                cached.num_computed_tokens.append(request.num_computed_tokens)
+            else:
+                out.scheduled_new_reqs.append(self._new_request_data(request, table))
+            request.worker_num_tokens, request.worker_num_blocks = len(tokens), len(table)
+            num_scheduled[request_id] = num_new
+            if self._pending_forks and request.num_computed_tokens + num_new == len(tokens):
+                self._fork_siblings(request, num_new, out)
+        out.total_num_scheduled_tokens = sum(num_scheduled.values())
+        out.block_copies = kv.take_block_copies()
+
+    def _new_request_data(self, request: Request, table: list[int], sample_with: str | None = None
+                          ) -> NewRequestData:
+        return NewRequestData(request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                              request.sampling_params, request.eos_token_ids, list(table),
+                              request.num_computed_tokens, sample_with)
+
+    def _fork_siblings(self, first: Request, num_new: int, out: SchedulerOutput) -> None:
+        """The first sample of n finishes its prefill in this step: its siblings take every block it holds
+        now and sample from its logits row, so they join the step computing nothing."""
+        siblings = self._pending_forks.pop(first.request_id, None)
+        if siblings is None:
+            return
+        table = self.kv_manager.get_block_table(first.request_id)
+        for sibling in siblings:
+            self.kv_manager.fork(first.request_id, sibling.request_id)
+            sibling.all_token_ids = list(first.all_token_ids)
+            sibling.num_computed_tokens = first.num_computed_tokens + num_new
+            self._admit_running(sibling)
+            out.scheduled_new_reqs.append(self._new_request_data(sibling, table, sample_with=first.request_id))
+            sibling.worker_num_tokens, sibling.worker_num_blocks = len(sibling.all_token_ids), len(table)
+            out.num_scheduled_tokens[sibling.request_id] = 0
+
+    def _admit_running(self, request: Request) -> None:
+        """Admits a request whose KV is already in place (a fork of a running one)."""
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=self._order_key)
+
+    def _park_idle_for_waiting(self, budget: int, scheduled: list[tuple[Request, int]],
+                               out: SchedulerOutput) -> None:
         """Preempts and parks every running request that only waits for siblings, then admits waiting ones."""
         for request in [r for r in self.running if r.num_computed_tokens == r.num_tokens]:
             self.running.remove(request)
             self._parked[request.request_id] = request.num_tokens
-            self._preempt(request)
-            out.preempted.append(request)
-        self._admit_waiting(budget, out)
+            self._preempt(request, out)
+        self._admit_waiting(budget, scheduled)
 
     def _next_to_admit(self) -> int | None:
         """Index in `waiting` of the first request with something to compute (a parked one has not, until
@@ -132,7 +175,7 @@ class Scheduler:
                 return index
         return None
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
         kv = self.kv_manager
         while budget > 0 and len(self.running) < self.max_num_seqs:
             index = self._next_to_admit()
@@ -154,7 +197,7 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._order_key)
-            out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_table(request.request_id)))
+            scheduled.append((request, num_new))
             budget -= num_new
 
     def _preempt_until_fits(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -163,20 +206,59 @@ class Scheduler:
         kv = self.kv_manager
         while True:
             victim = self.running.pop()
-            self._preempt(victim)
-            out.preempted.append(victim)
+            self._preempt(victim, out)
             if victim is request:
                 return False
             if kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new,
                                  request.num_computed_tokens):
                 return True
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv_manager.free(request.request_id)
         request.num_computed_tokens = 0
+        if request.worker_num_tokens:
+            out.preempted_req_ids.append(request.request_id)
+            request.worker_num_tokens = request.worker_num_blocks = 0
         self.num_preemptions += 1
-        self.add_request(request)
+        self._enqueue(request)
         request.status = RequestStatus.PREEMPTED
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | None
+                           ) -> list[tuple[Request, int]]:
+        """Applies a finished step: advances computed tokens, caches the blocks that became full, appends
+        each sampled token and checks the token-level stops, moves beam searches on, frees what finished.
+
+        Returns (request, row in runner_output) for every plain request that got a token, in row order.
+        """
+        requests, kv = self.requests, self.kv_manager
+        cache_full_blocks = kv.cache_full_blocks
+        for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = requests[request_id]
+            request.num_computed_tokens += num_new
+            cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+        if runner_output is None:
+            return []
+        sampled = []
+        searches = []
+        token_ids, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
+        for row, request_id in enumerate(runner_output.req_ids):
+            request = requests[request_id]
+            search = request.beam_search
+            if search is not None:
+                search.add_candidates(request, runner_output.top_logprob_ids[row], runner_output.top_logprobs[row])
+                if search not in searches:
+                    searches.append(search)
+                continue
+            token_id = token_ids[row]
+            request.all_token_ids.append(token_id)
+            request.cumulative_logprob += logprobs[row]
+            sampled.append((request, row))
+            status = _token_stop(request, token_id)
+            if status is not None:
+                self.finish(request, status)
+        for search in searches:
+            search.advance_if_ready(self)
+        return sampled
 
     def fork(self, source: Request, target: Request) -> None:
         """Starts `target` from `source`'s tokens. A running source shares its KV with it (every block, copy on
@@ -185,16 +267,36 @@ class Scheduler:
         if source.status is RequestStatus.RUNNING:
             target.num_computed_tokens = source.num_computed_tokens
             self.kv_manager.fork(source.request_id, target.request_id)
-            self.add_running(target)
+            self._admit_running(target)
         else:
             self.add_request(target)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Takes a request out of the queues and frees its blocks at once."""
         request.status = status
-        self._parked.pop(request.request_id, None)
+        request_id = request.request_id
+        if self.requests.pop(request_id, None) is None:
+            return   # finished already, or never queued (a parallel sample that was never forked)
+        self._parked.pop(request_id, None)
+        self._pending_forks.pop(request_id, None)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_manager.free(request.request_id)
+        self.kv_manager.free(request_id)
+        self._finished_ids.append(request_id)
+
+
+def _token_stop(request: Request, token_id: int) -> RequestStatus | None:
+    """The stops a token id decides: EOS (unless ignore_eos) and stop_token_ids once min_tokens are out,
+    then max_tokens. The token stays in the output; as in vLLM it adds no text unless
+    include_stop_str_in_output."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        stops_on_eos = token_id in request.eos_token_ids and not params.ignore_eos
+        if stops_on_eos or token_id in params.stop_token_ids:
+            request.stop_reason = None if stops_on_eos else token_id
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None

@@ -8,8 +8,9 @@ from pagedllm.kv.manager import KVCacheUsage
 
 @dataclass(frozen=True)
 class StepStats:
-    scheduling_seconds: float   # scheduler + KV bookkeeping (block tables, prefix hashes, forks)
-    model_seconds: float        # building inputs, the forward pass and sampling
+    scheduling_seconds: float   # schedule() and update_from_output(): KV bookkeeping, prefix hashes, forks, stops
+    prepare_seconds: float      # the runner's step preparation: batch update, input arrays and tensors
+    model_seconds: float        # the forward pass and sampling
     num_seqs: int
     num_tokens: int
     num_preemptions: int

@@ -14,8 +14,7 @@ import sys
 
 from pagedllm.bench import accuracy, kernels, latency, load, memory, scheduling, serving, sweep, throughput
 from pagedllm.bench.reliability import suite as reliability
-from pagedllm.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from pagedllm.engine.scheduler import SCHEDULING_POLICIES
+from pagedllm.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig
 from pagedllm.entrypoints.config_file import merge_config
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import RequestOutput
@@ -75,14 +75,19 @@ class LLM:
         """Beam search for each prompt; beams share KV blocks. Returns outputs in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        return beam_search(self.llm_engine, list(prompts), params)
+        prompts = list(prompts)
+        return [BeamSearchOutput([BeamSearchSequence(output.prompt_token_ids + beam.token_ids, beam.logprobs,
+                                                     beam.cumulative_logprob, beam.text, beam.finish_reason,
+                                                     len(output.prompt_token_ids))
+                                  for beam in output.outputs])
+                for output in self._run(prompts, [params] * len(prompts), use_tqdm=False)]
 
     def stats(self) -> EngineStats:
         """KV-cache figures (blocks total / free / used / cached / shared, utilisation, prefix hit
         rate) and queue sizes, derived from the engine's state now."""
         return self.llm_engine.stats()
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams | BeamSearchParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = []

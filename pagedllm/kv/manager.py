@@ -65,6 +65,7 @@ class KVCacheManager:
         self._cache_salts: dict[str, str] = {}           # only requests that have one
         self._num_cached_blocks: dict[str, int] = {}     # leading table entries already in the cache
         self._pending_copies: list[tuple[int, int]] = []
+        self._rewritten: dict[str, int] = {}   # request id -> first table entry a copy replaced since taken
         # Requests that took part in a fork: only they can hold a shared block that is not yet
         # full (prefix hits are full blocks, never written again), so only their writes need the
         # copy-on-write check, which reads a block object per request per step.
@@ -147,6 +148,7 @@ class KVCacheManager:
             self.pool.free([shared])
             table[write_index] = copy
             block_ids[write_index] = copy.block_id
+            self._rewritten[request_id] = min(write_index, self._rewritten.get(request_id, write_index))
         if num_new > 0:
             new_blocks = self.pool.allocate(num_new)
             table.extend(new_blocks)
@@ -187,6 +189,12 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
+    def take_rewritten_entries(self) -> dict[str, int]:
+        """Request id -> first block-table entry replaced by a copy since the last call (tables otherwise
+        only grow), so a step can send the workers just the entries that changed."""
+        rewritten, self._rewritten = self._rewritten, {}
+        return rewritten
+
     def free(self, request_id: str) -> None:
         """Releases the request's blocks, last block first so a prefix's head stays cached longest."""
         table = self.block_tables.pop(request_id, None)
@@ -196,6 +204,7 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request_id, None)
         self._cache_salts.pop(request_id, None)
         self._forked.discard(request_id)
+        self._rewritten.pop(request_id, None)
         if table:
             self.pool.free(table[::-1])
 

@@ -20,7 +20,7 @@ from pagedllm.engine import llm_engine
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.openai import api_server
-from pagedllm.model.runner import ModelRunner
+from pagedllm.worker.model_runner import ModelRunner
 
 REQUEST_FAULT = "<<inject-request-fault>>"
 STEP_FAULT = "<<inject-step-fault>>"
@@ -78,33 +78,37 @@ class Holds:
 
 
 def install() -> None:
-    """Wraps LLMEngine.add_request (to spot marked prompts), append_token, ModelRunner.execute, LLMEngine.step
-    and the server's build_app (to add HOLDS_ROUTE)."""
+    """Wraps LLMEngine.add_request (to spot marked prompts), process_token, ModelRunner.execute_model,
+    LLMEngine.step and the server's build_app (to add HOLDS_ROUTE)."""
     request_faults: weakref.WeakSet = weakref.WeakSet()
-    step_faults: weakref.WeakSet = weakref.WeakSet()
+    step_fault_ids: set[str] = set()   # the runner sees plain data: request ids
     holds = Holds()
-    add_request, append_token, execute = llm_engine.LLMEngine.add_request, llm_engine.append_token, ModelRunner.execute
+    add_request, process_token = llm_engine.LLMEngine.add_request, llm_engine.process_token
+    execute_model = ModelRunner.execute_model
     step, build_app = llm_engine.LLMEngine.step, api_server.build_app
 
     def marking_add_request(self, request_id, *args, **kwargs):
         add_request(self, request_id, *args, **kwargs)
         parent = self.parents[request_id]
         prompt = self.tokenizer.decode(parent.prompt_token_ids, skip_special_tokens=False)
-        for marker, marked in ((REQUEST_FAULT, request_faults), (STEP_FAULT, step_faults)):
-            if marker in prompt:
-                marked.update(child.request for child in parent.children)
+        if REQUEST_FAULT in prompt:
+            request_faults.update(child.request for child in parent.children)
+        if STEP_FAULT in prompt:
+            step_fault_ids.update(child.request.request_id for child in parent.children)
         if HOLD_FAULT in prompt:
             holds.pending.append(parent.children[0].request)   # the first child runs the prefill
 
-    def faulty_append_token(child, *args, **kwargs):
+    def faulty_process_token(child, *args, **kwargs):
         if child.request in request_faults:
             raise InjectedFault(f"injected request fault in {child.request.request_id}")
-        return append_token(child, *args, **kwargs)
+        return process_token(child, *args, **kwargs)
 
-    def faulty_execute(self, scheduled, *args, **kwargs):
-        if any(row.request in step_faults for row in scheduled):
+    def faulty_execute_model(self, scheduler_output):
+        faulty = step_fault_ids.intersection(scheduler_output.num_scheduled_tokens)
+        if faulty:
+            step_fault_ids.difference_update(faulty)   # the failed step aborts them
             raise InjectedFault("injected step fault")
-        return execute(self, scheduled, *args, **kwargs)
+        return execute_model(self, scheduler_output)
 
     def holding_step(self):
         if holds.holding():
@@ -120,8 +124,8 @@ def install() -> None:
         return app
 
     llm_engine.LLMEngine.add_request = marking_add_request
-    llm_engine.append_token = faulty_append_token
-    ModelRunner.execute = faulty_execute
+    llm_engine.process_token = faulty_process_token
+    ModelRunner.execute_model = faulty_execute_model
     llm_engine.LLMEngine.step = holding_step
     api_server.build_app = build_app_with_holds_route
 

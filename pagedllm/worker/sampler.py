@@ -4,29 +4,33 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.model.ops import _C, on_cpu_kernel
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import SamplingColumns
 
 
-def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
-    """[num_seqs, vocab_size] float32: how often each id occurs in each row's list.
+def _token_counts(token_ids: np.ndarray, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, vocab_size: int,
+                  device) -> torch.Tensor:
+    """[len(rows), vocab_size] float32: how often each id occurs in token_ids[rows[i], starts[i]:ends[i]].
 
-    Rows are padded with the id vocab_size, counted in an extra column and dropped,
+    Slots outside a row's span take the id vocab_size, counted in an extra column and dropped,
     so one scatter_add serves every row whatever its length.
     """
-    max_len = max(map(len, token_lists), default=0)
-    padded = torch.tensor([ids + [vocab_size] * (max_len - len(ids)) for ids in token_lists],
-                          dtype=torch.int64).reshape(len(token_lists), max_len).to(device)
-    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    width = int(ends.max(initial=0))
+    ids = torch.from_numpy(token_ids[rows, :width].astype(np.int64))
+    column = torch.arange(width)
+    inside = (column >= torch.from_numpy(starts).unsqueeze(1)) & (column < torch.from_numpy(ends).unsqueeze(1))
+    ids = torch.where(inside, ids, vocab_size).to(device)
+    counts = torch.zeros(len(starts), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab_size]
 
 
 @dataclass
 class SamplingBatch:
-    """Per-step tensors built once from the scheduled requests' params.
+    """A step's sampling tensors, gathered from the persistent batch's columns for the rows that sample.
 
     A feature no row uses is None, so `sample` skips its work entirely.
     """
@@ -48,52 +52,49 @@ class SamplingBatch:
     min_tokens_ids: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]], eos_token_ids: list[tuple[int, ...]],
-              generators: list[torch.Generator | None], vocab_size: int, device) -> SamplingBatch:
-        def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def build(cls, columns: SamplingColumns, rows: np.ndarray, token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
+              num_tokens: np.ndarray, vocab_size: int, device) -> SamplingBatch:
+        """`rows` index the columns and token_ids in output order; token_ids[rows[i]] holds a prompt, then its
+        output (num_prompt_tokens[i] and num_tokens[i] long), read only when a penalty needs counts."""
+        def column(values: np.ndarray) -> torch.Tensor:
             """A per-row parameter as a [num_seqs, 1] column that broadcasts over the vocabulary."""
-            return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+            return torch.from_numpy(values).to(device).unsqueeze(1)
 
-        def divisor_column(values: list[float]) -> torch.Tensor:
-            """A column of positive divisors kept inside float32's range: a temperature of 1e300 or a penalty
-            of 1e-300 would round to inf or 0 and turn -inf logits into NaN."""
-            finfo = torch.finfo(torch.float32)
-            return column([min(max(value, finfo.tiny), finfo.max) for value in values])
-
-        greedy = [p.is_greedy for p in params]
+        greedy = columns.greedy[rows]
+        num_logprobs = columns.num_logprobs[rows]
+        seeded = np.flatnonzero(columns.seeded[rows] & ~greedy)
         batch = cls(
-            temperatures=divisor_column([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            all_greedy=all(greedy),
-            seeded_rows=[(row, gen) for row, (gen, g) in enumerate(zip(generators, greedy))
-                         if gen is not None and not g],
-            num_top_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+            temperatures=column(columns.temperature[rows]),
+            all_greedy=bool(greedy.all()),
+            seeded_rows=[(int(i), columns.generators[rows[i]]) for i in seeded],
+            num_top_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
         )
-        if any(greedy):
-            batch.greedy = torch.tensor(greedy, device=device)
-        if any(p.top_k > 0 for p in params):
-            batch.top_k = column([p.top_k or vocab_size for p in params], torch.int64)
-        if any(p.top_p < 1.0 for p in params):
-            # inf, not 1.0: float rounding in the cumulative sum must never trim an untruncated row.
-            batch.top_p = column([p.top_p if p.top_p < 1.0 else math.inf for p in params])
-        if any(p.min_p > 0.0 for p in params):
-            batch.log_min_p = column([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params])
-        if any(p.repetition_penalty != 1.0 for p in params):
-            batch.repetition_penalties = divisor_column([p.repetition_penalty for p in params])
-            seen = [prompt + out for prompt, out in zip(prompt_token_ids, output_token_ids)]
-            batch.seen_tokens = _token_counts(seen, vocab_size, device) > 0
-        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-            batch.frequency_penalties = column([p.frequency_penalty for p in params])
-            batch.presence_penalties = column([p.presence_penalty for p in params])
-            batch.output_counts = _token_counts(output_token_ids, vocab_size, device)
+        if greedy.any():
+            batch.greedy = torch.from_numpy(greedy).to(device)
+        top_k = columns.top_k[rows]
+        if (top_k > 0).any():
+            batch.top_k = column(np.where(top_k > 0, top_k, vocab_size))
+        top_p = columns.top_p[rows]
+        if (top_p < 1.0).any():
+            batch.top_p = column(top_p)
+        log_min_p = columns.log_min_p[rows]
+        if (log_min_p > -math.inf).any():
+            batch.log_min_p = column(log_min_p)
+        repetition = columns.repetition_penalty[rows]
+        if (repetition != 1.0).any():
+            batch.repetition_penalties = column(repetition)
+            batch.seen_tokens = _token_counts(token_ids, rows, np.zeros_like(num_tokens), num_tokens, vocab_size, device) > 0
+        frequency, presence = columns.frequency_penalty[rows], columns.presence_penalty[rows]
+        if (frequency != 0.0).any() or (presence != 0.0).any():
+            batch.frequency_penalties = column(frequency)
+            batch.presence_penalties = column(presence)
+            batch.output_counts = _token_counts(token_ids, rows, num_prompt_tokens, num_tokens, vocab_size, device)
         # min_tokens closes every way of stopping on a token: EOS and stop_token_ids.
-        banned = [(row, token_id)
-                  for row, (p, eos, out) in enumerate(zip(params, eos_token_ids, output_token_ids))
-                  if len(out) < p.min_tokens
-                  for token_id in (*eos, *p.stop_token_ids)]
+        short = np.flatnonzero(num_tokens - num_prompt_tokens < columns.min_tokens[rows])
+        banned = [(int(i), token_id) for i in short for token_id in columns.stop_ids[rows[i]]]
         if banned:
-            rows, ids = zip(*banned)
-            batch.min_tokens_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            banned_rows, ids = zip(*banned)
+            batch.min_tokens_rows = torch.tensor(banned_rows, dtype=torch.int64, device=device)
             batch.min_tokens_ids = torch.tensor(ids, dtype=torch.int64, device=device)
         return batch
 

@@ -1,0 +1,60 @@
+"""The plain data that crosses the seam between the scheduler and the workers, once per step.
+
+Only what changed travels (vLLM v1's shape): a request the workers do not hold comes whole, a
+running one as the tokens and block ids it gained since its last step. Nothing here holds a tensor
+or an engine object, so the same step goes to the in-process runner or is broadcast to
+tensor-parallel ranks, and a scheduler test can read it without a model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request joining the workers' batch: first scheduled, resumed after preemption, or forked."""
+    request_id: str
+    token_ids: list[int]             # prompt, then the output so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]
+    num_computed_tokens: int
+    # A parallel sample forked in this step: it computes nothing and takes its first token from
+    # this request's logits row, so n samples share one prefill.
+    sample_with: str | None = None
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests already in the workers' batch, index for index: what changed since they last ran."""
+    request_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)    # appended since: sampled, or a beam's choice
+    block_table_starts: list[int] = field(default_factory=list)     # first table entry that changed
+    new_block_ids: list[list[int]] = field(default_factory=list)    # the table from that entry on
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)   # every request in the step
+    total_num_scheduled_tokens: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)   # leave the batch; their random state stays
+    finished_req_ids: list[str] = field(default_factory=list)    # done since the last step: forget them
+    block_copies: list[tuple[int, int]] = field(default_factory=list)   # (source, destination), copy on write
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one step sampled, row for row; the top-k fields are None when no row asked for logprobs."""
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[float]                       # of the sampled token, under the raw distribution
+    top_logprob_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    token_ranks: list[int] | None = None        # the sampled token's rank, 1 = most likely
+    prepare_seconds: float = 0.0                # the runner's share of step preparation (batch update, inputs)

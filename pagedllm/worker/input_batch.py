@@ -1,0 +1,171 @@
+"""The worker's running requests as rows of numpy arrays: token ids, block tables and sampling columns.
+
+Rows change by add, update and remove as requests come and go, never rebuilt from request objects
+(vLLM's gpu_input_batch idea). A removed row is filled at once by the last row, so rows stay dense
+and a step's arrays are slices and gathers. Capacity doubles when a row is added to a full batch.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.step import NewRequestData
+
+_FLOAT32 = np.finfo(np.float32)
+_TINY, _HUGE = float(_FLOAT32.tiny), float(_FLOAT32.max)
+
+
+class SamplingColumns:
+    """Each row's sampling parameters as one value per array, in the form the sampler's tensors take."""
+
+    def __init__(self, capacity: int):
+        self.temperature = np.ones(capacity, np.float32)          # 1.0 on greedy rows
+        self.greedy = np.zeros(capacity, bool)
+        self.top_k = np.zeros(capacity, np.int64)                  # 0: off
+        self.top_p = np.full(capacity, math.inf, np.float32)       # inf: off (see sampler._apply_top_k_top_p)
+        self.log_min_p = np.full(capacity, -math.inf, np.float32)  # -inf: off
+        self.repetition_penalty = np.ones(capacity, np.float32)
+        self.frequency_penalty = np.zeros(capacity, np.float32)
+        self.presence_penalty = np.zeros(capacity, np.float32)
+        self.min_tokens = np.zeros(capacity, np.int64)
+        self.num_logprobs = np.full(capacity, -1, np.int64)        # -1: no logprobs asked
+        self.seeded = np.zeros(capacity, bool)                     # owns a generator
+        # Token ids min_tokens holds back (EOS and stop_token_ids), and the seeded generators: Python per row.
+        self.stop_ids: list[tuple[int, ...]] = [()] * capacity
+        self.generators: list[torch.Generator | None] = [None] * capacity
+
+    ARRAYS = ("temperature", "greedy", "top_k", "top_p", "log_min_p", "repetition_penalty", "frequency_penalty",
+              "presence_penalty", "min_tokens", "num_logprobs", "seeded")
+    LISTS = ("stop_ids", "generators")
+
+    def set_row(self, row: int, params: SamplingParams, eos_token_ids: tuple[int, ...],
+                generator: torch.Generator | None) -> None:
+        greedy = params.is_greedy
+        # Divisors are kept inside float32's range: a temperature of 1e300 or a penalty of 1e-300 would
+        # round to inf or 0 and turn -inf logits into NaN.
+        self.temperature[row] = 1.0 if greedy else min(max(params.temperature, _TINY), _HUGE)
+        self.greedy[row] = greedy
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p if params.top_p < 1.0 else math.inf
+        self.log_min_p[row] = math.log(params.min_p) if params.min_p > 0.0 else -math.inf
+        self.repetition_penalty[row] = min(max(params.repetition_penalty, _TINY), _HUGE)
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.presence_penalty[row] = params.presence_penalty
+        self.min_tokens[row] = params.min_tokens
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.stop_ids[row] = (*eos_token_ids, *params.stop_token_ids) if params.min_tokens else ()
+        self.generators[row] = generator
+        self.seeded[row] = generator is not None
+
+    def move_row(self, source: int, destination: int) -> None:
+        for name in self.ARRAYS:
+            array = getattr(self, name)
+            array[destination] = array[source]
+        for name in self.LISTS:
+            values = getattr(self, name)
+            values[destination] = values[source]
+        self.generators[source] = None
+
+    def grown(self, capacity: int) -> SamplingColumns:
+        bigger = SamplingColumns(capacity)
+        size = len(self.temperature)
+        for name in self.ARRAYS:
+            getattr(bigger, name)[:size] = getattr(self, name)
+        for name in self.LISTS:
+            getattr(bigger, name)[:size] = getattr(self, name)
+        return bigger
+
+
+class InputBatch:
+    def __init__(self, max_model_len: int, block_size: int, capacity: int = 16):
+        self.max_model_len = max_model_len
+        self.max_blocks_per_request = -(-max_model_len // block_size)
+        self.req_ids: list[str] = []
+        self.row_of: dict[str, int] = {}
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        self.token_ids = np.zeros((capacity, self.max_model_len), np.int32)
+        self.num_tokens = np.zeros(capacity, np.int64)
+        self.num_prompt_tokens = np.zeros(capacity, np.int64)
+        self.num_computed_tokens = np.zeros(capacity, np.int64)
+        self.block_table = np.zeros((capacity, self.max_blocks_per_request), np.int64)
+        self.num_blocks = np.zeros(capacity, np.int64)
+        self.sampling = SamplingColumns(capacity)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.num_tokens)
+
+    def _grow(self) -> None:
+        old = (self.token_ids, self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
+               self.block_table, self.num_blocks)
+        sampling = self.sampling
+        self._allocate(2 * self.capacity)
+        for new, previous in zip((self.token_ids, self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
+                                  self.block_table, self.num_blocks), old):
+            new[:len(previous)] = previous
+        self.sampling = sampling.grown(self.capacity)
+
+    def add(self, request: NewRequestData, generator: torch.Generator | None) -> None:
+        """Adds a request's row (replacing any row left under its id by a step that failed mid-way)."""
+        self.remove(request.request_id)
+        if self.num_reqs == self.capacity:
+            self._grow()
+        row = self.num_reqs
+        self.req_ids.append(request.request_id)
+        self.row_of[request.request_id] = row
+        num_tokens = len(request.token_ids)
+        self.token_ids[row, :num_tokens] = request.token_ids
+        self.num_tokens[row] = num_tokens
+        self.num_prompt_tokens[row] = request.num_prompt_tokens
+        self.num_computed_tokens[row] = request.num_computed_tokens
+        self.block_table[row, :len(request.block_ids)] = request.block_ids
+        self.num_blocks[row] = len(request.block_ids)
+        self.sampling.set_row(row, request.sampling_params, request.eos_token_ids, generator)
+
+    def remove(self, request_id: str) -> None:
+        """Drops a request's row, moving the last row into it so the rows stay dense."""
+        row = self.row_of.pop(request_id, None)
+        if row is None:
+            return
+        last = self.num_reqs - 1
+        last_id = self.req_ids.pop()
+        if row != last:
+            self.req_ids[row] = last_id
+            self.row_of[last_id] = row
+            for array in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks):
+                array[row] = array[last]
+            self.token_ids[row, :self.num_tokens[row]] = self.token_ids[last, :self.num_tokens[row]]
+            self.block_table[row, :self.num_blocks[row]] = self.block_table[last, :self.num_blocks[row]]
+            self.sampling.move_row(last, row)
+        else:
+            self.sampling.generators[row] = None
+
+    def update_running(self, request_ids: list[str], new_token_ids: list[list[int]], block_table_starts: list[int],
+                       new_block_ids: list[list[int]], num_computed_tokens: list[int]) -> np.ndarray:
+        """Applies what running requests gained since their last step; returns their rows. The common case,
+        one new token and no new block each, takes a few array operations for the whole batch."""
+        rows = np.fromiter(map(self.row_of.__getitem__, request_ids), np.int64, len(request_ids))
+        self.num_computed_tokens[rows] = num_computed_tokens
+        if all(len(tokens) == 1 for tokens in new_token_ids):
+            self.token_ids[rows, self.num_tokens[rows]] = [tokens[0] for tokens in new_token_ids]
+            self.num_tokens[rows] += 1
+        else:
+            for row, tokens in zip(rows.tolist(), new_token_ids):
+                start = self.num_tokens[row]
+                self.token_ids[row, start:start + len(tokens)] = tokens
+                self.num_tokens[row] = start + len(tokens)
+        for index, block_ids in enumerate(new_block_ids):
+            if block_ids:   # tables only grow, or have an entry replaced by a copy: never an empty change
+                row, start = rows[index], block_table_starts[index]
+                self.block_table[row, start:start + len(block_ids)] = block_ids
+                self.num_blocks[row] = start + len(block_ids)
+        return rows
