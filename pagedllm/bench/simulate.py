@@ -1,4 +1,4 @@
-"""The engine's scheduler and KV manager driven without a model, for memory and overhead figures.
+"""The engine's scheduler, KV manager and worker batch driven without a model, for memory and overhead figures.
 
 Every request runs to its max_tokens (as with ignore_eos), each sampled token is a
 placeholder: what is measured is bookkeeping, which does not depend on token values.
@@ -9,10 +9,12 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.bench.workload import BenchRequest
-from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.step import ModelRunnerOutput
+from pagedllm.worker.model_free_runner import ModelFreeRunner
 
 
 @dataclass
@@ -24,7 +26,7 @@ class SimulationResult:
     running_seq_steps: int = 0    # summed over steps: running sequences
     oracle_slots: int = 0         # summed over steps: prompt + max_tokens of each running sequence
     preemptions: int = 0
-    step_seconds: list[float] = field(default_factory=list)   # schedule + KV bookkeeping per step
+    step_seconds: list[float] = field(default_factory=list)   # schedule, batch update, update_from_output
 
     @property
     def utilization(self) -> float:
@@ -41,10 +43,17 @@ class SimulationResult:
         return self.stored_tokens / self.oracle_slots
 
 
+def _placeholder_tokens(batch, rows, num_new, sampling_rows) -> ModelRunnerOutput:
+    count = len(sampling_rows)
+    return ModelRunnerOutput([batch.req_ids[row] for row in sampling_rows.tolist()], [0] * count, [0.0] * count)
+
+
 def simulate(workload: list[BenchRequest], num_blocks: int, block_size: int, max_num_seqs: int = 256,
              max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True) -> SimulationResult:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens)
+    max_model_len = max(len(item.prompt_token_ids) + item.max_tokens for item in workload)
+    runner = ModelFreeRunner(max_model_len, block_size, _placeholder_tokens)
     for index, item in enumerate(workload):
         params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=True)
         scheduler.add_request(Request(str(index), item.prompt_token_ids, params, (), item.max_tokens,
@@ -53,15 +62,7 @@ def simulate(workload: list[BenchRequest], num_blocks: int, block_size: int, max
     while scheduler.has_unfinished_requests():
         started = time.perf_counter()
         plan = scheduler.schedule()
-        for row in plan.scheduled:
-            request = row.request
-            samples = row.samples
-            request.num_computed_tokens += row.num_new_tokens
-            kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
-            if samples:
-                request.all_token_ids.append(0)
-                if request.num_output_tokens >= request.max_tokens:
-                    scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+        scheduler.update_from_output(plan, runner.execute_model(plan))
         result.step_seconds.append(time.perf_counter() - started)
         usage = kv.usage()
         result.steps += 1
@@ -70,5 +71,5 @@ def simulate(workload: list[BenchRequest], num_blocks: int, block_size: int, max
         result.stored_tokens += usage.num_tokens_stored
         result.running_seq_steps += len(scheduler.running)
         result.oracle_slots += sum(r.num_prompt_tokens + r.max_tokens for r in scheduler.running)
-        result.preemptions += len(plan.preempted)
+        result.preemptions += len(plan.preempted_req_ids)
     return result

@@ -99,7 +99,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self._resolve_token_budget(),
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_cache_dtype, self.device,
-                                  config.seed, self.max_model_len)
+                                  config.seed, self.max_model_len, config.max_num_seqs)
         self.parents: dict[str, ParentRequest | BeamSearchParent] = {}
         self.children: dict[str, ChildState] = {}   # plain and parallel samples (not beams) by request id
         self.parent_of: dict[str, str] = {}

@@ -223,7 +223,7 @@ class Scheduler:
         self._enqueue(request)
         request.status = RequestStatus.PREEMPTED
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | None
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
                            ) -> list[tuple[Request, int]]:
         """Applies a finished step: advances computed tokens, caches the blocks that became full, appends
         each sampled token and checks the token-level stops, moves beam searches on, frees what finished.
@@ -236,8 +236,6 @@ class Scheduler:
             request = requests[request_id]
             request.num_computed_tokens += num_new
             cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
-        if runner_output is None:
-            return []
         sampled = []
         searches = []
         token_ids, logprobs = runner_output.sampled_token_ids, runner_output.logprobs

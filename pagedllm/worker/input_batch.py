@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.step import NewRequestData
+from pagedllm.step import NewRequestData, SchedulerOutput
 
 _FLOAT32 = np.finfo(np.float32)
 _TINY, _HUGE = float(_FLOAT32.tiny), float(_FLOAT32.max)
@@ -80,11 +80,14 @@ class SamplingColumns:
 
 
 class InputBatch:
-    def __init__(self, max_model_len: int, block_size: int, capacity: int = 16):
+    def __init__(self, max_model_len: int, block_size: int, device: torch.device, capacity: int = 16):
         self.max_model_len = max_model_len
         self.max_blocks_per_request = -(-max_model_len // block_size)
+        self.device = device
         self.req_ids: list[str] = []
         self.row_of: dict[str, int] = {}
+        # Seeded requests' generators, kept until the request finishes (through preemptions too).
+        self.generators: dict[str, torch.Generator] = {}
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -114,7 +117,30 @@ class InputBatch:
             new[:len(previous)] = previous
         self.sampling = sampling.grown(self.capacity)
 
-    def add(self, request: NewRequestData, generator: torch.Generator | None) -> None:
+    def update(self, scheduler_output: SchedulerOutput) -> None:
+        """Applies a step's changes: finished and preempted requests leave, new ones join, running ones grow."""
+        for request_id in scheduler_output.finished_req_ids:
+            self.remove(request_id)
+            self.generators.pop(request_id, None)
+        for request_id in scheduler_output.preempted_req_ids:
+            self.remove(request_id)
+        for request in scheduler_output.scheduled_new_reqs:
+            self.add(request)
+        cached = scheduler_output.scheduled_cached_reqs
+        if cached.request_ids:
+            self.update_running(cached.request_ids, cached.new_token_ids, cached.block_table_starts,
+                                cached.new_block_ids, cached.num_computed_tokens)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        generator = self.generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.generators[request_id] = generator
+        return generator
+
+    def add(self, request: NewRequestData) -> None:
         """Adds a request's row (replacing any row left under its id by a step that failed mid-way)."""
         self.remove(request.request_id)
         if self.num_reqs == self.capacity:
@@ -129,7 +155,8 @@ class InputBatch:
         self.num_computed_tokens[row] = request.num_computed_tokens
         self.block_table[row, :len(request.block_ids)] = request.block_ids
         self.num_blocks[row] = len(request.block_ids)
-        self.sampling.set_row(row, request.sampling_params, request.eos_token_ids, generator)
+        self.sampling.set_row(row, request.sampling_params, request.eos_token_ids,
+                              self._generator(request.request_id, request.sampling_params))
 
     def remove(self, request_id: str) -> None:
         """Drops a request's row, moving the last row into it so the rows stay dense."""
@@ -169,3 +196,30 @@ class InputBatch:
                 self.block_table[row, start:start + len(block_ids)] = block_ids
                 self.num_blocks[row] = start + len(block_ids)
         return rows
+
+    def step_rows(self, scheduler_output: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
+        """The rows that compute in this step and their new-token counts, decodes first (the attention
+        kernels take them so); parallel samples forked in the step compute nothing and are left out."""
+        counts = scheduler_output.num_scheduled_tokens
+        rows = np.fromiter(map(self.row_of.__getitem__, counts), np.int64, len(counts))
+        num_new = np.fromiter(counts.values(), np.int64, len(counts))
+        computing = num_new > 0
+        rows, num_new = rows[computing], num_new[computing]
+        order = np.argsort(num_new != 1, kind="stable")
+        return rows[order], num_new[order]
+
+    def sampling_rows(self, rows: np.ndarray, num_new: np.ndarray, scheduler_output: SchedulerOutput
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """The rows that sample, and for each the index, among the step's tokens, of the token whose logits
+        it samples from: a row samples when the step brings its KV up to its last token; a parallel
+        sample forked in the step samples from its source's row."""
+        row_ends = np.cumsum(num_new)
+        samples = self.num_computed_tokens[rows] + num_new == self.num_tokens[rows]
+        sampling_rows, token_indices = rows[samples], row_ends[samples] - 1
+        forked = [(request.request_id, request.sample_with) for request in scheduler_output.scheduled_new_reqs
+                  if request.sample_with is not None]
+        if forked:
+            index_of = dict(zip((self.req_ids[row] for row in sampling_rows.tolist()), token_indices.tolist()))
+            sampling_rows = np.append(sampling_rows, [self.row_of[child] for child, _ in forked])
+            token_indices = np.append(token_indices, [index_of[source] for _, source in forked])
+        return sampling_rows, token_indices

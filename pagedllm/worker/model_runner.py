@@ -15,7 +15,6 @@ from pagedllm.model.attention import (AttentionMetadata, CacheTensor, has_scales
                                       kv_scales_shape)
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
-from pagedllm.sampling_params import SamplingParams
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.sampler import SamplingBatch, sample
@@ -54,33 +53,23 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, ca
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype,
-                 device: torch.device, seed: int, max_model_len: int):
+                 device: torch.device, seed: int, max_model_len: int, max_num_seqs: int):
         config = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
         self.vocab_size = config.vocab_size
         self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, kv_cache_dtype, device)
-        self.input_batch = InputBatch(max_model_len, block_size)
-        # Seeded requests' generators, kept until the request finishes (through preemptions too).
-        self.generators: dict[str, torch.Generator] = {}
+        self.input_batch = InputBatch(max_model_len, block_size, device, capacity=max_num_seqs)
         self.use_kernel = kernel_available(device, config.head_dim)
         torch.manual_seed(seed)
-
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
-        if params.seed is None:
-            return None
-        generator = self.generators.get(request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            self.generators[request_id] = generator
-        return generator
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Updates the batch, makes the copy-on-write block copies, runs one forward pass, and samples."""
         started = time.perf_counter()
-        self._update_batch(scheduler_output)
+        batch = self.input_batch
+        batch.update(scheduler_output)
         if scheduler_output.block_copies:
             self._copy_blocks(scheduler_output.block_copies)
         if not scheduler_output.num_scheduled_tokens:   # a step that only drops finished or preempted requests
@@ -88,7 +77,6 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices, sampling_rows = self._prepare(scheduler_output)
         prepared = time.perf_counter()
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
-        batch = self.input_batch
         if not len(sampling_rows):
             return ModelRunnerOutput([], [], [], prepare_seconds=prepared - started)
         sampling = SamplingBatch.build(batch.sampling, sampling_rows, batch.token_ids,
@@ -106,20 +94,6 @@ class ModelRunner:
             prepare_seconds=prepared - started,
         )
 
-    def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
-        batch = self.input_batch
-        for request_id in scheduler_output.finished_req_ids:
-            batch.remove(request_id)
-            self.generators.pop(request_id, None)
-        for request_id in scheduler_output.preempted_req_ids:
-            batch.remove(request_id)
-        for request in scheduler_output.scheduled_new_reqs:
-            batch.add(request, self._generator(request.request_id, request.sampling_params))
-        cached = scheduler_output.scheduled_cached_reqs
-        if cached.request_ids:
-            batch.update_running(cached.request_ids, cached.new_token_ids, cached.block_table_starts,
-                                 cached.new_block_ids, cached.num_computed_tokens)
-
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         sources, destinations = (torch.tensor(ids, device=self.device) for ids in zip(*block_copies))
         for layer in self.kv_caches:
@@ -130,16 +104,10 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device)
 
     def _prepare(self, scheduler_output: SchedulerOutput):
-        """Ids, positions, slot mapping and block tables for the step's rows, decodes first, by array ops
-        on the batch; and the batch rows that sample, in the order of the logits rows."""
+        """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; and
+        the batch rows that sample, in the order of the logits rows."""
         batch, block_size = self.input_batch, self.block_size
-        counts = scheduler_output.num_scheduled_tokens
-        rows = np.fromiter(map(batch.row_of.__getitem__, counts), np.int64, len(counts))
-        num_new = np.fromiter(counts.values(), np.int64, len(counts))
-        computing = num_new > 0   # parallel samples forked this step compute nothing
-        rows, num_new = rows[computing], num_new[computing]
-        order = np.argsort(num_new != 1, kind="stable")   # the attention kernels take decodes first
-        rows, num_new = rows[order], num_new[order]
+        rows, num_new = batch.step_rows(scheduler_output)
         context = batch.num_computed_tokens[rows]
         row_ends = np.cumsum(num_new)
         row_starts = row_ends - num_new
@@ -151,16 +119,7 @@ class ModelRunner:
         block_tables = batch.block_table[rows, :max_blocks]
         slot_mapping = block_tables[token_row, positions // block_size] * block_size + positions % block_size
         input_ids = batch.token_ids[rows[token_row], positions].astype(np.int64)
-
-        samples = context + num_new == batch.num_tokens[rows]
-        sampling_rows = rows[samples]
-        logits_indices = row_ends[samples] - 1
-        forked = [(request.request_id, request.sample_with) for request in scheduler_output.scheduled_new_reqs
-                  if request.sample_with is not None]
-        if forked:
-            index_of = {batch.req_ids[row]: index for row, index in zip(sampling_rows.tolist(), logits_indices.tolist())}
-            sampling_rows = np.append(sampling_rows, [batch.row_of[child] for child, _ in forked])
-            logits_indices = np.append(logits_indices, [index_of[source] for _, source in forked])
+        sampling_rows, logits_indices = batch.sampling_rows(rows, num_new, scheduler_output)
 
         num_decodes = int((num_new == 1).sum())
         seq_lens = context + num_new

@@ -13,6 +13,7 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.entrypoints import cli
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.step import ModelRunnerOutput
 
 STALL = "stall"
 SMALL = PHASES[:2]   # tiny and small pools: a fast run that still preempts, forks and copies
@@ -45,15 +46,13 @@ def test_memory_is_flat_from_the_first_tenth_to_the_last(quick_report):
 
 def test_beam_search_never_stalls_in_a_full_pool():
     """What the simulation's stalls are, in a dozen lines: 3 blocks of 4 tokens, one beam search of width 2
-    over 3 + 6 tokens (each sequence fits the pool), driven as LLMEngine.run_step and beam_search do."""
+    over 3 + 6 tokens (each sequence fits the pool), the search's choices made by hand between steps."""
     kv = KVCacheManager(num_blocks=3, block_size=4)
     scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
 
     def step():
         plan = scheduler.schedule()
-        for row in plan.scheduled:
-            row.request.num_computed_tokens += row.num_new_tokens
-            kv.cache_full_blocks(row.request.request_id, row.request.all_token_ids, row.request.num_computed_tokens)
+        scheduler.update_from_output(plan, ModelRunnerOutput([], [], []))
         return plan
 
     params = SamplingParams(temperature=0)
@@ -72,16 +71,16 @@ def test_beam_search_never_stalls_in_a_full_pool():
     # b1 was preempted; b0 has sampled and waits for it, holding the blocks b1 needs: b0 must make way.
     assert [r.request_id for r in scheduler.waiting] == ["b1"] and parent.num_computed_tokens == parent.num_tokens
     plan = step()
-    assert [row.request for row in plan.scheduled] == [child] and plan.preempted == [parent], (
+    assert list(plan.num_scheduled_tokens) == ["b1"] and plan.preempted_req_ids == ["b0"], (
         f"running {[(r.request_id, r.num_tokens - r.num_computed_tokens) for r in scheduler.running]}, "
         f"waiting {[r.request_id for r in scheduler.waiting]}, {kv.pool.num_free_blocks} blocks free")
     # b1 has sampled too, so the search takes its step: b1 decodes, then the parked b0 gets its turn (it is
     # not readmitted while it has nothing new to compute).
     parent.all_token_ids.append(12)
     child.all_token_ids.append(22)
-    assert [row.request for row in step().scheduled] == [child]
+    assert list(step().num_scheduled_tokens) == ["b1"]
     plan = step()
-    assert [row.request for row in plan.scheduled] == [parent] and plan.preempted == [child]
+    assert list(plan.num_scheduled_tokens) == ["b0"] and plan.preempted_req_ids == ["b1"]
 
 
 # --- the checks can fail ------------------------------------------------------------------------------

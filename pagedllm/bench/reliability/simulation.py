@@ -35,12 +35,16 @@ import tracemalloc
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, NamedTuple
 
+from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.step import ModelRunnerOutput
+from pagedllm.worker.model_free_runner import ModelFreeRunner
 
 VOCAB = 32000
 # Allowed growth from the sample that ends the first tenth of the run to any later one, and heap
@@ -445,10 +449,13 @@ class Job:
     priority: int = 0
     salt: str | None = None
     width: int = 1                    # n, or the beam width
-    live: list[Request] = field(default_factory=list)      # unfinished sequences
-    pending: list[Request] = field(default_factory=list)   # parallel samples not yet forked
-    candidates: dict[str, list[tuple[int, float]] | None] = field(default_factory=dict)   # beams
-    scores: dict[str, float] = field(default_factory=dict)                                # beams
+    live: list[Request] = field(default_factory=list)      # unfinished plain or parallel sequences
+    pending: list[Request] = field(default_factory=list)   # parallel samples the scheduler has not forked yet
+    search: BeamSearch | None = None                       # a beam job's search, which owns its beams
+
+    def sequences(self) -> list[Request]:
+        """Its unfinished sequences in the scheduler."""
+        return [beam.request for beam in self.search.live] if self.search is not None else self.live
 
 
 class Workload:
@@ -510,17 +517,23 @@ class Workload:
 # ---------------------------------------------------------------------------------------------------
 # The driver.
 
-PARAMS = SamplingParams(temperature=0)   # one shared instance: the bookkeeping never reads it
+STOP = VOCAB       # the token that ends a plain or parallel sequence early (random ids stay below VOCAB)
+EOS = VOCAB + 1    # a beam that picks it is complete
+PARAMS = SamplingParams(temperature=0, stop_token_ids=[STOP])   # one shared instance
 
 
 class Engine:
-    """One phase's scheduler, KV manager and shadow KV, kept for the whole run."""
+    """One phase's scheduler, KV manager, worker batch and shadow KV, kept for the whole run."""
 
-    def __init__(self, phase: Phase):
+    def __init__(self, phase: Phase, sample):
         self.phase = phase
         self.kv = KVCacheManager(phase.num_blocks, phase.block_size, phase.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, phase.max_num_seqs, phase.max_num_batched_tokens,
                                    phase.enable_chunked_prefill, phase.policy)
+        # Rows for twice max_num_seqs (forks join beyond it), so the batch's arrays are not still growing
+        # to their high-water mark in a traced window.
+        self.runner = ModelFreeRunner(phase.max_model_len, phase.block_size, partial(sample, self),
+                                      capacity=2 * phase.max_num_seqs)
         self.shadow = ShadowKV(phase.num_blocks, phase.block_size)
 
 
@@ -538,8 +551,9 @@ class Simulation:
         self.workload = Workload(self.rng, settings)
         self.report = SimulationReport(settings)
         self.engines: list[Engine] = []
-        self.owner: dict[str, Job] = {}      # live sequence id -> its job
+        self.owner: dict[str, Job] = {}      # live plain / parallel sequence id -> its job
         self.stop_at: dict[str, int] = {}    # live plain / parallel sequence id -> length it stops at
+        self.searches: dict[BeamSearch, Job] = {}
         self.next_id = 0
         self.clock = 0.0                     # arrival times: a counter, so that order is exact
         self.step = 0
@@ -556,7 +570,7 @@ class Simulation:
         # milliseconds instead of a second in a big process. Unfrozen at the end.
         gc.collect()
         gc.freeze()
-        self.engines = [Engine(phase) for phase in settings.phases]
+        self.engines = [Engine(phase, self.sample) for phase in settings.phases]
         size = settings.segment_size()
         num_segments = -(-settings.requests // size)
         report.memory_samples = array("q", bytes(8 * len(MemorySample._fields) * num_segments))
@@ -649,7 +663,7 @@ class Simulation:
                 self.admit(engine, jobs[arrived])
                 arrived += 1
             for job in aborts.pop(now, ()):
-                if job.live:
+                if job.sequences():
                     self.abort(engine, job)
             if not scheduler.has_unfinished_requests():
                 if busy:
@@ -667,30 +681,36 @@ class Simulation:
             now += 1
 
     def admit(self, engine: Engine, job: Job) -> None:
+        """Queues a job as LLMEngine.add_request does: one request, its parallel siblings to be forked from
+        it, or a beam search's first beam."""
         report = self.report
         report.requests += 1
         report.salted_requests += job.salt is not None
-        first = self.new_request(job, self.tick())
-        engine.scheduler.add_request(first)
+        self.next_id += 1
         if job.kind == "beam":
             report.beam_requests += 1
-            job.candidates[first.request_id] = None
-            job.scores[first.request_id] = 0.0
+            report.sequences += 1
+            job.search = BeamSearch(f"r{self.next_id}", job.prompt, BeamSearchParams(job.width, job.max_tokens),
+                                    (EOS,), job.max_tokens, job.salt, self.tick(), job.priority)
+            self.searches[job.search] = job
+            engine.scheduler.add_request(job.search.first_request)
             return
-        self.stop_at[first.request_id] = self.stop_length(job)
-        if job.kind == "parallel":   # as LLMEngine.add_request: siblings wait to be forked from the first
+        arrival = self.tick()
+        first = self.new_request(job, f"r{self.next_id}", arrival)
+        job.live.append(first)
+        if job.kind == "parallel":
             report.parallel_requests += 1
-            job.pending = [self.new_request(job, first.arrival_time, live=False) for _ in range(job.width - 1)]
+            job.pending = [self.new_request(job, f"r{self.next_id}.{index}", arrival)
+                           for index in range(1, job.width)]
+        engine.scheduler.add_request(first, job.pending)
 
-    def new_request(self, job: Job, arrival_time: float, live: bool = True) -> Request:
-        self.next_id += 1
+    def new_request(self, job: Job, request_id: str, arrival_time: float) -> Request:
         self.report.sequences += 1
-        request = Request(request_id=f"r{self.next_id}", prompt_token_ids=job.prompt, sampling_params=PARAMS,
+        request = Request(request_id=request_id, prompt_token_ids=job.prompt, sampling_params=PARAMS,
                           eos_token_ids=(), max_tokens=job.max_tokens, arrival_time=arrival_time,
                           priority=job.priority, cache_salt=job.salt)
-        self.owner[request.request_id] = job
-        if live:
-            job.live.append(request)
+        self.owner[request_id] = job
+        self.stop_at[request_id] = self.stop_length(job)
         return request
 
     def tick(self) -> float:
@@ -703,47 +723,40 @@ class Simulation:
         return len(job.prompt) + (job.max_tokens if rng.random() < 0.6 else rng.randint(1, job.max_tokens))
 
     def run_step(self, engine: Engine) -> bool:
-        """One engine step without the model: schedule, apply block copies and write the shadow KV,
-        advance the computed tokens and register full blocks (as LLMEngine.run_step), then sample
-        random tokens, fork pending parallel samples, advance beam searches and finish what stopped.
+        """One engine step as LLMEngine.step takes it, with the model-free runner: schedule, let the runner
+        apply the step to its batch and "sample" (self.sample writes the shadow KV through the runner's own
+        block tables), then update_from_output; afterwards the simulation's own records catch up.
         False when the scheduler did nothing although requests are unfinished."""
-        kv, scheduler, shadow, report = engine.kv, engine.scheduler, engine.shadow, self.report
+        scheduler, report = engine.scheduler, self.report
         try:
             plan = scheduler.schedule()
         except Exception as exc:   # noqa: BLE001 - any exception from the scheduler is a finding
             self.fail([f"{type(exc).__name__}: {exc}"], f"step {self.step} ({engine.phase.name}): schedule()")
             return True
-        if not plan.scheduled:   # a request that preempted itself: a step without a token; nothing at all: a stall
+        if not plan.num_scheduled_tokens:   # a request that preempted itself: a step without a token
+            engine.runner.execute_model(plan)
             self.steps_without_sample += 1
-            return bool(plan.preempted)
+            return bool(plan.preempted_req_ids)
         self.step += 1
         report.steps += 1
         if plan.block_copies:
             report.block_copies += len(plan.block_copies)
-            shadow.copy(plan.block_copies)
-        sampled, prefill_aborts = [], []
-        cache_full_blocks, write = kv.cache_full_blocks, shadow.write
-        for row in plan.scheduled:
-            request = row.request
-            tokens = request.all_token_ids
-            start, count = request.num_computed_tokens, row.num_new_tokens
-            write(row.block_table, tokens, start, count, request.cache_salt)
-            request.num_computed_tokens = computed = start + count
-            cache_full_blocks(request.request_id, tokens, computed)
-            if computed == len(tokens):
-                sampled.append(request)
-                if count > 1:   # a prefill just ended: prefix hits and recomputed blocks must read back
-                    self.read_back(engine, request, row.block_table)
-            elif computed < len(request.prompt_token_ids) and self.owner[request.request_id].abort_in_prefill:
-                prefill_aborts.append(self.owner[request.request_id])
-        self.steps_without_sample = 0 if sampled else self.steps_without_sample + 1
+            engine.shadow.copy(plan.block_copies)
+        forked = [scheduler.requests[request.request_id] for request in plan.scheduled_new_reqs
+                  if request.sample_with is not None]
+        report.forks += len(forked)
+        beams_before = {job: job.sequences() for job in self.beam_jobs_in(scheduler, plan)}
         try:
-            self.sample(engine, sampled)
+            output = engine.runner.execute_model(plan)
+            prefill_aborts = self.prefill_aborts(scheduler, plan)
+            sampled = scheduler.update_from_output(plan, output)
+            self.steps_without_sample = 0 if output.req_ids else self.steps_without_sample + 1
+            self.catch_up(sampled, forked, beams_before)
             for job in prefill_aborts:
-                if job.live:
+                if job.sequences():
                     self.abort(engine, job)
         except Exception as exc:   # noqa: BLE001
-            self.fail([f"{type(exc).__name__}: {exc}"], f"step {self.step} ({engine.phase.name}): fork or finish")
+            self.fail([f"{type(exc).__name__}: {exc}"], f"step {self.step} ({engine.phase.name}): run or update")
         if self.step % self.settings.check_every_steps == 0:
             report.mid_run_checks += 1
             self.fail(check_mid_run(scheduler), f"step {self.step} ({engine.phase.name}), mid-run")
@@ -751,91 +764,99 @@ class Simulation:
             self.tamper(self.step, engine)
         return True
 
-    def read_back(self, engine: Engine, request: Request, block_ids: list[int]) -> None:
+    def beam_jobs_in(self, scheduler: Scheduler, plan) -> list[Job]:
+        jobs = []
+        for request_id in plan.num_scheduled_tokens:
+            search = scheduler.requests[request_id].beam_search
+            if search is not None and self.searches[search] not in jobs:
+                jobs.append(self.searches[search])
+        return jobs
+
+    def prefill_aborts(self, scheduler: Scheduler, plan) -> list[Job]:
+        """Jobs marked to abort mid-prefill whose first sequence this step leaves mid-prompt."""
+        jobs = []
+        for request_id, count in plan.num_scheduled_tokens.items():
+            request = scheduler.requests[request_id]
+            job = self.job_of(request)
+            if job.abort_in_prefill and request.num_computed_tokens + count < request.num_prompt_tokens:
+                jobs.append(job)
+        return jobs
+
+    def job_of(self, request: Request) -> Job:
+        return self.searches[request.beam_search] if request.beam_search is not None else self.owner[request.request_id]
+
+    def sample(self, engine: Engine, batch, rows, num_new, sampling_rows) -> ModelRunnerOutput:
+        """The runner's step without a model: every computed token is written to the shadow KV through the
+        runner's own block table (so a wrong step delta shows), prefills that end and sequences about to
+        end read back; then random tokens (a stop token where the sequence is to stop) or, for beams,
+        random candidates (EOS among them now and then)."""
+        scheduler, shadow, random_ = engine.scheduler, engine.shadow, self.rng.random
+        requests = scheduler.requests
+        for row, count in zip(rows.tolist(), num_new.tolist()):
+            request_id = batch.req_ids[row]
+            request = requests[request_id]
+            start = int(batch.num_computed_tokens[row])
+            table = batch.block_table[row, :batch.num_blocks[row]].tolist()
+            tokens = batch.token_ids[row, :batch.num_tokens[row]].tolist()
+            shadow.write(table, tokens, start, count, request.cache_salt)
+            if count > 1 and start + count == len(tokens):   # a prefill just ended: prefix hits must read back
+                self.read_back(engine, request, start + count)
+        req_ids = [batch.req_ids[row] for row in sampling_rows.tolist()]
+        token_ids, top_ids, top_values = [], [], []
+        for request_id in req_ids:
+            request = requests[request_id]
+            if request.beam_search is not None:
+                width = 2 * request.beam_search.params.beam_width
+                candidates = [EOS if random_() < 0.015 else int(random_() * VOCAB) for _ in range(width)]
+                top_ids.append(candidates)
+                top_values.append([-3 * random_() for _ in range(width)])
+                token_ids.append(candidates[0])
+                self.read_back(engine, request, request.num_tokens)   # the search may end or drop it
+                continue
+            top_ids.append([])
+            top_values.append([])
+            ends = request.num_tokens + 1 >= self.stop_at[request_id]
+            length_stop = self.stop_at[request_id] - request.num_prompt_tokens == request.max_tokens
+            token_ids.append(STOP if ends and not length_stop else int(random_() * VOCAB))
+            if ends:
+                self.read_back(engine, request, request.num_tokens)
+        return ModelRunnerOutput(req_ids, token_ids, [0.0] * len(req_ids), top_ids, top_values)
+
+    def catch_up(self, sampled, forked: list[Request], beams_before: dict[Job, list[Request]]) -> None:
+        """The simulation's records after update_from_output: forked siblings are live, finished sequences
+        are forgotten, beam forks and dropped beams counted."""
+        for sibling in forked:
+            job = self.owner[sibling.request_id]
+            job.pending.remove(sibling)
+            job.live.append(sibling)
+        for request, _ in sampled:
+            if request.is_finished:
+                self.forget(request)
+        for job, before in beams_before.items():
+            after = job.sequences()
+            self.report.beam_forks += sum(1 for request in after if request not in before)
+            self.report.dropped_beams += sum(1 for request in before
+                                             if request.status is RequestStatus.FINISHED_ABORTED)
+            if job.search.finished:
+                del self.searches[job.search]
+
+    def read_back(self, engine: Engine, request: Request, count: int) -> None:
         self.report.shadow_reads += 1
-        if not engine.shadow.reads_back(block_ids, request.all_token_ids, request.num_computed_tokens,
-                                        request.cache_salt):
+        block_ids = engine.kv.get_block_table(request.request_id)
+        if not engine.shadow.reads_back(block_ids, request.all_token_ids, count, request.cache_salt):
             self.fail([f"{request.request_id} reads back other tokens (or another salt's) than its own through "
-                       f"its block table ({request.num_computed_tokens} computed tokens, table {block_ids})"],
+                       f"its block table ({count} computed tokens, table {block_ids})"],
                       f"step {self.step} ({engine.phase.name}), shadow KV")
 
-    def sample(self, engine: Engine, sampled: list[Request]) -> None:
-        random_, owner, stop_at = self.rng.random, self.owner, self.stop_at
-        beam_jobs = []
-        for request in sampled:
-            job = owner[request.request_id]
-            if job.kind == "beam":
-                job.candidates[request.request_id] = [(int(random_() * VOCAB), -3 * random_())
-                                                      for _ in range(2 * job.width)]
-                if job not in beam_jobs:
-                    beam_jobs.append(job)
-                continue
-            sequences = [request]
-            if job.pending:   # the first sample of n: fork its siblings, which sample from the same row
-                for sibling in job.pending:
-                    engine.scheduler.fork(request, sibling)
-                    job.live.append(sibling)
-                    stop_at[sibling.request_id] = self.stop_length(job)
-                    self.report.forks += 1
-                sequences += job.pending
-                job.pending = []
-            for sequence in sequences:
-                tokens = sequence.all_token_ids
-                tokens.append(int(random_() * VOCAB))
-                stop = stop_at[sequence.request_id]
-                if len(tokens) >= stop:
-                    length = stop - len(sequence.prompt_token_ids) == sequence.max_tokens
-                    self.finish(engine, sequence, RequestStatus.FINISHED_LENGTH if length
-                                else RequestStatus.FINISHED_STOPPED)
-        for job in beam_jobs:
-            if job.live and all(job.candidates[beam.request_id] is not None for beam in job.live):
-                self.advance_beams(engine, job)
-
-    def advance_beams(self, engine: Engine, job: Job) -> None:
-        """Keeps the width best one-token extensions, as beam_search._advance does (mirrored in brief,
-        without sequences or logprob records): a parent with no kept extension is dropped, a second
-        extension is forked from its parent before the parent takes its own token."""
-        candidates, scores = job.candidates, job.scores
-        extensions = sorted(((scores[beam.request_id] + logprob, index, token)
-                             for index, beam in enumerate(job.live)
-                             for token, logprob in candidates[beam.request_id]), reverse=True)[:job.width]
-        kept: dict[int, list[tuple[float, int]]] = {}
-        for score, index, token in extensions:
-            kept.setdefault(index, []).append((score, token))
-        for index, parent in enumerate(list(job.live)):
-            if index not in kept:
-                self.report.dropped_beams += 1
-                self.finish(engine, parent, RequestStatus.FINISHED_ABORTED)
-                continue
-            extended = [parent]
-            for _ in kept[index][1:]:
-                child = self.new_request(job, self.tick())
-                engine.scheduler.fork(parent, child)
-                self.report.beam_forks += 1
-                extended.append(child)
-            for beam, (score, token) in zip(extended, kept[index]):
-                beam.all_token_ids.append(token)
-                scores[beam.request_id] = score
-                candidates[beam.request_id] = None
-                if beam.num_output_tokens >= beam.max_tokens or self.rng.random() < 0.03:
-                    self.finish(engine, beam, RequestStatus.FINISHED_STOPPED)
-
-    def finish(self, engine: Engine, request: Request, status: RequestStatus) -> None:
-        """Reads the sequence back through its table one last time, ends it (Scheduler.finish frees its
-        blocks at once) and forgets it."""
-        table = engine.kv.block_tables.get(request.request_id)
-        if table:
-            self.read_back(engine, request, [block.block_id for block in table])
-        engine.scheduler.finish(request, status)
+    def forget(self, request: Request) -> None:
         job = self.owner.pop(request.request_id)
-        self.stop_at.pop(request.request_id, None)
-        job.candidates.pop(request.request_id, None)
-        job.scores.pop(request.request_id, None)
+        self.stop_at.pop(request.request_id)
         job.live.remove(request)
 
     def abort(self, engine: Engine, job: Job) -> None:
-        """As LLMEngine.abort_request: every unfinished sequence of the job ends, wherever it is."""
-        first = job.live[0]
+        """As LLMEngine.abort_request: every unfinished sequence of the job ends, wherever it is, after a
+        last read-back through its table."""
+        first = job.sequences()[0]
         if first.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             where = "waiting"
         elif first.num_computed_tokens < first.num_prompt_tokens:
@@ -843,11 +864,20 @@ class Simulation:
         else:
             where = "mid-decode"
         self.report.aborts[where] += 1
+        for request in job.sequences():
+            if request.request_id in engine.kv.block_tables:
+                self.read_back(engine, request, request.num_computed_tokens)
+        if job.search is not None:
+            job.search.abort(engine.scheduler)
+            del self.searches[job.search]
+            return
         for request in list(job.live):
-            self.finish(engine, request, RequestStatus.FINISHED_ABORTED)
+            engine.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self.forget(request)
         for request in job.pending:   # never forked: the engine finishes them too (nothing to free)
             engine.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
             self.owner.pop(request.request_id)
+            self.stop_at.pop(request.request_id)
         job.pending = []
 
     def stall(self, engine: Engine, jobs: list[Job], how: str) -> None:
@@ -862,17 +892,26 @@ class Simulation:
             f"({idle_running} waiting for sibling beams) and {len(scheduler.waiting)} waiting; "
             f"{engine.kv.pool.num_free_blocks} of {engine.kv.pool.num_blocks} blocks free")
         for job in jobs:
-            if job.live:
+            if job.sequences():
                 self.abort(engine, job)
         self.steps_without_sample = 0
 
     # -- checking
 
     def idle_point(self, engine: Engine) -> None:
+        """Checks that nothing is left; first the step that tells the runner of the last finished requests
+        (the engine sends it with the next step), which must schedule nothing and empty the runner's batch."""
         self.report.idle_points += 1
+        plan = engine.scheduler.schedule()
+        engine.runner.execute_model(plan)
         problems = check_idle(engine.scheduler)
-        if self.owner or self.stop_at:
-            problems.append(f"the simulation itself still tracks {len(self.owner)} sequences")
+        if plan.num_scheduled_tokens:
+            problems.append(f"an idle scheduler scheduled {len(plan.num_scheduled_tokens)} requests")
+        batch = engine.runner.input_batch
+        if batch.req_ids or batch.row_of or batch.generators:
+            problems.append(f"the runner's batch still holds {len(batch.req_ids)} rows")
+        if self.owner or self.stop_at or self.searches:
+            problems.append(f"the simulation itself still tracks {len(self.owner) + len(self.searches)} sequences")
         self.fail(problems, f"idle point after step {self.step} ({engine.phase.name})")
 
     def end_segment(self, engine: Engine) -> None:
@@ -882,8 +921,8 @@ class Simulation:
         self.fail(evict_all(engine.kv.pool), f"segment end ({engine.phase.name})")
         engine.shadow.clear()
         self.workload.recent.clear()
-        release_capacity([self, self.workload, self.report] + [owner for e in self.engines
-                                                               for owner in (e.kv, e.kv.pool, e.scheduler)])
+        release_capacity([self, self.workload, self.report] + [owner for e in self.engines for owner in (
+            e.kv, e.kv.pool, e.scheduler, e.runner.input_batch)])
         self.report.record_memory(measure_memory(self.report.requests))
 
     def check_coverage(self) -> None:
