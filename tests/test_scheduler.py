@@ -1,162 +1,206 @@
-"""Scheduling behaviour on a real (tiny) model: preemption, chunked prefill, batching, abort, errors."""
-import pytest
+"""The scheduler without a model: the plain step data it hands over, and update_from_output on fake runner
+outputs. Block counts are computed by hand; the worker side is the real InputBatch (ModelFreeRunner), which
+must mirror the scheduler's requests and tables after every step."""
+from __future__ import annotations
 
-from pagedllm import LLM, SamplingParams
+import itertools
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv.manager import KVCacheManager
-from pagedllm.step import SchedulerOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.step import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.model_free_runner import ModelFreeRunner
 
-GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(make_tiny_model_dir, tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-scheduler"), "llama")
-
-
-def make_llm(tiny_dir, **kwargs):
-    options = dict(dtype="float32", kv_cache_memory="4MiB", block_size=16)
-    return LLM(str(tiny_dir), **{**options, **kwargs})
+EOS = 2
+PLAIN = SamplingParams(temperature=0)
+MAX_MODEL_LEN = 256
 
 
-def prompts(count, base_len=20):
-    return [{"prompt_token_ids": [(7 * i + j) % 250 + 3 for j in range(base_len + 9 * i)]} for i in range(count)]
+def request(request_id: str, prompt_len: int, max_tokens: int = 8, params: SamplingParams = PLAIN,
+            arrival: float = 0.0, first_token: int = 10) -> Request:
+    return Request(request_id, list(range(first_token, first_token + prompt_len)), params, (EOS,), max_tokens,
+                   arrival_time=arrival)
 
 
-def token_ids(outputs):
-    return [o.outputs[0].token_ids for o in outputs]
+class FakeModel:
+    """Plays the model: the token each sampling row gets comes from `next_token(request_id, length)`
+    (default: counting up from 100), beams get random-free candidates, so runs are exact."""
+
+    def __init__(self, next_token=None):
+        self.next_token = next_token or (lambda request_id, length: 100 + length)
+
+    def __call__(self, batch, rows, num_new, sampling_rows) -> ModelRunnerOutput:
+        req_ids = [batch.req_ids[row] for row in sampling_rows.tolist()]
+        tokens = [self.next_token(request_id, int(batch.num_tokens[row]))
+                  for request_id, row in zip(req_ids, sampling_rows.tolist())]
+        candidates = [[token, token + 1, token + 2, token + 3] for token in tokens]
+        values = [[-0.1, -0.2, -0.3, -0.4] for _ in tokens]
+        return ModelRunnerOutput(req_ids, tokens, [-0.5] * len(tokens), candidates, values)
 
 
-def test_repeated_preemption_changes_no_token(tiny_dir):
-    roomy = token_ids(make_llm(tiny_dir).generate(prompts(8), GREEDY, use_tqdm=False))
-    # One block of 16 tokens here is 2 layers x K,V x 16 x 2 heads x 16 dims x 4 bytes = 8 KiB;
-    # 12 blocks hold 192 tokens while the 8 requests need about 720 at their peak.
-    tight = make_llm(tiny_dir, kv_cache_memory=12 * 8 * 1024)
-    assert tight.llm_engine.kv_manager.pool.num_blocks == 12
-    assert token_ids(tight.generate(prompts(8), GREEDY, use_tqdm=False)) == roomy
-    assert tight.llm_engine.scheduler.num_preemptions >= 3
-    assert tight.llm_engine.kv_manager.pool.num_used_blocks == 0
+def engine(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64,
+           next_token=None, **kwargs) -> tuple[Scheduler, ModelFreeRunner]:
+    kv = KVCacheManager(num_blocks, block_size)
+    return (Scheduler(kv, max_num_seqs, budget, **kwargs),
+            ModelFreeRunner(MAX_MODEL_LEN, block_size, FakeModel(next_token)))
 
 
-def test_chunked_prefill_matches_one_shot_and_keeps_decodes_going(tiny_dir):
-    long_prompt = {"prompt_token_ids": [(i * 13) % 250 + 3 for i in range(300)]}
-    one_shot = make_llm(tiny_dir).generate(long_prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    llm = make_llm(tiny_dir, max_num_batched_tokens=64)
-    engine = llm.llm_engine
-    engine.add_request("short", prompts(1)[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
-    engine.step()
-    engine.add_request("long", long_prompt, GREEDY)
-    short = engine.parents["short"].children[0].request
-    long = engine.parents["long"].children[0].request
-    chunks = 0
-    while long.num_output_tokens == 0:
-        before = short.num_output_tokens
-        engine.step()
-        chunks += 1
-        assert short.num_output_tokens == before + 1, "the decoding request must not stall"
-    assert chunks >= 300 // 64
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert long.output_token_ids == one_shot
+def step(scheduler: Scheduler, runner: ModelFreeRunner) -> tuple[SchedulerOutput, list[tuple[Request, int]]]:
+    plan = scheduler.schedule()
+    output = runner.execute_model(plan)
+    assert_batch_mirrors_scheduler(scheduler, runner, plan)
+    return plan, scheduler.update_from_output(plan, output)
 
 
-def test_new_request_gets_its_first_token_before_running_ones_finish(tiny_dir):
-    engine = make_llm(tiny_dir).llm_engine
-    for i, prompt in enumerate(prompts(3)):
-        engine.add_request(f"old{i}", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    for _ in range(5):
-        engine.step()
-    engine.add_request("new", prompts(4)[3], GREEDY)
-    first_token_step = None
-    for step in range(1, 40):
-        finished = {o.request_id for o in engine.step() if o.finished}
-        new = engine.parents["new"].children[0].request
-        if first_token_step is None and new.num_output_tokens:
-            first_token_step = step
-            assert not finished and all(f"old{i}" in engine.parents for i in range(3))
-        if not engine.has_unfinished_requests():
-            break
-    assert first_token_step == 1
+def assert_batch_mirrors_scheduler(scheduler: Scheduler, runner: ModelFreeRunner, plan: SchedulerOutput) -> None:
+    """After the runner applied a step: it holds exactly the running requests the scheduler sent, each with
+    the scheduler's tokens, computed count and block table."""
+    batch = runner.input_batch
+    sent = {r.request_id for r in scheduler.running if r.worker_num_tokens}
+    assert set(batch.req_ids) == sent and len(batch.req_ids) == len(sent)
+    for request_id in plan.num_scheduled_tokens:
+        req = scheduler.requests[request_id]
+        row = batch.row_of[request_id]
+        assert batch.token_ids[row, :batch.num_tokens[row]].tolist() == req.all_token_ids
+        assert batch.num_computed_tokens[row] == req.num_computed_tokens
+        assert batch.block_table[row, :batch.num_blocks[row]].tolist() == scheduler.kv_manager.get_block_table(
+            request_id)
 
 
-@pytest.mark.parametrize("where", ["waiting", "running", "preempted"])
-def test_abort_frees_blocks_at_once(tiny_dir, where):
-    llm = make_llm(tiny_dir, kv_cache_memory=12 * 8 * 1024, max_num_seqs=8 if where != "waiting" else 1)
-    engine = llm.llm_engine
-    for i, prompt in enumerate(prompts(4)):
-        engine.add_request(str(i), prompt, GREEDY)
-    target = None
-    for _ in range(200):
-        engine.step()
-        states = {rid: p.children[0].request.status for rid, p in engine.parents.items()}
-        wanted = {"waiting": RequestStatus.WAITING, "running": RequestStatus.RUNNING,
-                  "preempted": RequestStatus.PREEMPTED}[where]
-        target = next((rid for rid, status in states.items() if status is wanted), None)
-        if target is not None:
-            break
-    assert target is not None, f"no request reached state {where}"
-    request = engine.parents[target].children[0].request
-    held = len(engine.kv_manager.block_tables.get(target, []))
-    free_before = engine.kv_manager.pool.num_free_blocks
-    engine.abort_request(target)
-    assert request.status is RequestStatus.FINISHED_ABORTED
-    assert target not in engine.kv_manager.block_tables
-    assert engine.kv_manager.pool.num_free_blocks == free_before + held
-    assert request not in engine.scheduler.running and request not in engine.scheduler.waiting
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.kv_manager.pool.num_used_blocks == 0
+def run_until_done(scheduler: Scheduler, runner: ModelFreeRunner, limit: int = 1000) -> list[SchedulerOutput]:
+    plans = []
+    while scheduler.has_unfinished_requests():
+        plans.append(step(scheduler, runner)[0])
+        assert len(plans) < limit, "the scheduler made no progress"
+    return plans
 
 
-def test_requests_that_can_never_fit_are_refused_with_the_numbers(tiny_dir):
-    llm = make_llm(tiny_dir, max_model_len=128, kv_cache_memory=4 * 8 * 1024)
-    with pytest.raises(ValueError, match=r"prompt \(100 tokens\) \+ max_tokens \(40\) = 140 exceeds max_model_len \(128\)"):
-        llm.generate({"prompt_token_ids": [5] * 100}, GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match=r"= 100 tokens need more KV blocks than the whole cache has \(4 blocks"):
-        llm.generate({"prompt_token_ids": [5] * 60}, GREEDY, use_tqdm=False)
-    assert not llm.llm_engine.has_unfinished_requests()
+def test_a_request_arrives_whole_then_as_deltas_with_hand_computed_blocks():
+    scheduler, runner = engine(block_size=4)
+    scheduler.add_request(request("a", prompt_len=10, max_tokens=4))
+    plan, sampled = step(scheduler, runner)
+    (new,) = plan.scheduled_new_reqs
+    assert new.token_ids == list(range(10, 20)) and new.num_computed_tokens == 0
+    assert len(new.block_ids) == 3 and plan.num_scheduled_tokens == {"a": 10}   # ceil(10 / 4)
+    assert [(r.request_id, row) for r, row in sampled] == [("a", 0)]
+    # the fake model samples 100 + length; 11 and 12 tokens fit the third block, the 13th takes a fourth
+    for computed, grows in ((10, False), (11, False), (12, True)):
+        plan, _ = step(scheduler, runner)
+        cached = plan.scheduled_cached_reqs
+        assert plan.scheduled_new_reqs == [] and cached.request_ids == ["a"]
+        assert cached.new_token_ids == [[100 + computed]] and cached.num_computed_tokens == [computed]
+        assert cached.block_table_starts == [3] and len(cached.new_block_ids[0]) == grows
+    # that step sampled the 4th token: max_tokens reached
+    assert not scheduler.has_unfinished_requests() and scheduler.kv_manager.pool.num_used_blocks == 0
+    assert scheduler.schedule().finished_req_ids == ["a"]   # the workers hear of it with the next step
 
 
-def test_a_request_whose_processing_raises_fails_alone(tiny_dir, fail_request_at):
-    llm = make_llm(tiny_dir)
-    fail_request_at("bad", 3)
-    engine = llm.llm_engine
-    for rid, prompt in zip(("a", "bad", "b"), prompts(3)):
-        engine.add_request(rid, prompt, GREEDY)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-    assert finals["bad"].outputs[0].finish_reason == "error"
-    assert "injected failure" in finals["bad"].error
-    assert all(len(finals[rid].outputs[0].token_ids) == 40 for rid in ("a", "b"))
-    expected = token_ids(make_llm(tiny_dir).generate([prompts(3)[0], prompts(3)[2]], GREEDY, use_tqdm=False))
-    assert [finals["a"].outputs[0].token_ids, finals["b"].outputs[0].token_ids] == expected
-    assert engine.kv_manager.pool.num_used_blocks == 0
+def test_chunked_prefill_keeps_a_decode_going_and_counts_the_budget():
+    scheduler, runner = engine(budget=16, num_blocks=128)
+    scheduler.add_request(request("short", prompt_len=5, max_tokens=50))
+    step(scheduler, runner)
+    scheduler.add_request(request("long", prompt_len=60, max_tokens=2, arrival=1.0))
+    chunks = []
+    while scheduler.requests["long"].num_output_tokens == 0:
+        plan, sampled = step(scheduler, runner)
+        assert plan.num_scheduled_tokens["short"] == 1 and [r.request_id for r, _ in sampled][0] == "short"
+        chunks.append(plan.num_scheduled_tokens["long"])
+        assert plan.total_num_scheduled_tokens <= 16
+    # 60 prompt tokens, the first block of 4 a prefix-cache hit on "short"'s prompt: 56 at 15 a step beside the decode
+    assert chunks == [15, 15, 15, 11]
 
 
-def test_priority_policy_runs_the_most_urgent_first(tiny_dir):
-    llm = make_llm(tiny_dir, max_num_seqs=1, scheduling_policy="priority")
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    engine.add_request("later", prompts(1)[0], params, priority=5)
-    engine.add_request("urgent", prompts(2)[1], params, priority=0)
-    order = []
-    while engine.has_unfinished_requests():
-        order += [o.request_id for o in engine.step() if o.finished]
-    assert order == ["urgent", "later"]
+def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole():
+    scheduler, runner = engine(budget=16, enable_chunked_prefill=False)
+    scheduler.add_request(request("fits", prompt_len=10))
+    scheduler.add_request(request("whole", prompt_len=12, arrival=1.0, first_token=50))
+    plan, _ = step(scheduler, runner)
+    assert plan.num_scheduled_tokens == {"fits": 10}
+    plan, _ = step(scheduler, runner)
+    assert plan.num_scheduled_tokens == {"fits": 1, "whole": 12}
 
 
-def test_without_chunked_prefill_a_prompt_is_prefilled_whole(tiny_dir):
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        make_llm(tiny_dir, enable_chunked_prefill=False, max_num_batched_tokens=64)
-    llm = make_llm(tiny_dir, enable_chunked_prefill=False, max_model_len=512, max_num_batched_tokens=512)
-    engine = llm.llm_engine
-    engine.add_request("long", {"prompt_token_ids": [3 + i % 250 for i in range(300)]}, GREEDY)
-    engine.step()
-    assert engine.last_step_stats.num_tokens == 300
+def test_preemption_frees_the_latest_and_resends_it_whole():
+    # 5 blocks of 4: two 8-token prompts take 4; growing to 9 tokens each needs 6 blocks in all.
+    scheduler, runner = engine(num_blocks=5, block_size=4, max_num_seqs=4)
+    scheduler.add_request(request("early", prompt_len=8, max_tokens=6))
+    scheduler.add_request(request("late", prompt_len=8, max_tokens=6, arrival=1.0, first_token=50))
+    step(scheduler, runner)
+    plan, _ = step(scheduler, runner)
+    assert plan.preempted_req_ids == ["late"] and plan.num_scheduled_tokens == {"early": 1}
+    late = scheduler.requests["late"]
+    assert late.status is RequestStatus.PREEMPTED and "late" not in scheduler.kv_manager.block_tables
+    resent = None
+    while resent is None:
+        plan, _ = step(scheduler, runner)
+        resent = next((new for new in plan.scheduled_new_reqs if new.request_id == "late"), None)
+    # its prompt and the token it had sampled, recomputed from scratch (the step then sampled one more)
+    assert resent.token_ids == late.all_token_ids[:9] and len(resent.token_ids) == 9
+    # its first block was still in the prefix cache (its second, freed first, went to "early")
+    assert resent.num_computed_tokens == 4
+    run_until_done(scheduler, runner)
+    assert scheduler.kv_manager.pool.num_used_blocks == 0 and scheduler.num_preemptions >= 1
+
+
+def test_parallel_samples_fork_in_the_step_their_prefill_ends_and_copy_on_write():
+    scheduler, runner = engine(block_size=4)
+    first = request("0_p", prompt_len=6, params=SamplingParams(n=3))
+    siblings = [request(f"{i}_p", prompt_len=6, params=SamplingParams(n=3)) for i in (1, 2)]
+    scheduler.add_request(first, siblings)
+    plan, sampled = step(scheduler, runner)
+    forked = [new for new in plan.scheduled_new_reqs if new.sample_with is not None]
+    assert [new.request_id for new in forked] == ["1_p", "2_p"] and {new.sample_with for new in forked} == {"0_p"}
+    assert plan.num_scheduled_tokens == {"0_p": 6, "1_p": 0, "2_p": 0}
+    assert [r.request_id for r, _ in sampled] == ["0_p", "1_p", "2_p"]   # one prefill, three first tokens
+    kv = scheduler.kv_manager
+    assert kv.get_block_table("1_p") == kv.get_block_table("0_p") and kv.usage().num_shared_blocks == 2
+    plan, _ = step(scheduler, runner)   # each writes its 7th token into the shared, partly filled 2nd block
+    assert len(plan.block_copies) == 2   # the first two writers copy; the last keeps the original
+    cached = plan.scheduled_cached_reqs
+    assert sorted(cached.block_table_starts) == [1, 1, 2]   # replaced entry 1, or nothing changed (2 blocks)
+
+
+def test_token_stops_are_applied_in_update_from_output():
+    stop_params = SamplingParams(temperature=0, stop_token_ids=[7], min_tokens=2)
+    tokens = {"eos": [EOS], "stop": [7, 7], "ignore": [EOS, EOS, EOS], "length": [5, 5, 5]}
+    scheduler, runner = engine(next_token=lambda request_id, length: tokens[request_id].pop(0))
+    scheduler.add_request(request("eos", prompt_len=3))
+    scheduler.add_request(request("stop", prompt_len=3, params=stop_params))
+    scheduler.add_request(request("ignore", prompt_len=3, max_tokens=3,
+                                  params=SamplingParams(temperature=0, ignore_eos=True)))
+    scheduler.add_request(request("length", prompt_len=3, max_tokens=3))
+    finished = {}
+    while scheduler.has_unfinished_requests():
+        for req, _ in step(scheduler, runner)[1]:
+            if req.is_finished:
+                finished[req.request_id] = (req.status, req.stop_reason, req.num_output_tokens)
+    assert finished == {
+        "eos": (RequestStatus.FINISHED_STOPPED, None, 1),
+        "stop": (RequestStatus.FINISHED_STOPPED, 7, 2),   # the first 7 came before min_tokens
+        "ignore": (RequestStatus.FINISHED_LENGTH, None, 3),
+        "length": (RequestStatus.FINISHED_LENGTH, None, 3),
+    }
+
+
+def test_beam_search_runs_as_requests_and_frees_every_block():
+    scheduler, runner = engine(block_size=4, num_blocks=64)
+    search = BeamSearch("b", list(range(10, 17)), BeamSearchParams(beam_width=2, max_tokens=5), (EOS,), 5)
+    scheduler.add_request(search.first_request)
+    scheduler.add_request(request("plain", prompt_len=4, max_tokens=6))
+    widths = []
+    while not search.finished:
+        step(scheduler, runner)
+        widths.append(len(search.live))
+        assert scheduler.has_unfinished_requests()
+    assert max(widths) == 2 and len(search.best()) == 2
+    assert all(len(sequence.output_token_ids) == 5 for sequence in search.best())
+    run_until_done(scheduler, runner)
+    assert scheduler.kv_manager.pool.num_used_blocks == 0 and scheduler.requests == {}
 
 
 def test_a_fork_shares_a_running_source_and_queues_behind_a_preempted_one():
@@ -164,18 +208,75 @@ def test_a_fork_shares_a_running_source_and_queues_behind_a_preempted_one():
     new beam waits to compute the same tokens."""
     kv = KVCacheManager(num_blocks=8, block_size=4)
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
-    params = SamplingParams(temperature=0)
-    source = Request("s", [1, 2, 3, 4, 5], params, (), 8, arrival_time=0.0)
+    source = request("s", prompt_len=5)
     scheduler.add_request(source)
-    scheduler.schedule()
-    source.num_computed_tokens = source.num_tokens
-    shared = Request("shared", [1, 2, 3, 4, 5], params, (), 8, arrival_time=1.0)
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, ModelRunnerOutput([], [], []))
+    shared = request("shared", prompt_len=5, arrival=1.0)
     scheduler.fork(source, shared)
     assert shared in scheduler.running and kv.get_block_table("shared") == kv.get_block_table("s")
     assert shared.num_computed_tokens == 5 and shared.all_token_ids == source.all_token_ids
     scheduler.running.remove(source)
     scheduler._preempt(source, SchedulerOutput())
-    queued = Request("queued", [1, 2, 3, 4, 5], params, (), 8, arrival_time=2.0)
+    queued = request("queued", prompt_len=5, arrival=2.0)
     scheduler.fork(source, queued)
     assert queued in scheduler.waiting and "queued" not in kv.block_tables and queued.num_computed_tokens == 0
     assert queued.all_token_ids == source.all_token_ids
+
+
+@st.composite
+def workloads(draw):
+    """Requests of every kind, arriving over the first steps, some aborted at a chosen step."""
+    jobs = []
+    for index in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(["plain", "parallel", "beam"]))
+        jobs.append(dict(kind=kind, prompt_len=draw(st.integers(1, 40)), max_tokens=draw(st.integers(1, 12)),
+                         width=draw(st.integers(2, 3)), arrival=draw(st.integers(0, 6)),
+                         abort_at=draw(st.none() | st.integers(0, 30)), first_token=index * 7 % 50))
+    return jobs
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs=workloads(), num_blocks=st.integers(12, 40), block_size=st.sampled_from([4, 8]),
+       budget=st.sampled_from([8, 32, 128]), shared_prefix=st.booleans())
+def test_the_workers_batch_mirrors_the_scheduler_through_any_traffic(jobs, num_blocks, block_size, budget,
+                                                                     shared_prefix):
+    """Preemption, prefix hits, forks, beams, copy on write, aborts: after every step the runner's batch holds
+    exactly what the scheduler holds (assert_batch_mirrors_scheduler), and everything is freed at the end."""
+    scheduler, runner = engine(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6, budget=budget)
+    kv = scheduler.kv_manager
+    live: dict[int, list] = {}
+    for now in itertools.count():
+        for index, job in enumerate(jobs):
+            if job["arrival"] == now:
+                first = 10 if shared_prefix else 10 + job["first_token"]
+                prompt = list(range(first, first + job["prompt_len"]))
+                if not kv.can_ever_fit(len(prompt) + job["max_tokens"]):
+                    continue
+                if job["kind"] == "beam":
+                    search = BeamSearch(f"b{index}", prompt, BeamSearchParams(job["width"], job["max_tokens"]),
+                                        (EOS,), job["max_tokens"], arrival_time=float(now))
+                    scheduler.add_request(search.first_request)
+                    live[index] = ["beam", search]
+                else:
+                    width = job["width"] if job["kind"] == "parallel" else 1
+                    sequences = [Request(f"{i}_r{index}", prompt, PLAIN, (EOS,), job["max_tokens"],
+                                         arrival_time=float(now)) for i in range(width)]
+                    scheduler.add_request(sequences[0], sequences[1:])
+                    live[index] = ["plain", sequences]
+            if job["abort_at"] == now and index in live:
+                kind, held = live.pop(index)
+                if kind == "beam":
+                    held.abort(scheduler)
+                else:
+                    for sequence in held:
+                        scheduler.finish(sequence, RequestStatus.FINISHED_ABORTED)
+        if now > max(job["arrival"] for job in jobs) and not scheduler.has_unfinished_requests():
+            break
+        step(scheduler, runner)
+        assert now < 2000, "no progress"
+    assert kv.pool.num_used_blocks == 0 and kv.block_tables == {} and scheduler.requests == {}
+    plan = scheduler.schedule()
+    runner.execute_model(plan)
+    assert runner.input_batch.req_ids == [] and runner.input_batch.row_of == {}
+    assert plan.num_scheduled_tokens == {}
