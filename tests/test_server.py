@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.bench.reliability.server import ServerProcess, metric, poll
 
 API_KEY = "test-key"
@@ -53,6 +53,28 @@ def test_health_version_models(server, client, http):
     startup = next(line for line in server.log().splitlines() if "serving smollm2" in line)
     assert "(dtype " in startup and "KV blocks" in startup and server.url in startup
 
+
+
+def test_use_beam_search_returns_the_offline_beams_best_first(client):
+    """vLLM's use_beam_search extra: n beams as n choices, equal to LLM.beam_search, streamed or whole."""
+    prompt = "A lighthouse keeper's day begins"
+    offline = LLM(kv_cache_memory=KV_CACHE_MEMORY, max_model_len=MAX_MODEL_LEN).beam_search(
+        prompt, BeamSearchParams(beam_width=3, max_tokens=10))[0].sequences
+    beam = {"use_beam_search": True}
+    whole = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=10, extra_body=beam)
+    assert [choice.text for choice in whole.choices] == [sequence.text for sequence in offline]
+    assert [choice.index for choice in whole.choices] == [0, 1, 2] and whole.usage.completion_tokens == sum(
+        len(sequence.output_token_ids) for sequence in offline)
+    streamed = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=10, stream=True,
+                                           extra_body=beam):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[index] for index in range(3)] == [sequence.text for sequence in offline]
+    with pytest.raises(openai.BadRequestError, match="top_p cannot be used with use_beam_search"):
+        client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=4, top_p=0.5, extra_body=beam)
+    with pytest.raises(openai.BadRequestError, match=r"n must be an integer in \[1, 10\]"):
+        client.completions.create(model=MODEL, prompt=prompt, n=11, max_tokens=4, extra_body=beam)
 
 def test_tokenize_and_detokenize_round_trip(http):
     tokens = http.post("/tokenize", json={"prompt": "Paged attention, block by block."}).json()

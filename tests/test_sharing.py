@@ -210,3 +210,29 @@ def test_beams_share_blocks_and_dropped_beams_free_theirs(bundled):
         del engine.step
     assert peak["used"] < peak["logical"] / 2    # 4 beams over a long shared prompt
     assert engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_a_beam_search_is_an_ordinary_engine_request_beside_sampled_ones(bundled):
+    """Beams are engine requests: while a search runs the engine has unfinished requests, other requests step
+    in the same batches, and each result equals the one it gets alone."""
+    llm, _ = bundled
+    engine = llm.llm_engine
+    tokenizer = llm.get_tokenizer()
+    beam_prompt = {"prompt_token_ids": tokenizer.encode("The best way to learn programming is")}
+    plain_prompt = {"prompt_token_ids": tokenizer.encode("Once upon a time")}
+    beams, greedy = BeamSearchParams(beam_width=3, max_tokens=12), SamplingParams(temperature=0, max_tokens=20)
+    alone_beams = [sequence.output_token_ids for sequence in llm.beam_search(beam_prompt, beams)[0].sequences]
+    alone_plain = llm.generate(plain_prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("beams", beam_prompt, beams)
+    engine.add_request("plain", plain_prompt, greedy)
+    finished, shared_steps = {}, 0
+    while "beams" not in finished:
+        assert engine.has_unfinished_requests()
+        plain_running = "plain" in engine.parents
+        finished.update((output.request_id, output) for output in engine.step() if output.finished)
+        shared_steps += plain_running and engine.last_step_stats.num_seqs > 1
+    while engine.has_unfinished_requests():
+        finished.update((output.request_id, output) for output in engine.step() if output.finished)
+    assert [beam.token_ids for beam in finished["beams"].outputs] == alone_beams
+    assert finished["plain"].outputs[0].token_ids == alone_plain
+    assert shared_steps >= 10 and engine.kv_manager.pool.num_used_blocks == 0

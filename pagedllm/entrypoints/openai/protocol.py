@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm_engine import MAX_CACHE_SALT_CHARS
 from pagedllm.entrypoints.openai.errors import APIError, sampling_field_named_in
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -111,8 +112,13 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    # vLLM's extras: beam search with n beams, the best first
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams | BeamSearchParams:
+        if self.use_beam_search:
+            return self._beam_search_params()
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.echo and self.logprobs is not None:
@@ -122,6 +128,25 @@ class CompletionRequest(SamplingRequest):
         picks_best = not self.stream and (self.best_of or self.n) > self.n
         return self.sampling_params(best_of=self.best_of, logprobs=self.logprobs,
                                     output_kind=RequestOutputKind.FINAL_ONLY if picks_best else RequestOutputKind.DELTA)
+
+
+    def _beam_search_params(self) -> BeamSearchParams:
+        """n beams, max_tokens, ignore_eos and length_penalty; a sampling field beam search cannot honour
+        is a 400 naming it, not ignored (temperature 0 is what beam search does anyway)."""
+        allowed = {"n", "max_tokens", "ignore_eos", "temperature"}
+        for name in (*_SAMPLING_FIELDS, "best_of", "logprobs", "logit_bias", "suffix"):
+            if name not in allowed and getattr(self, name) is not None:
+                raise APIError(400, f"{name} cannot be used with use_beam_search", param=name)
+        if self.temperature not in (None, 0):
+            raise APIError(400, "temperature must be 0 (or unset) with use_beam_search", param="temperature")
+        if self.max_tokens is None:
+            raise APIError(400, "max_tokens is required with use_beam_search", param="max_tokens")
+        try:
+            return BeamSearchParams(beam_width=self.n, max_tokens=self.max_tokens, ignore_eos=bool(self.ignore_eos),
+                                    length_penalty=self.length_penalty)
+        except ValueError as exc:
+            message = str(exc).replace("beam_width", "n", 1)
+            raise APIError(400, message, param=message.split(" ", 1)[0]) from exc
 
 
 class TextContentPart(RequestModel):

@@ -1,4 +1,4 @@
-"""POST /v1/completions: one engine request per prompt, n choices each, streamed or whole."""
+"""POST /v1/completions: one engine request per prompt, n choices (or n beams) each, streamed or whole."""
 from __future__ import annotations
 
 import time
@@ -41,8 +41,8 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
     request_id = f"cmpl-{uuid.uuid4().hex}"
     merged = state.generate(prompts, params, [f"{request_id}-{index}" for index in range(len(prompts))])
     if body.stream:
-        return sse_response(_stream(body, request_id, prompts, params.n, merged, state))
-    choices = await unless_disconnected(raw_request, collect_choices(merged, len(prompts), params.n))
+        return sse_response(_stream(body, request_id, prompts, body.n, merged, state))
+    choices = await unless_disconnected(raw_request, collect_choices(merged, len(prompts), body.n))
     if choices is None:
         return Response(status_code=499)   # the client left; nobody reads this
     response = CompletionResponse(id=request_id, model=state.model_name, choices=[],
@@ -55,7 +55,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
             logprobs = None if body.logprobs is None else completion_logprobs(choice.token_ids, choice.logprobs,
                                                                               len(prefix))
             response.choices.append(CompletionChoice(
-                index=prompt_index * params.n + index, text=prefix + choice.text, logprobs=logprobs,
+                index=prompt_index * body.n + index, text=prefix + choice.text, logprobs=logprobs,
                 finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
     return response
 

@@ -9,6 +9,7 @@ import jinja2
 from fastapi import Request
 
 from pagedllm.engine.async_llm import AsyncLLM, EngineOverloadedError
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.stats import EngineStats
 from pagedllm.entrypoints.openai.errors import APIError, api_error_for, sampling_field_named_in
@@ -61,8 +62,8 @@ class ServerState:
             return requested
         return json.dumps([getattr(raw_request.state, "tenant", None), requested])
 
-    def engine_prompt(self, token_ids: list[int], text: str | None, params: SamplingParams, param: str,
-                      cache_salt: str | None = None) -> dict:
+    def engine_prompt(self, token_ids: list[int], text: str | None, params: SamplingParams | BeamSearchParams,
+                      param: str, cache_salt: str | None = None) -> dict:
         """The engine's prompt, checked now (length, token ids, KV room, salt) so a bad one is a 400, even
         before a stream has started; the engine's ValueError names the numbers."""
         prompt: dict = {"prompt_token_ids": token_ids}
@@ -76,7 +77,7 @@ class ServerState:
             raise APIError(400, str(exc), param=sampling_field_named_in(str(exc)) or param) from exc
         return prompt
 
-    def generate(self, prompts: list[dict], params: SamplingParams,
+    def generate(self, prompts: list[dict], params: SamplingParams | BeamSearchParams,
                  request_ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The prompts' output streams, merged. Refused with a 503 (Retry-After) now, before any answer
         has begun, when they would take the waiting requests past max_waiting_requests."""
