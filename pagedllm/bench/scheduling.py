@@ -1,8 +1,9 @@
-"""`pagedllm bench scheduling`: time spent per step in the scheduler and KV bookkeeping.
+"""`pagedllm bench scheduling`: time spent per step outside the model.
 
 Fills the engine with --num-seqs decoding sequences, then times --steps decode
-steps, splitting each into scheduling (scheduler, block tables, prefix hashes,
-forks) and model (inputs, forward pass, sampling), as LLMEngine records them.
+steps, splitting each as LLMEngine records them into scheduling (schedule() and
+update_from_output(): KV bookkeeping, prefix hashes, stops), step preparation (the
+runner's batch update and input arrays and tensors) and model (forward pass, sampling).
 """
 from __future__ import annotations
 
@@ -58,20 +59,24 @@ def run(args: argparse.Namespace) -> None:
     while len(engine.scheduler.running) < args.num_seqs or engine.scheduler.waiting:
         engine.step()
     engine.step()   # every sequence past its prefill
-    scheduling, model = [], []
+    parts = {"scheduler + KV bookkeeping": [], "step preparation": [], "both": []}
+    model = []
     for _ in range(args.steps):
         engine.step()
         stats = engine.last_step_stats
         assert stats.num_seqs == args.num_seqs, "every sequence should decode in every measured step"
-        scheduling.append(stats.scheduling_seconds)
+        parts["scheduler + KV bookkeeping"].append(stats.scheduling_seconds)
+        parts["step preparation"].append(stats.prepare_seconds)
+        parts["both"].append(stats.scheduling_seconds + stats.prepare_seconds)
         model.append(stats.model_seconds)
     engine.abort_request([str(i) for i in range(args.num_seqs)])
-    share = sum(scheduling) / (sum(scheduling) + sum(model))
     print(f"{args.num_seqs} running sequences, {args.steps} decode steps, block size {args.block_size}")
-    print("| scheduler + KV bookkeeping per step | median | p99 | share of step time |")
+    print("| per step | median | p99 | share of step time |")
     print("|---|---|---|---|")
-    print(f"| ms | {statistics.median(scheduling) * 1e3:.3f} | {percentile(scheduling, 0.99) * 1e3:.3f} "
-          f"| {share:.2%} |")
+    total = sum(parts["both"]) + sum(model)
+    for name, seconds in parts.items():
+        print(f"| {name} | {statistics.median(seconds) * 1e3:.3f} ms | {percentile(seconds, 0.99) * 1e3:.3f} ms "
+              f"| {sum(seconds) / total:.2%} |")
     print(f"(model step: median {statistics.median(model) * 1e3:.1f} ms)")
     prompts = [item.prompt_token_ids for item in workload]
     sha256_seconds = seconds_per_block_hash(prompts, args.block_size)

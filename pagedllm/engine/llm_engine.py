@@ -248,9 +248,10 @@ class LLMEngine:
         runner_output = self.runner.execute_model(scheduler_output)
         computed = time.perf_counter()
         sampled = self.scheduler.update_from_output(scheduler_output, runner_output)
+        updated = time.perf_counter()
         outputs = self._process_outputs(sampled, runner_output)
         self.last_step_stats = StepStats(
-            scheduling_seconds=(scheduled - started) + (time.perf_counter() - computed),
+            scheduling_seconds=(scheduled - started) + (updated - computed),
             prepare_seconds=runner_output.prepare_seconds,
             model_seconds=computed - scheduled - runner_output.prepare_seconds,
             num_seqs=len(scheduler_output.num_scheduled_tokens),

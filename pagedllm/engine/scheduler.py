@@ -105,8 +105,11 @@ class Scheduler:
         block_table = kv.get_block_table
         rewritten = kv.take_rewritten_entries()   # copy-on-write replaced these requests' table entries
         cached: CachedRequestData = out.scheduled_cached_reqs
+        add_id, add_tokens = cached.request_ids.append, cached.new_token_ids.append
+        add_start, add_blocks = cached.block_table_starts.append, cached.new_block_ids.append
+        add_computed = cached.num_computed_tokens.append
         num_scheduled = out.num_scheduled_tokens
-        for request, num_new in scheduled:
+        for request, num_new in scheduled:   # ~0.3 us per running request
             request_id = request.request_id
             table = block_table(request_id)
             tokens = request.all_token_ids
@@ -114,11 +117,11 @@ class Scheduler:
                 start = request.worker_num_blocks
                 if rewritten and request_id in rewritten:
                     start = min(start, rewritten[request_id])
-                cached.request_ids.append(request_id)
-                cached.new_token_ids.append(tokens[request.worker_num_tokens:])
-                cached.block_table_starts.append(start)
-                cached.new_block_ids.append(table[start:])
-                cached.num_computed_tokens.append(request.num_computed_tokens)
+                add_id(request_id)
+                add_tokens(tokens[request.worker_num_tokens:])
+                add_start(start)
+                add_blocks(table[start:])
+                add_computed(request.num_computed_tokens)
             else:
                 out.scheduled_new_reqs.append(self._new_request_data(request, table))
             request.worker_num_tokens, request.worker_num_blocks = len(tokens), len(table)
@@ -231,11 +234,12 @@ class Scheduler:
         Returns (request, row in runner_output) for every plain request that got a token, in row order.
         """
         requests, kv = self.requests, self.kv_manager
-        cache_full_blocks = kv.cache_full_blocks
+        cache_full_blocks, block_size = kv.cache_full_blocks, kv.block_size
         for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = requests[request_id]
-            request.num_computed_tokens += num_new
-            cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+            request.num_computed_tokens = computed = request.num_computed_tokens + num_new
+            if num_new > 1 or computed % block_size == 0:   # a decode fills a block only at a block boundary
+                cache_full_blocks(request_id, request.all_token_ids, computed)
         sampled = []
         searches = []
         token_ids, logprobs = runner_output.sampled_token_ids, runner_output.logprobs

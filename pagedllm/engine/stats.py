@@ -8,7 +8,8 @@ from pagedllm.kv.manager import KVCacheUsage
 
 @dataclass(frozen=True)
 class StepStats:
-    scheduling_seconds: float   # schedule() and update_from_output(): KV bookkeeping, prefix hashes, forks, stops
+    scheduling_seconds: float   # schedule() and update_from_output(): KV bookkeeping, prefix hashes, stops
+                                # (not the output processing after it: detokenizing, outputs)
     prepare_seconds: float      # the runner's step preparation: batch update, input arrays and tensors
     model_seconds: float        # the forward pass and sampling
     num_seqs: int

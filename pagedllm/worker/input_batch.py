@@ -6,6 +6,7 @@ and a step's arrays are slices and gathers. Capacity doubles when a row is added
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -180,21 +181,23 @@ class InputBatch:
                        new_block_ids: list[list[int]], num_computed_tokens: list[int]) -> np.ndarray:
         """Applies what running requests gained since their last step; returns their rows. The common case,
         one new token and no new block each, takes a few array operations for the whole batch."""
-        rows = np.fromiter(map(self.row_of.__getitem__, request_ids), np.int64, len(request_ids))
+        count = len(request_ids)
+        rows = np.fromiter(map(self.row_of.__getitem__, request_ids), np.int64, count)
         self.num_computed_tokens[rows] = num_computed_tokens
-        if all(len(tokens) == 1 for tokens in new_token_ids):
-            self.token_ids[rows, self.num_tokens[rows]] = [tokens[0] for tokens in new_token_ids]
+        num_new_tokens = np.fromiter(map(len, new_token_ids), np.int64, count)
+        if (num_new_tokens == 1).all():
+            self.token_ids[rows, self.num_tokens[rows]] = list(itertools.chain.from_iterable(new_token_ids))
             self.num_tokens[rows] += 1
         else:
             for row, tokens in zip(rows.tolist(), new_token_ids):
                 start = self.num_tokens[row]
                 self.token_ids[row, start:start + len(tokens)] = tokens
                 self.num_tokens[row] = start + len(tokens)
-        for index, block_ids in enumerate(new_block_ids):
-            if block_ids:   # tables only grow, or have an entry replaced by a copy: never an empty change
-                row, start = rows[index], block_table_starts[index]
-                self.block_table[row, start:start + len(block_ids)] = block_ids
-                self.num_blocks[row] = start + len(block_ids)
+        # Tables only grow, or have an entry replaced by a copy: an unchanged table sends no ids.
+        for index in np.flatnonzero(np.fromiter(map(len, new_block_ids), np.int64, count)).tolist():
+            row, start, block_ids = rows[index], block_table_starts[index], new_block_ids[index]
+            self.block_table[row, start:start + len(block_ids)] = block_ids
+            self.num_blocks[row] = start + len(block_ids)
         return rows
 
     def step_rows(self, scheduler_output: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
