@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.attention import AttentionMetadata, paged_attention
+from pagedllm.model.attention import AttentionMetadata, CacheTensor, paged_attention
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_linear, padded_rows
 from pagedllm.model.ops import rms_norm, silu_and_mul
@@ -72,7 +72,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(w(prefix + "post_attention_layernorm.weight"), config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                kv_cache: tuple[CacheTensor, CacheTensor], meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it); their sum is the
         layer's result, added into the stream by the next norm in the same pass."""
@@ -137,7 +137,7 @@ class CausalLM(nn.Module):
         return sum(held.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                kv_caches: list[tuple[CacheTensor, CacheTensor]], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits [len(logits_indices), vocab] for the rows that sample."""
         if self.pads_batch:

@@ -83,7 +83,8 @@ class SamplingBatch:
         repetition = columns.repetition_penalty[rows]
         if (repetition != 1.0).any():
             batch.repetition_penalties = column(repetition)
-            batch.seen_tokens = _token_counts(token_ids, rows, np.zeros_like(num_tokens), num_tokens, vocab_size, device) > 0
+            everything = np.zeros_like(num_tokens)   # from the first prompt token
+            batch.seen_tokens = _token_counts(token_ids, rows, everything, num_tokens, vocab_size, device) > 0
         frequency, presence = columns.frequency_penalty[rows], columns.presence_penalty[rows]
         if (frequency != 0.0).any() or (presence != 0.0).any():
             batch.frequency_penalties = column(frequency)
