@@ -13,15 +13,19 @@ from pagedllm.model.attention import (AttentionMetadata, CacheTensor, has_scales
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.sampler import SamplerOutput, SamplingBatch, sample
+from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
 
 
 SCALE_BYTES = 4   # one float32 scale per slot and kv head, for the caches that have them
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
-    """K and V of every layer for one block of tokens, in the KV cache dtype (scales included)."""
+def kv_bytes_per_block(config: ModelConfig, block_size: int, cache_dtype: torch.dtype,
+                       tensor_parallel_size: int = 1) -> int:
+    """K and V of every layer for one block of tokens, in the KV cache dtype (scales included), on one
+    rank: each tensor-parallel rank caches its own KV heads only."""
     bytes_per_head = config.head_dim * cache_dtype.itemsize + (SCALE_BYTES if has_scales(cache_dtype) else 0)
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * bytes_per_head
+    num_kv_heads = num_kv_heads_per_rank(config, tensor_parallel_size)
+    return 2 * config.num_hidden_layers * block_size * num_kv_heads * bytes_per_head
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -35,10 +39,12 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, cache_dtype: torch.dtype,
-                       device: torch.device) -> list[tuple[CacheTensor, CacheTensor]]:
-    """Every layer's zeroed K and V caches in cache_dtype, laid out as kv_cache_shapes says, scales included."""
-    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    scales_shape = kv_scales_shape(num_blocks, block_size, config.num_key_value_heads)
+                       device: torch.device, num_kv_heads: int | None = None) -> list[tuple[CacheTensor, CacheTensor]]:
+    """Every layer's zeroed K and V caches in cache_dtype, laid out as kv_cache_shapes says, scales included;
+    num_kv_heads: a tensor-parallel rank's (default: all the model's)."""
+    num_kv_heads = num_kv_heads or config.num_key_value_heads
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, num_kv_heads, config.head_dim)
+    scales_shape = kv_scales_shape(num_blocks, block_size, num_kv_heads)
 
     def new_cache(shape: tuple[int, ...]) -> CacheTensor:
         scales = _zeros(scales_shape, torch.float32, device) if has_scales(cache_dtype) else None
@@ -54,7 +60,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.vocab_size = config.vocab_size
-        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, kv_cache_dtype, device)
+        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, kv_cache_dtype, device, model.num_kv_heads)
         self.generators: dict[str, torch.Generator] = {}
         self.use_kernel = kernel_available(device, config.head_dim)
         torch.manual_seed(seed)
@@ -78,7 +84,8 @@ class ModelRunner:
                 ) -> tuple[list[Request], SamplerOutput | None]:
         """Makes the copy-on-write block copies, runs one forward pass, and samples.
 
-        Returns the requests that sampled and their samples, row for row.
+        Returns the requests that sampled and their samples, row for row; on tensor-parallel ranks
+        other than 0, which get no logits, ([], None): sampling happens on rank 0 only.
         """
         if block_copies:
             self._copy_blocks(block_copies)
@@ -86,7 +93,7 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = self._prepare(rows)
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
         sampling_rows = [r for row in rows if row.samples for r in (row.request, *row.also_sample_for)]
-        if not sampling_rows:
+        if logits is None or not sampling_rows:
             return [], None
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in sampling_rows],
