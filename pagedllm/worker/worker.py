@@ -44,6 +44,7 @@ class Worker:
         config = args.engine_config
         tp_size = config.tensor_parallel_size
         self.rank = rank
+        self.previous_num_threads = torch.get_num_threads()   # restored at shutdown (rank 0 shares the process)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         self.device = args.device
@@ -79,6 +80,7 @@ class Worker:
         """Answering at all is the check: a rank that can run this is alive and idle."""
 
     def shutdown(self) -> None:
+        torch.set_num_threads(self.previous_num_threads)
         if self.joined:
             destroy_tensor_parallel_group()
             self.joined = False

@@ -28,6 +28,7 @@ from pagedllm.worker.worker import Worker, WorkerArgs, run_worker_process
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_SECONDS = 10   # a worker told to stop that has not exited by then is killed
+DEATH_NOTICE_SECONDS = 5    # upper bound on naming a dying worker as the cause of a failed call
 _SHUTDOWN = pickle.dumps(None)
 
 
@@ -95,6 +96,8 @@ class MultiprocExecutor(Executor):
             for worker in self.workers:
                 _reply(worker, method)
         except Exception as exc:
+            # A peer's sockets close as it exits, a moment before it can be reaped: let its death show.
+            wait([worker.process.sentinel for worker in self.workers], timeout=DEATH_NOTICE_SECONDS)
             reason = self.failure.reason or _dead_worker(self.workers) or f"{method} failed: {exc}"
             self.failure.reason = reason
             _kill_alive(self.workers)   # ranks still in the collective would wait for the dead one
