@@ -49,6 +49,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1   # ranks splitting each layer; the KV cache memory is per rank
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,6 +80,9 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
+        if not (isinstance(self.tensor_parallel_size, int) and not isinstance(self.tensor_parallel_size, bool)
+                and self.tensor_parallel_size >= 1):
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
 

@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated values (e.g. none,auto): measured side by side in this run")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -32,12 +33,12 @@ def run(args: argparse.Namespace) -> None:
 
     batch_sizes = [int(size) for size in args.batch_size.split(",")]
     print(f"input {args.input_len}, output {args.output_len}, KV cache {args.kv_cache_dtype}, "
-          f"{args.num_iters} iterations")
+          f"tensor parallel {args.tensor_parallel_size}, {args.num_iters} iterations")
     print("| quantization | dtype | batch | prefill ms p50 | p99 | decode step ms p50 | p99 | decode tok/s |")
     print("|---|---|---|---|---|---|---|---|")
     for quantization in args.quantization.split(","):
         llm = LLM(args.model, dtype=args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
-                  block_size=args.block_size,
+                  block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
                   enable_prefix_caching=False, max_num_seqs=max(batch_sizes),
                   max_num_batched_tokens=max(2048, max(batch_sizes) * args.input_len))
         for batch_size in batch_sizes:
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> None:
             print(f"| {quantization} | {str(llm.llm_engine.dtype).removeprefix('torch.')} | {batch_size} "
                   f"| {statistics.median(prefills) * 1e3:.1f} | {percentile(prefills, 0.99) * 1e3:.1f} "
                   f"| {decode * 1e3:.1f} | {percentile(decodes, 0.99) * 1e3:.1f} | {batch_size / decode:.1f} |")
+        llm.llm_engine.shutdown()
         del llm
 
 

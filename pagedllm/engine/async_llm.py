@@ -156,6 +156,7 @@ class AsyncLLM:
             await asyncio.wait([self._loop_task])
         # Queued behind any step still running on the engine thread.
         await self._on_engine_thread(self._abort_all_in_engine)
+        await self._on_engine_thread(self.engine.shutdown)   # tensor-parallel worker processes
         self._executor.shutdown()
         self._fail_streams(list(self._streams), lambda request_id: EngineDeadError("engine shut down"))
 

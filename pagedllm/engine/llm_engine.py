@@ -10,18 +10,19 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.executor.abstract import Executor
 from pagedllm.engine.output_processor import BeamSearchParent, ChildState, ParentRequest, process_token
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stats import EngineStats, StepStats
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.model import kernels
-from pagedllm.model.llama import CausalLM
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step import ModelRunnerOutput
-from pagedllm.worker.model_runner import ModelRunner, kv_bytes_per_block
+from pagedllm.worker.model_runner import kv_bytes_per_block
+from pagedllm.worker.worker import WorkerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -92,14 +93,15 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, checkpoint.config.torch_dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = self._resolve_max_model_len()
-        model = CausalLM(checkpoint.config, checkpoint.weights, self.dtype, self.device, self.max_model_len)
-        del checkpoint
         num_blocks = self._num_kv_blocks()
+        self.executor = Executor.create(WorkerArgs(config, self.device, self.dtype, self.kv_cache_dtype,
+                                                   self.max_model_len, num_blocks), checkpoint)
+        del checkpoint
+        self.runner = self.executor.driver_worker.model_runner   # rank 0's
+        model = self.runner.model
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self._resolve_token_budget(),
                                    config.enable_chunked_prefill, config.scheduling_policy)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_cache_dtype, self.device,
-                                  config.seed, self.max_model_len, config.max_num_seqs)
         self.parents: dict[str, ParentRequest | BeamSearchParent] = {}
         self.children: dict[str, ChildState] = {}   # plain and parallel samples (not beams) by request id
         self.parent_of: dict[str, str] = {}
@@ -130,7 +132,8 @@ class LLMEngine:
         return budget or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
 
     def _num_kv_blocks(self) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype)
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype,
+                                       self.config.tensor_parallel_size)   # per rank, as kv_cache_memory
         budget = self.config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -245,7 +248,7 @@ class LLMEngine:
                 or scheduler_output.preempted_req_ids):
             return []
         scheduled = time.perf_counter()
-        runner_output = self.runner.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         computed = time.perf_counter()
         sampled = self.scheduler.update_from_output(scheduler_output, runner_output)
         updated = time.perf_counter()
@@ -312,6 +315,10 @@ class LLMEngine:
         for child in parent.children:
             del self.children[child.request.request_id]
             del self.parent_of[child.request.request_id]
+
+    def shutdown(self) -> None:
+        """Stops the executor's worker processes (tensor parallel); also done when the engine is freed."""
+        self.executor.shutdown()
 
     def stats(self) -> EngineStats:
         return EngineStats(kv_cache=self.kv_manager.usage(), num_running=len(self.scheduler.running),

@@ -64,6 +64,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help=f"split long prompts across steps {_default(EngineConfig, 'enable_chunked_prefill')}")
     group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_UNSET,
                        help=f"order of the waiting queue {_default(EngineConfig, 'scheduling_policy')}")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=_UNSET,
+                       help="processes splitting each layer (gloo on CPU, NCCL on CUDA); --kv-cache-memory is "
+                            f"per process {_default(EngineConfig, 'tensor_parallel_size')}")
     group.add_argument("--seed", type=int, default=_UNSET,
                        help=f"seed of the sampler's random generator {_default(EngineConfig, 'seed')}")
 

@@ -15,12 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
 from pagedllm.model.attention import AttentionMetadata, CacheTensor, paged_attention
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_linear, padded_rows
 from pagedllm.model.ops import rms_norm, silu_and_mul
+from pagedllm.model.parallel_linear import parallel_lm_head, row_parallel, vocab_parallel_embedding
 from pagedllm.model.quantization import QuantizedWeight
 from pagedllm.model.rope import Rotation, RotaryEmbedding
+from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -53,21 +56,21 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, w: WeightTaker, prefix: str):
+    def __init__(self, config: ModelConfig, w: WeightTaker, prefix: str, group: TensorParallelGroup):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads // group.world_size   # this rank's heads
+        self.num_kv_heads = num_kv_heads_per_rank(config, group.world_size)
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         attn = prefix + "self_attn."
         self.qkv_proj = fused_linear([w(attn + n + "_proj.weight") for n in "qkv"],
                                      [w(attn + n + "_proj.bias") for n in "qkv"] if config.attention_bias else None)
-        self.o_proj = fused_linear([w(attn + "o_proj.weight")])
+        self.o_proj = row_parallel(fused_linear([w(attn + "o_proj.weight")]), group)
         self.q_norm = RMSNorm(w(attn + "q_norm.weight"), config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(w(attn + "k_norm.weight"), config.rms_norm_eps) if config.qk_norm else None
         mlp = prefix + "mlp."
         self.gate_up_proj = fused_linear([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")])
-        self.down_proj = fused_linear([w(mlp + "down_proj.weight")])
+        self.down_proj = row_parallel(fused_linear([w(mlp + "down_proj.weight")]), group)
         self.input_norm = RMSNorm(w(prefix + "input_layernorm.weight"), config.rms_norm_eps)
         self.post_attention_norm = RMSNorm(w(prefix + "post_attention_layernorm.weight"), config.rms_norm_eps)
 
@@ -97,19 +100,26 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Runs a flat batch of tokens from many sequences; returns logits only where asked."""
+    """Runs a flat batch of tokens from many sequences; returns logits only where asked.
+
+    Under tensor parallelism (group of more than one rank) `weights` reads as this rank's parts
+    (CheckpointWeights.sharded) and the logits come back on rank 0 only.
+    """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor | QuantizedWeight],
-                 dtype: torch.dtype, device: torch.device, max_positions: int):
+                 dtype: torch.dtype, device: torch.device, max_positions: int,
+                 group: TensorParallelGroup = SINGLE_PROCESS):
         super().__init__()
         self.config = config
+        self.num_kv_heads = num_kv_heads_per_rank(config, group.world_size)
         w = WeightTaker(weights, dtype, device)
         embedding = w("model.embed_tokens.weight")
-        self.embed_tokens = Embedding(embedding, dtype)
-        self.lm_head = fused_linear([embedding if config.tie_word_embeddings else w("lm_head.weight")])
+        self.embed_tokens = vocab_parallel_embedding(Embedding(embedding, dtype), group, config.vocab_size)
+        self.lm_head = parallel_lm_head(
+            fused_linear([embedding if config.tie_word_embeddings else w("lm_head.weight")]), group)
         del embedding
         self.layers = nn.ModuleList(
-            DecoderLayer(config, w, f"model.layers.{i}.") for i in range(config.num_hidden_layers))
+            DecoderLayer(config, w, f"model.layers.{i}.", group) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(w("model.norm.weight"), config.rms_norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling, device)
@@ -139,7 +149,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[CacheTensor, CacheTensor]], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """Returns float32 logits [len(logits_indices), vocab] for the rows that sample."""
+        """Returns float32 logits [len(logits_indices), vocab] for the rows that sample (None on ranks > 0)."""
         if self.pads_batch:
             # Prepacked Linears take a few row counts only (see padded_rows): padding the batch once
             # here spares each of them a copy. Extra rows are token 0 at position 0; attention skips them.
@@ -150,4 +160,5 @@ class CausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, rotation, kv_cache, meta)
         hidden = self.norm(hidden[logits_indices], residual[logits_indices])
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()

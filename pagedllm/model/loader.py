@@ -16,6 +16,7 @@ from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
 from pagedllm.model.config import ModelConfig, model_config_from_gguf, model_config_from_hf
 from pagedllm.model.quantization import GGUF_QUANTIZED_TYPES, QuantizedWeight, quantize
+from pagedllm.model.tensor_parallel import Shard
 from pagedllm.model.weights import CheckpointWeights, load_gguf_weights, load_safetensors_weights, open_gguf, \
     read_gguf_metadata
 from pagedllm.tokenizer import Tokenizer, load_tokenizer_from_folder, load_tokenizer_from_gguf
@@ -100,8 +101,8 @@ def is_quantizable(name: str) -> bool:
 
 def quantize_floats(weights: CheckpointWeights, bits: int) -> CheckpointWeights:
     """Round-to-nearest group quantization of the float weights as they are read."""
-    def read(name: str) -> torch.Tensor | QuantizedWeight:
-        weight = weights[name]
+    def read(name: str, shard: Shard | None) -> torch.Tensor | QuantizedWeight:
+        weight = weights.read(name, shard)   # a rank's part is quantized, never the whole then cut
         if isinstance(weight, QuantizedWeight) or not is_quantizable(name):
             return weight
         return quantize(weight, _quantized_bits(name, bits))

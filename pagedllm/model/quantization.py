@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.model.tensor_parallel import Shard
+
 _SUPER_BLOCK = 256   # the K-quants' block
 
 
@@ -219,21 +221,32 @@ GGUF_QUANTIZED_TYPES = frozenset(_GGUF_FORMATS)
 
 
 def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int],
-              row_order: torch.Tensor | None = None) -> QuantizedWeight:
+              row_order: torch.Tensor | None = None, shard: Shard | None = None) -> QuantizedWeight:
     """A GGUF tensor's raw blocks (uint8, as gguf's reader maps them) in the internal format, exactly;
-    row_order, if given, reorders the rows first (llama.cpp's q/k permutation undone)."""
+    row_order, if given, reorders the rows first (llama.cpp's q/k permutation undone). shard: only a
+    tensor-parallel rank's part, cut before tiling (rows from the raw blocks; columns on group bounds)."""
     bits, group, scale_dtype, block_bytes, block_columns, repack = _GGUF_FORMATS[type_name]
     rows, cols = shape
-    raw = np.ascontiguousarray(data).reshape(rows * cols // block_columns, block_bytes)
-    q, scales, mins = repack(raw)
+    raw = np.ascontiguousarray(data).reshape(rows, cols // block_columns * block_bytes)
+    if shard is not None and shard.dim == 0:
+        start, stop = shard.bounds(rows)
+        raw = raw[row_order[start:stop].numpy()] if row_order is not None else raw[start:stop]
+        rows, row_order = stop - start, None
+    elif row_order is not None:
+        raw = raw[row_order.numpy()]
+    q, scales, mins = repack(raw.reshape(rows * cols // block_columns, block_bytes))
     if scale_dtype == torch.float16 and not _fits_float16(scales, mins):
         scale_dtype = torch.float32   # -8 d of Q4_0 can leave float16's range; float32 holds it exactly
+    column_shard = shard if shard is not None and shard.dim == 1 else None
+    if column_shard is not None and (cols % shard.count or cols // shard.count % group):
+        raise ValueError(f"a {type_name} weight of {cols} columns does not split into {shard.count} parts of "
+                         f"whole {group}-column groups")
 
     def rows_of(values: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
         if values is None:
             return None
         tensor = torch.from_numpy(np.ascontiguousarray(values)).reshape(rows, -1).to(dtype)
-        return tensor if row_order is None else tensor[row_order]
+        return tensor if column_shard is None else column_shard.of(tensor)
 
     return tiled(rows_of(q, torch.uint8 if bits == 4 else torch.int8), rows_of(scales, scale_dtype),
                  rows_of(mins, scale_dtype), bits, group, type_name)

@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.quantization import GGUF_QUANTIZED_TYPES, QuantizedWeight, from_gguf
+from pagedllm.model.tensor_parallel import Shard
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -77,16 +78,25 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 class CheckpointWeights(Mapping):
     """A checkpoint's tensors by Hugging Face name, each read from the (memory-mapped) file only when
     asked for: the model takes them one at a time into their final form, so no whole-checkpoint copy
-    is ever held. `formats` names each tensor's storage (a GGUF type such as Q4_K, or a torch dtype)."""
+    is ever held. `formats` names each tensor's storage (a GGUF type such as Q4_K, or a torch dtype).
+    With `shards` (a tensor-parallel rank's, tensor_parallel.py), a tensor reads as this rank's part only."""
 
-    def __init__(self, read: Callable[[str], torch.Tensor | QuantizedWeight], formats: dict[str, str]):
+    def __init__(self, read: Callable[[str, Shard | None], torch.Tensor | QuantizedWeight], formats: dict[str, str],
+                 shards: Mapping[str, Shard] | None = None):
         self._read = read
         self.formats = formats
+        self.shards = shards or {}
+
+    def read(self, name: str, shard: Shard | None = None) -> torch.Tensor | QuantizedWeight:
+        return self._read(name, shard)
+
+    def sharded(self, shards: Mapping[str, Shard]) -> CheckpointWeights:
+        return CheckpointWeights(self._read, self.formats, shards)
 
     def __getitem__(self, name: str) -> torch.Tensor | QuantizedWeight:
         if name not in self.formats:
             raise KeyError(name)
-        return self._read(name)
+        return self._read(name, self.shards.get(name))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.formats)
@@ -132,7 +142,15 @@ def load_safetensors_weights(folder: Path, config: ModelConfig) -> CheckpointWei
         except safetensors.SafetensorError as exc:
             raise ValueError(f"{folder / file} is not a readable safetensors file: {exc}") from exc
     names = check_weight_shapes(shapes, config)
-    return CheckpointWeights(lambda name: handles[name].get_tensor(name), {name: formats[name] for name in names})
+
+    def read(name: str, shard: Shard | None) -> torch.Tensor:
+        if shard is None:
+            return handles[name].get_tensor(name)
+        start, stop = shard.bounds(shapes[name][shard.dim])   # reads this part of the file only
+        part = handles[name].get_slice(name)
+        return part[start:stop] if shard.dim == 0 else part[:, start:stop]
+
+    return CheckpointWeights(read, {name: formats[name] for name in names})
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
@@ -162,16 +180,16 @@ def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, keep_quantiz
                                               if ".self_attn.q_proj." in name else config.num_key_value_heads)
                       for name in names if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name}
 
-    def read(name: str) -> torch.Tensor | QuantizedWeight:
+    def read(name: str, shard: Shard | None) -> torch.Tensor | QuantizedWeight:
         try:
-            return read_tensor(name)
+            return read_tensor(name, shard)
         finally:
             _drop_mapped_pages(reader, tensors[name])
 
-    def read_tensor(name: str) -> torch.Tensor | QuantizedWeight:
+    def read_tensor(name: str, shard: Shard | None) -> torch.Tensor | QuantizedWeight:
         tensor = tensors[name]
         if keep_quantized and tensor.tensor_type.name in GGUF_QUANTIZED_TYPES and len(shapes[name]) == 2:
-            return from_gguf(tensor.data, tensor.tensor_type.name, shapes[name], row_orders.get(name))
+            return from_gguf(tensor.data, tensor.tensor_type.name, shapes[name], row_orders.get(name), shard)
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
@@ -180,7 +198,8 @@ def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, keep_quantiz
             # F32 tensors come back as read-only views of the memory-mapped file; tensors must own memory.
             values = values.copy()
         weight = torch.from_numpy(values.reshape(shapes[name]))
-        return weight[row_orders[name]] if name in row_orders else weight
+        weight = weight[row_orders[name]] if name in row_orders else weight
+        return weight if shard is None else shard.of(weight)
 
     return CheckpointWeights(read, {name: tensors[name].tensor_type.name for name in names})
 

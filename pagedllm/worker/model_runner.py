@@ -15,6 +15,7 @@ from pagedllm.model.attention import (AttentionMetadata, CacheTensor, has_scales
                                       kv_scales_shape)
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
+from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.sampler import SamplingBatch, sample
@@ -23,10 +24,13 @@ from pagedllm.worker.sampler import SamplingBatch, sample
 SCALE_BYTES = 4   # one float32 scale per slot and kv head, for the caches that have them
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
-    """K and V of every layer for one block of tokens, in the KV cache dtype (scales included)."""
+def kv_bytes_per_block(config: ModelConfig, block_size: int, cache_dtype: torch.dtype,
+                       tensor_parallel_size: int = 1) -> int:
+    """K and V of every layer for one block of tokens, in the KV cache dtype (scales included), on one
+    rank: each tensor-parallel rank caches its own KV heads only."""
     bytes_per_head = config.head_dim * cache_dtype.itemsize + (SCALE_BYTES if has_scales(cache_dtype) else 0)
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * bytes_per_head
+    num_kv_heads = num_kv_heads_per_rank(config, tensor_parallel_size)
+    return 2 * config.num_hidden_layers * block_size * num_kv_heads * bytes_per_head
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -40,10 +44,12 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, cache_dtype: torch.dtype,
-                       device: torch.device) -> list[tuple[CacheTensor, CacheTensor]]:
-    """Every layer's zeroed K and V caches in cache_dtype, laid out as kv_cache_shapes says, scales included."""
-    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    scales_shape = kv_scales_shape(num_blocks, block_size, config.num_key_value_heads)
+                       device: torch.device, num_kv_heads: int | None = None) -> list[tuple[CacheTensor, CacheTensor]]:
+    """Every layer's zeroed K and V caches in cache_dtype, laid out as kv_cache_shapes says, scales included;
+    num_kv_heads: a tensor-parallel rank's (default: all the model's)."""
+    num_kv_heads = num_kv_heads or config.num_key_value_heads
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, num_kv_heads, config.head_dim)
+    scales_shape = kv_scales_shape(num_blocks, block_size, num_kv_heads)
 
     def new_cache(shape: tuple[int, ...]) -> CacheTensor:
         scales = _zeros(scales_shape, torch.float32, device) if has_scales(cache_dtype) else None
@@ -59,7 +65,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.vocab_size = config.vocab_size
-        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, kv_cache_dtype, device)
+        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, kv_cache_dtype, device,
+                                            model.num_kv_heads)
         self.input_batch = InputBatch(max_model_len, block_size, device, capacity=max_num_seqs)
         self.use_kernel = kernel_available(device, config.head_dim)
         torch.manual_seed(seed)
@@ -77,7 +84,7 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices, sampling_rows = self._prepare(scheduler_output)
         prepared = time.perf_counter()
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
-        if not len(sampling_rows):
+        if logits is None or not len(sampling_rows):   # tensor-parallel ranks > 0 get no logits: rank 0 samples
             return ModelRunnerOutput([], [], [], prepare_seconds=prepared - started)
         sampling = SamplingBatch.build(batch.sampling, sampling_rows, batch.token_ids,
                                        batch.num_prompt_tokens[sampling_rows], batch.num_tokens[sampling_rows],

@@ -1,0 +1,113 @@
+"""Worker: one rank of the engine's model. It sets its share of the threads, builds its shard of the model
+and its ModelRunner, joins the tensor-parallel group, and runs the methods the executor calls by name.
+
+Rank 0 lives in the engine process; ranks 1.. run `run_worker_process` in spawned processes, idle on
+their control pipe (never in a collective) between calls.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import (SINGLE_PROCESS, TensorParallelGroup,
+                                                 destroy_tensor_parallel_group, init_tensor_parallel_group)
+from pagedllm.model.llama import CausalLM
+from pagedllm.model.loader import Checkpoint, load_checkpoint
+from pagedllm.model.tensor_parallel import weight_shards
+from pagedllm.step import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What every rank needs to build its part of the engine, resolved once by the engine (picklable)."""
+    engine_config: EngineConfig
+    device: torch.device            # rank 0's; rank r on CUDA takes cuda:r
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    max_model_len: int
+    num_blocks: int                 # the same on every rank, so the scheduler's block ids hold everywhere
+    num_threads: int | None = None  # torch threads of this rank; None leaves the process's setting
+    port: int | None = None         # the tensor-parallel group's rendezvous port on 127.0.0.1
+
+
+class Worker:
+    def __init__(self, args: WorkerArgs, rank: int = 0, checkpoint: Checkpoint | None = None):
+        """checkpoint: the one the caller has opened already (rank 0); else it is opened here."""
+        config = args.engine_config
+        tp_size = config.tensor_parallel_size
+        self.rank = rank
+        self.previous_num_threads = torch.get_num_threads()   # restored at shutdown (rank 0 shares the process)
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
+        self.device = args.device
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", (self.device.index or 0) + rank)
+            torch.cuda.set_device(self.device)
+        self.port, self.joined = args.port, False
+        self.group = TensorParallelGroup(rank, tp_size) if tp_size > 1 else SINGLE_PROCESS
+        checkpoint = checkpoint or load_checkpoint(config.model, config.quantization)
+        weights = checkpoint.weights
+        if tp_size > 1:   # read as this rank's parts, each cut as it is read
+            weights = weights.sharded(weight_shards(checkpoint.config, rank, tp_size))
+        model = CausalLM(checkpoint.config, weights, args.dtype, self.device, args.max_model_len, self.group)
+        del checkpoint, weights
+        self.model_runner = ModelRunner(model, args.num_blocks, config.block_size, args.kv_cache_dtype,
+                                        self.device, config.seed, args.max_model_len, config.max_num_seqs)
+
+    def init_distributed(self) -> None:
+        """Joins the tensor-parallel group, once every rank has built its model (so a rank that fails to
+        load is reported from its pipe, not met as a rendezvous that never completes)."""
+        if self.group.world_size > 1:
+            init_tensor_parallel_group(self.group, self.port, self.device)
+            self.joined = True
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on this rank's runner: every rank applies the same plain step data to its own batch;
+        only rank 0 samples, so only its result matters."""
+        return self.model_runner.execute_model(scheduler_output)
+
+    def check_health(self) -> None:
+        """Answering at all is the check: a rank that can run this is alive and idle."""
+
+    def shutdown(self) -> None:
+        torch.set_num_threads(self.previous_num_threads)
+        if self.joined:
+            destroy_tensor_parallel_group()
+            self.joined = False
+
+
+def run_worker_process(args: WorkerArgs, rank: int, conn: Connection) -> None:
+    """A spawned rank's life: build the worker, say "ready", then run (method, args, kwargs) calls from the
+    pipe, answering (None, None) or (None, error text), until told to stop (None) or the engine's end of the
+    pipe closes. A failed call ends the process: its peers' collectives then fail on the closed sockets
+    instead of waiting for it."""
+    try:
+        worker = Worker(args, rank)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            call = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):   # the engine process is gone
+            break
+        if call is None:
+            break
+        method, method_args, method_kwargs = call
+        try:
+            getattr(worker, method)(*method_args, **method_kwargs)
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+            return
+        conn.send(("done", None))
+    worker.shutdown()
