@@ -89,6 +89,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=_UNSET,
                        help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted "
                             f"{_default(ServerConfig, 'shutdown_timeout')}")
+    group.add_argument("--disable-dashboard", action="store_true", default=_UNSET,
+                       help="serve no /dashboard page and no /v1/kv_map routes (default: served)")
 
 
 def resolve_settings(args: argparse.Namespace, settings: dict[str, type]) -> dict[str, object]:
