@@ -62,12 +62,12 @@ def page_codes(browser) -> list[int]:
     return browser.execute_script("return Array.from(window.kvDashboard.state.codes)")
 
 
-def stream_in_background(server, **body) -> threading.Thread:
+def stream_in_background(server, prompt: str = PROMPT, **body) -> threading.Thread:
     """A streamed completion read to its end on another thread, so the test can watch the page meanwhile."""
     def run():
         with httpx.Client(timeout=TIMEOUT) as client, client.stream(
                 "POST", f"{server.url}/v1/completions", headers=server.headers,
-                json={"model": "smollm2", "prompt": PROMPT, "stream": True, "ignore_eos": True, **body}) as response:
+                json={"model": "smollm2", "prompt": prompt, "stream": True, "ignore_eos": True, **body}) as response:
             assert response.status_code == 200
             for _ in response.iter_lines():
                 pass
@@ -91,7 +91,7 @@ def test_page_loads_without_console_errors_and_shows_every_block(server, browser
 
 
 def test_streaming_requests_show_in_use_cells_matching_metrics_and_shared_ones(server, browser):
-    thread = stream_in_background(server, n=4, temperature=1.0, max_tokens=200)
+    threads = [stream_in_background(server, n=4, temperature=1.0, max_tokens=200)]
     try:
         def agreement():
             counts = page_counts(browser)
@@ -100,6 +100,11 @@ def test_streaming_requests_show_in_use_cells_matching_metrics_and_shared_ones(s
         page_used, metrics_used, top_ref = poll(agreement, lambda a: a[0] == a[1] > 0 and a[2] == 4, TIMEOUT)
         assert page_used == metrics_used > 0
         assert top_ref == 4                                   # the prompt's full blocks, held by 4 samples
+        # More requests for the screenshot, taken once the page lists them all and has a few seconds of plots.
+        threads += [stream_in_background(server, f"Story {index}: {PROMPT}", max_tokens=120) for index in range(3)]
+        poll(lambda: browser.execute_script(
+            "return [document.querySelectorAll('#requests tbody tr').length, window.kvDashboard.state.history.length]"),
+            lambda shown: shown[0] >= 7 and shown[1] >= 25, TIMEOUT)
         SCREENSHOT.parent.mkdir(exist_ok=True)
         browser.save_screenshot(str(SCREENSHOT))
         # Hover a shared block: the tooltip names its owners as /v1/kv_map does.
@@ -110,7 +115,8 @@ def test_streaming_requests_show_in_use_cells_matching_metrics_and_shared_ones(s
         assert f"block {block_id}" in tooltip and "ref count 4" in tooltip
         assert all(owner in tooltip for owner in owners) and len(owners) == 4
     finally:
-        thread.join()
+        for thread in threads:
+            thread.join()
 
 
 def test_a_repeated_prompt_shows_prefix_cache_hits(server, browser):
