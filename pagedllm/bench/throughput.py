@@ -11,7 +11,9 @@ import argparse
 import json
 import time
 
+from pagedllm.bench import kv_trace
 from pagedllm.bench.compute_floor import measure_matmul_rate, workload_flops
+from pagedllm.bench.kv_trace import KVTrace
 from pagedllm.bench.workload import BenchRequest, add_workload_arguments, workload_from_args
 
 
@@ -28,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default=None)
     parser.add_argument("--hf-max-batch-size", type=int, default=16)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--trace", metavar="FILE", default=None,
+                        help="record the block map after every step (this costs the run some speed) and write it "
+                             "as FILE.json and a PNG strip FILE.png")
 
 
 def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantization: str) -> dict:
@@ -38,9 +43,18 @@ def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantiz
               kv_cache_memory=args.kv_cache_memory)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
+    trace = None
+    if args.trace:
+        trace = KVTrace(llm.llm_engine.kv_manager)
+        llm.llm_engine.step_listeners.append(trace)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - started
+    if trace is not None:
+        llm.llm_engine.step_listeners.remove(trace)
+        name = f"{len(workload)} requests, quantization={quantization}"
+        for written in kv_trace.save(args.trace, {name: trace}, llm.llm_engine.kv_manager.block_size):
+            print(f"wrote {written}")
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.stats()
     engine = llm.llm_engine

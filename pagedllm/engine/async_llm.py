@@ -145,6 +145,10 @@ class AsyncLLM:
         """The engine's figures, read on the engine thread so no step changes them mid-read."""
         return await self._on_engine_thread(self.engine.stats)
 
+    async def call_in_engine_thread(self, fn: Callable, *args):
+        """fn(*args) on the engine thread, between steps: how readers of engine state (the dashboard) see it whole."""
+        return await self._on_engine_thread(fn, *args)
+
     async def shutdown(self) -> None:
         """Stops the step loop and aborts every request; their iterators raise EngineDeadError."""
         if self._closed:

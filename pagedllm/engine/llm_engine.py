@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,8 @@ class LLMEngine:
         self.parent_of: dict[str, str] = {}
         self.beam_searches: list[BeamSearchParent] = []
         self.last_step_stats: StepStats | None = None
+        # Called on the engine thread with each step's StepStats (the dashboard subscribes while a page is open).
+        self.step_listeners: list[Callable[[StepStats], None]] = []
         logger.info("model %s (%s) on %s, dtype %s, CPU kernels %s; KV cache: %s, %d blocks of %d tokens = %d tokens",
                     config.model or "bundled SmolLM2-135M-Instruct", self.model_config.architecture,
                     self.device, str(self.dtype).removeprefix("torch."), kernels.variant or "not built",
@@ -260,7 +263,10 @@ class LLMEngine:
             num_seqs=len(scheduler_output.num_scheduled_tokens),
             num_tokens=scheduler_output.total_num_scheduled_tokens,
             num_preemptions=len(scheduler_output.preempted_req_ids),
+            block_copies=scheduler_output.block_copies,
         )
+        for listener in self.step_listeners:
+            listener(self.last_step_stats)
         return outputs
 
     def _process_outputs(self, sampled: list[tuple[Request, int]], runner_output: ModelRunnerOutput

@@ -40,6 +40,7 @@ class Request:
     cache_salt: str | None = None   # enters the first KV block's hash: only equal salts share cached blocks
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0   # of those, found in the prefix cache when it was last admitted (vLLM's name)
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
     error: str | None = None

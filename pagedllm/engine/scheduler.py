@@ -197,7 +197,7 @@ class Scheduler:
             kv.record_prefix_lookup(request.num_tokens, num_computed)
             self.waiting.pop(index)
             self._parked.pop(request.request_id, None)
-            request.num_computed_tokens = num_computed
+            request.num_computed_tokens = request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._order_key)
             scheduled.append((request, num_new))

@@ -15,6 +15,7 @@ class StepStats:
     num_seqs: int
     num_tokens: int
     num_preemptions: int
+    block_copies: list[tuple[int, int]] = ()   # (source, destination) blocks copied on write in this step
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import itertools
 import logging
 import sys
 
-from pagedllm.bench import accuracy, kernels, latency, load, memory, scheduling, serving, sweep, throughput
+from pagedllm.bench import accuracy, dashboard_cost, kernels, latency, load, memory, scheduling, serving, sweep, throughput
 from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig
 from pagedllm.entrypoints.config_file import merge_config
@@ -92,6 +92,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=_UNSET,
                        help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted "
                             f"{_default(ServerConfig, 'shutdown_timeout')}")
+    group.add_argument("--disable-dashboard", action="store_true", default=_UNSET,
+                       help="serve no /dashboard page and no /v1/kv_map routes (default: served)")
 
 
 def resolve_settings(args: argparse.Namespace, settings: dict[str, type]) -> dict[str, object]:
@@ -201,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("latency", latency, "prefill and per-token decode time of one batch"),
         ("serving", serving, "TTFT / TPOT / ITL / latency against a running server"),
         ("memory", memory, "KV utilisation, sharing and concurrency figures"),
+        ("dashboard", dashboard_cost, "server throughput with the live KV-cache page open against closed"),
         ("sweep", sweep, "throughput and KV waste by block size, with a plot"),
         ("scheduling", scheduling, "scheduler + KV bookkeeping time per step"),
         ("accuracy", accuracy, "bfloat16 against float32 greedy tokens, or KV cache dtypes teacher-forced"),

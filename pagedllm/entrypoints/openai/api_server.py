@@ -16,6 +16,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.body_limit import RequestSizeLimitMiddleware
+from pagedllm.entrypoints.openai.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompletionRequest,
@@ -135,6 +136,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     app.include_router(router)
+    if not config.disable_dashboard:
+        install_dashboard(app, llm, api_key_required=bool(api_keys))
     # The last added runs first: the key is checked before the body is even counted.
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if api_keys:

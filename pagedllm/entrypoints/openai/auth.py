@@ -16,7 +16,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import error_response
 
-OPEN_PATHS = frozenset({"/health"})   # load balancers probe it without credentials
+# Load balancers probe /health without credentials; the dashboard's shell holds no data and a browser
+# cannot send a key with a navigation (the page asks for the key and sends it with each data request).
+OPEN_PATHS = frozenset({"/health", "/dashboard"})
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 

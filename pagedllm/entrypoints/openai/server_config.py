@@ -16,6 +16,7 @@ class ServerConfig:
     max_request_body_bytes: int = 4 * 2**20
     shutdown_timeout: float = 10.0                # seconds in-flight requests get to finish on SIGTERM
     max_waiting_requests: int | None = None       # past it new requests get 503 + Retry-After; None: no bound
+    disable_dashboard: bool = False               # drop /dashboard and /v1/kv_map*
     tenant_keys: dict[str, str] = field(init=False, repr=False, default_factory=dict)   # read from api_keys_file
 
     def __post_init__(self) -> None:
