@@ -40,7 +40,7 @@ from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_TIMEOUT_SECONDS = 600   # generous bound on placing and loading every replica; then fail loudly
+PLACEMENT_TIMEOUT_SECONDS = 600   # generous bound on placing, then on loading, every replica; then fail loudly
 
 
 def import_ray():
@@ -144,7 +144,11 @@ class DPAsyncLLM:
         bundle = replica_bundle(config, ray.cluster_resources())
         group = placement_group([bundle] * size, strategy="SPREAD")
         try:
-            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_SECONDS)
+            try:
+                ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_SECONDS)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"could not place {size} replicas of {bundle} in {PLACEMENT_TIMEOUT_SECONDS}s; "
+                                   f"the Ray cluster has {ray.available_resources()} free") from None
             actor_class = ray.remote(EngineReplica)
             actors = [actor_class.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
