@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import shutil
@@ -35,6 +36,13 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # before Ray starts: not
 
 
 # ---- settings (no Ray needed) ----
+
+def test_one_engine_refuses_several_replicas(tmp_path):
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="data_parallel_size must be 1 for one LLMEngine, got 2"):
+        LLMEngine(EngineConfig(model=str(tmp_path), data_parallel_size=2))
+
 
 def test_backend_defaults_to_ray_with_several_replicas_and_mp_with_one():
     assert EngineConfig().distributed_executor_backend == "mp"
@@ -244,7 +252,7 @@ def test_an_abort_frees_the_blocks_on_the_owning_replica(llm, how):
     assert freed.num_running == 0 and freed.kv_cache.num_used_blocks == 0
 
 
-def test_killing_a_replica_fails_only_its_requests(ray_cluster, llm, model_dir):
+def test_killing_a_replica_fails_only_its_requests(ray_cluster, llm, model_dir, caplog):
     prompts = random_prompts(4, seed=3)
     expected = reference_outputs(model_dir, prompts, [greedy(LONG)] * 2 + [greedy(8)] * 2)
 
@@ -264,7 +272,9 @@ def test_killing_a_replica_fails_only_its_requests(ray_cluster, llm, model_dir):
         stats = await llm.replica_stats()
         return victim.index, survivor_index, survivor, later, stats
 
-    victim, survivor_index, survivor, later, stats = run(scenario())
+    with caplog.at_level(logging.ERROR, logger="pagedllm.engine.data_parallel"):
+        victim, survivor_index, survivor, later, stats = run(scenario())
+    assert f"engine replica {victim} " in caplog.text and "failing its 1 in-flight requests" in caplog.text
     assert survivor[-1].finished and survivor[-1].outputs[0].token_ids == expected[1].outputs[0].token_ids
     for i, stream in enumerate(later, start=2):
         assert stream[-1].outputs[0].token_ids == expected[i].outputs[0].token_ids
