@@ -105,10 +105,9 @@ class ReplicaEngineView:
 class DPAsyncLLM:
     """AsyncLLM's interface (generate, abort, stats, check_capacity, shutdown) over Ray engine replicas."""
 
-    def __init__(self, config: EngineConfig, replicas: list[Replica], placement_group, owns_ray: bool,
-                 max_waiting_requests: int | None = None):
-        ray = import_ray()
-        self._ray = ray
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_config: ModelConfig, replicas: list[Replica],
+                 placement_group, owns_ray: bool, max_waiting_requests: int | None = None):
+        self._ray = import_ray()
         self.replicas = replicas
         self.max_waiting_requests = max_waiting_requests
         self._placement_group = placement_group
@@ -117,8 +116,7 @@ class DPAsyncLLM:
         self._num_waiting = 0   # sent to a replica, no output back yet
         self._dead: EngineDeadError | None = None
         self._closed = False
-        checkpoint = load_checkpoint(config.model, config.quantization)
-        self.engine = ReplicaEngineView(config, checkpoint.tokenizer, checkpoint.config, replicas[0].info, self)
+        self.engine = ReplicaEngineView(config, tokenizer, model_config, replicas[0].info, self)
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_waiting_requests: int | None = None) -> DPAsyncLLM:
@@ -141,6 +139,7 @@ class DPAsyncLLM:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         size = config.data_parallel_size
+        checkpoint = load_checkpoint(config.model, config.quantization)   # config and tokenizer; weights stay unread
         bundle = replica_bundle(config, ray.cluster_resources())
         group = placement_group([bundle] * size, strategy="SPREAD")
         try:
@@ -166,7 +165,7 @@ class DPAsyncLLM:
         replicas = [Replica(index, actor, info) for index, (actor, info) in enumerate(zip(actors, infos))]
         logger.info("%d engine replicas on Ray, %s each, on nodes %s", size, bundle,
                     ", ".join(info.node_id[:12] for info in infos))
-        return cls(config, replicas, group, owns_ray, max_waiting_requests)
+        return cls(config, checkpoint.tokenizer, checkpoint.config, replicas, group, owns_ray, max_waiting_requests)
 
     @property
     def num_waiting_requests(self) -> int:
