@@ -106,13 +106,14 @@ def wait_for_exit(processes: list[psutil.Process], what: str) -> None:
 
 @pytest.fixture(scope="module")
 def ray_cluster(ray_module):
+    before = set(psutil.Process().children(recursive=True))   # earlier tests' subprocesses are not Ray's
     ray_module.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
         yield ray_module
     finally:
-        children = psutil.Process().children(recursive=True)
+        started = [process for process in psutil.Process().children(recursive=True) if process not in before]
         ray_module.shutdown()
-        wait_for_exit(children, "ray.shutdown()")
+        wait_for_exit(started, "ray.shutdown()")
 
 
 @pytest.fixture(scope="module")
