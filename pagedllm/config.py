@@ -13,6 +13,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: the model dtype
+# vLLM's: mp runs one engine in this process (its tensor parallel workers as subprocesses);
+# ray runs data_parallel_size engine replicas as Ray actors (pagedllm/engine/data_parallel.py).
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 def parse_memory_size(value: int | float | str) -> int:
@@ -50,6 +53,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1   # ranks splitting each layer; the KV cache memory is per rank
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None   # None: ray when data_parallel_size > 1, else mp
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -85,6 +90,22 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        """Resolves distributed_executor_backend and refuses combinations that cannot run."""
+        size = self.data_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {size!r}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "ray" if size > 1 else "mp"
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}")
+        if size > 1 and self.distributed_executor_backend != "ray":
+            raise ValueError(f"data_parallel_size > 1 needs distributed_executor_backend 'ray' (mp runs a single "
+                             f"engine), got data_parallel_size {size} with "
+                             f"{self.distributed_executor_backend!r}")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -36,6 +36,11 @@ class EngineRequestError(RuntimeError):
     def __init__(self, request_id: str, message: str):
         super().__init__(f"request {request_id!r} failed: {message}")
         self.request_id = request_id
+        self.message = message
+
+    def __reduce__(self):
+        """Pickled with both arguments, so the error crosses process boundaries (Ray replicas) intact."""
+        return type(self), (self.request_id, self.message)
 
 
 class EngineDeadError(RuntimeError):

@@ -86,6 +86,9 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if config.data_parallel_size > 1:   # replicas are several engines: DPAsyncLLM (pagedllm serve) runs them
+            raise ValueError(f"data_parallel_size must be 1 for one LLMEngine, got {config.data_parallel_size}; "
+                             "serve replicas with `pagedllm serve --data-parallel-size N`")
         self.config = config
         self.device = resolve_device(config.device)
         checkpoint = load_checkpoint(config.model, config.quantization)

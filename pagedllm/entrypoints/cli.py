@@ -14,7 +14,8 @@ import sys
 
 from pagedllm.bench import accuracy, dashboard_cost, kernels, latency, load, memory, scheduling, serving, sweep, throughput
 from pagedllm.bench.reliability import suite as reliability
-from pagedllm.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig
+from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
+                             SCHEDULING_POLICIES, EngineConfig)
 from pagedllm.entrypoints.config_file import merge_config
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 
@@ -69,6 +70,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             f"per process {_default(EngineConfig, 'tensor_parallel_size')}")
     group.add_argument("--seed", type=int, default=_UNSET,
                        help=f"seed of the sampler's random generator {_default(EngineConfig, 'seed')}")
+    group.add_argument("--data-parallel-size", type=int, default=_UNSET,
+                       help="engine replicas, each with the whole model and its own KV cache, as Ray actors; "
+                            "requests go to the least loaded one "
+                            f"{_default(EngineConfig, 'data_parallel_size')}")
+    group.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS, default=_UNSET,
+                       help="ray: the engine replicas are Ray actors (joining a cluster started with `ray start`, "
+                            "or a local one); mp: one engine in this process "
+                            "(default: ray when --data-parallel-size > 1, else mp)")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

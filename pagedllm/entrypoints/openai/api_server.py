@@ -14,6 +14,7 @@ from fastapi.responses import Response
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.data_parallel import DPAsyncLLM
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.body_limit import RequestSizeLimitMiddleware
 from pagedllm.entrypoints.openai.dashboard import install_dashboard
@@ -115,7 +116,7 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+def build_app(llm: AsyncLLM | DPAsyncLLM, config: ServerConfig) -> FastAPI:
     """The app over an engine that is already loaded; its lifespan shuts the engine down."""
     model_names = config.served_model_name or [llm.engine.config.model or bundled_model_path().stem]
     api_keys: dict[str, str | None] = {**config.tenant_keys, **({config.api_key: None} if config.api_key else {})}
@@ -136,7 +137,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     app.include_router(router)
-    if not config.disable_dashboard:
+    if not config.disable_dashboard and isinstance(llm, AsyncLLM):   # Ray replicas keep their engines elsewhere
         install_dashboard(app, llm, api_key_required=bool(api_keys))
     # The last added runs first: the key is checked before the body is even counted.
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
@@ -149,15 +150,29 @@ def _exit_cleanly(signum: int, frame) -> None:
     sys.exit(0)
 
 
+def start_engine(engine_config: EngineConfig, max_waiting_requests: int | None) -> AsyncLLM | DPAsyncLLM:
+    """One engine in this process, or (distributed_executor_backend ray) its replicas on Ray; loads the model."""
+    if engine_config.distributed_executor_backend == "ray":
+        return DPAsyncLLM.from_config(engine_config, max_waiting_requests)
+    return AsyncLLM.from_config(engine_config, max_waiting_requests)
+
+
+def _kv_cache_summary(llm: AsyncLLM | DPAsyncLLM) -> str:
+    if isinstance(llm, DPAsyncLLM):
+        info = llm.replicas[0].info
+        return (f"{len(llm.replicas)} Ray engine replicas, each with {info.num_kv_blocks} KV blocks of "
+                f"{info.block_size} tokens")
+    kv = llm.engine.stats().kv_cache
+    return f"{kv.num_blocks} KV blocks of {kv.block_size} tokens ({kv.num_blocks * kv.block_size} tokens)"
+
+
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Loads the model, then serves until SIGINT/SIGTERM: uvicorn stops accepting connections, gives
     in-flight requests shutdown_timeout seconds, cancels the rest, and the lifespan stops the engine."""
-    llm = AsyncLLM.from_config(engine_config, config.max_waiting_requests)
+    llm = start_engine(engine_config, config.max_waiting_requests)
     app = build_app(llm, config)
-    kv = llm.engine.stats().kv_cache
-    logger.info("serving %s (dtype %s) with %d KV blocks of %d tokens (%d tokens) at http://%s:%d",
-                app.state.server.model_name, str(llm.engine.dtype).removeprefix("torch."), kv.num_blocks,
-                kv.block_size, kv.num_blocks * kv.block_size, config.host, config.port)
+    logger.info("serving %s (dtype %s) with %s at http://%s:%d", app.state.server.model_name,
+                str(llm.engine.dtype).removeprefix("torch."), _kv_cache_summary(llm), config.host, config.port)
     # uvicorn re-raises the signal that stopped it once its graceful shutdown is over; by then
     # everything is done, so the process exits 0 instead of dying by the signal.
     for signum in (signal.SIGINT, signal.SIGTERM):

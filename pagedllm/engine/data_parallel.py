@@ -1,0 +1,325 @@
+"""Data parallelism on Ray: data_parallel_size engine replicas behind AsyncLLM's interface.
+
+Each replica (ray_replica.EngineReplica) is an async Ray actor holding the whole model, its own
+KV cache and its own step loop. They are placed with one placement group, one bundle per
+replica, spread across the cluster's nodes where there are several. `DPAsyncLLM` is what the
+OpenAI server drives instead of an AsyncLLM:
+
+- a request goes to the live replica with the fewest requests in flight (sent from here and not
+  yet finished), ties to the one that was given fewer so far, and streams its outputs back;
+- abort (or closing a stream) reaches the replica that owns the request and frees its blocks;
+- stats() sums every live replica's figures, so KV usage is used blocks over all blocks;
+- a replica that dies (killed, its node lost) fails only the requests it held, with
+  EngineRequestError, and is skipped from then on; when none is left, requests get EngineDeadError;
+- max_waiting_requests bounds the requests sent to replicas that have not yet had an output back.
+
+Ray is an optional extra (`pip install pagedllm[ray]`) and is imported only here, when used.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError, EngineRequestError
+from pagedllm.engine.llm_engine import CheckedPrompt, PromptType
+from pagedllm.engine.ray_replica import EngineReplica, ReplicaInfo, ReplicaStats
+from pagedllm.engine.stats import EngineStats, StepStats
+from pagedllm.kv.manager import KVCacheUsage
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.loader import load_checkpoint
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_SECONDS = 600   # generous bound on placing, then on loading, every replica; then fail loudly
+
+
+def import_ray():
+    """Ray with usage statistics off (they would leave the machine); a clear error when not installed."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("distributed_executor_backend 'ray' needs Ray: pip install 'pagedllm[ray]'") from exc
+    return ray
+
+
+def combine_stats(stats: list[EngineStats]) -> EngineStats:
+    """One engine's figures for several: counts and blocks are summed (so usage is all used blocks over all
+    blocks); the last step is the slowest replica's time with every replica's sequences and tokens."""
+    kv = [s.kv_cache for s in stats]
+    summed = {f.name: sum(getattr(k, f.name) for k in kv) for f in dataclasses.fields(KVCacheUsage)
+              if f.name != "block_size"}
+    steps = [s.last_step for s in stats if s.last_step is not None]
+    last_step = StepStats(scheduling_seconds=max(s.scheduling_seconds for s in steps),
+                          model_seconds=max(s.model_seconds for s in steps),
+                          num_seqs=sum(s.num_seqs for s in steps), num_tokens=sum(s.num_tokens for s in steps),
+                          num_preemptions=sum(s.num_preemptions for s in steps)) if steps else None
+    return EngineStats(kv_cache=KVCacheUsage(block_size=kv[0].block_size, **summed),
+                       num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
+                       num_preemptions=sum(s.num_preemptions for s in stats), last_step=last_step)
+
+
+@dataclass(eq=False)
+class Replica:
+    """The front's record of one replica actor."""
+    index: int
+    actor: object           # the Ray actor handle
+    info: ReplicaInfo
+    alive: bool = True
+    num_in_flight: int = 0  # requests sent to it and not finished
+    num_routed: int = 0     # requests ever sent to it
+    request_ids: set[str] = field(default_factory=set)
+
+
+class ReplicaEngineView:
+    """What the server reads from `llm.engine` (tokenizer, limits, prompt checks) when the model lives in
+    the replicas: the tokenizer and model config are read here (the weights are not), the limits come
+    from the replicas, and prompts are checked by a replica's own engine, so the front refuses exactly
+    what a replica would."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_config: ModelConfig, info: ReplicaInfo,
+                 llm: DPAsyncLLM):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.max_model_len = info.max_model_len
+        self.dtype = getattr(torch, info.dtype)
+        self._llm = llm
+
+    def check_prompt(self, prompt: PromptType, params: SamplingParams) -> CheckedPrompt:
+        """Raises ValueError naming what cannot run. Blocks for one Ray call to a replica: the server calls
+        it synchronously, and a prompt check takes a tokenizer pass, not an engine step."""
+        return self._llm.check_prompt(prompt, params)
+
+
+class DPAsyncLLM:
+    """AsyncLLM's interface (generate, abort, stats, check_capacity, shutdown) over Ray engine replicas."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_config: ModelConfig, replicas: list[Replica],
+                 placement_group, owns_ray: bool, max_waiting_requests: int | None = None):
+        self._ray = import_ray()
+        self.replicas = replicas
+        self.max_waiting_requests = max_waiting_requests
+        self._placement_group = placement_group
+        self._owns_ray = owns_ray
+        self._owner: dict[str, Replica] = {}
+        self._num_waiting = 0   # sent to a replica, no output back yet
+        self._dead: EngineDeadError | None = None
+        self._closed = False
+        self.engine = ReplicaEngineView(config, tokenizer, model_config, replicas[0].info, self)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, max_waiting_requests: int | None = None) -> DPAsyncLLM:
+        """Joins the Ray cluster (RAY_ADDRESS, one started with `ray start`, or else a new local one), places
+        one replica per bundle and waits until every replica has loaded the model."""
+        ray = import_ray()
+        owns_ray = not ray.is_initialized()
+        if owns_ray:
+            ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        try:
+            return cls._start(ray, config, owns_ray, max_waiting_requests)
+        except BaseException:
+            if owns_ray:
+                ray.shutdown()
+            raise
+
+    @classmethod
+    def _start(cls, ray, config: EngineConfig, owns_ray: bool, max_waiting_requests: int | None) -> DPAsyncLLM:
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        size = config.data_parallel_size
+        checkpoint = load_checkpoint(config.model, config.quantization)   # config and tokenizer; weights stay unread
+        bundle = replica_bundle(config, ray.cluster_resources())
+        group = placement_group([bundle] * size, strategy="SPREAD")
+        try:
+            try:
+                ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_SECONDS)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"could not place {size} replicas of {bundle} in {PLACEMENT_TIMEOUT_SECONDS}s; "
+                                   f"the Ray cluster has {ray.available_resources()} free") from None
+            actor_class = ray.remote(EngineReplica)
+            actors = [actor_class.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+            ).remote(config, int(bundle["CPU"])) for index in range(size)]
+            try:
+                infos = ray.get([actor.info.remote() for actor in actors], timeout=PLACEMENT_TIMEOUT_SECONDS)
+            except BaseException:
+                for actor in actors:
+                    ray.kill(actor)
+                raise
+        except BaseException:
+            remove_placement_group(group)
+            raise
+        replicas = [Replica(index, actor, info) for index, (actor, info) in enumerate(zip(actors, infos))]
+        logger.info("%d engine replicas on Ray, %s each, on nodes %s", size, bundle,
+                    ", ".join(info.node_id[:12] for info in infos))
+        return cls(config, checkpoint.tokenizer, checkpoint.config, replicas, group, owns_ray, max_waiting_requests)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return self._num_waiting
+
+    def check_capacity(self, count: int = 1) -> None:
+        """Raises EngineOverloadedError if `count` more requests would exceed max_waiting_requests."""
+        limit = self.max_waiting_requests
+        if limit is not None and self._num_waiting + count > limit:
+            raise EngineOverloadedError(f"{self._num_waiting} requests are waiting (the limit is {limit}); "
+                                        "retry later")
+
+    def check_prompt(self, prompt: PromptType, params: SamplingParams) -> CheckedPrompt:
+        for replica in self._live_replicas():
+            try:
+                checked = self._ray.get(replica.actor.check_prompt.remote(prompt, params))
+            except self._ray.exceptions.RayActorError as exc:
+                self._mark_dead(replica, exc)
+                continue
+            if isinstance(checked, ValueError):
+                raise checked
+            return checked
+        raise self._no_replica_left()
+
+    def replica_of(self, request_id: str) -> Replica | None:
+        """The replica that holds the request, while it is in flight."""
+        return self._owner.get(request_id)
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """As AsyncLLM.generate, on the least loaded live replica. Closing or cancelling the iterator
+        aborts the request on its replica; the replica dying raises EngineRequestError."""
+        if self._dead is not None:
+            raise self._dead
+        if request_id in self._owner:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.check_capacity()
+        replica = min(self._live_replicas(), key=lambda r: (r.num_in_flight, r.num_routed), default=None)
+        if replica is None:
+            raise self._no_replica_left()
+        self._owner[request_id] = replica
+        replica.request_ids.add(request_id)
+        replica.num_in_flight += 1
+        replica.num_routed += 1
+        self._num_waiting += 1
+        waiting, done = True, False   # done: the replica holds nothing more of this request
+        try:
+            stream = replica.actor.generate.options(num_returns="streaming").remote(
+                prompt, sampling_params, request_id, priority)
+            async for ref in stream:
+                item = await ref
+                if waiting:
+                    waiting = False
+                    self._num_waiting -= 1
+                if isinstance(item, Exception):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+            done = True   # ended by an abort on the replica
+        except self._ray.exceptions.RayActorError as exc:
+            done = True
+            if self._closed:
+                raise EngineDeadError("engine shut down") from exc
+            self._mark_dead(replica, exc)
+            raise EngineRequestError(request_id, f"engine replica {replica.index} died") from exc
+        finally:
+            if waiting:
+                self._num_waiting -= 1
+            replica.num_in_flight -= 1
+            replica.request_ids.discard(request_id)
+            if self._owner.get(request_id) is replica:
+                del self._owner[request_id]
+            if not done and replica.alive and not self._closed:
+                # No await here: this also runs while the caller's task is being cancelled.
+                replica.actor.abort.remote(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Drops the request on its replica (freeing its blocks); its stream ends quietly."""
+        replica = self._owner.get(request_id)
+        if replica is None or not replica.alive or self._closed:
+            return
+        try:
+            await replica.actor.abort.remote(request_id)
+        except self._ray.exceptions.RayActorError as exc:
+            self._mark_dead(replica, exc)
+
+    async def replica_stats(self) -> dict[int, ReplicaStats]:
+        """Each live replica's own figures, by replica index."""
+        live = self._live_replicas()
+        results = await asyncio.gather(*(replica.actor.stats.remote() for replica in live), return_exceptions=True)
+        stats = {}
+        for replica, result in zip(live, results):
+            if isinstance(result, self._ray.exceptions.RayActorError):
+                self._mark_dead(replica, result)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                stats[replica.index] = result
+        return stats
+
+    async def stats(self) -> EngineStats:
+        """The live replicas' figures combined (see combine_stats)."""
+        stats = await self.replica_stats()
+        if not stats:
+            raise self._no_replica_left()
+        return combine_stats([replica.engine for replica in stats.values()])
+
+    async def shutdown(self) -> None:
+        """Stops every replica (their in-flight requests raise EngineDeadError here), then the actors, their
+        placement group and, if this front started it, Ray itself."""
+        if self._closed:
+            return
+        self._closed = True
+        self._dead = self._dead or EngineDeadError("engine shut down")
+        live = self._live_replicas()
+        await asyncio.gather(*(replica.actor.shutdown.remote() for replica in live), return_exceptions=True)
+        for replica in self.replicas:
+            self._ray.kill(replica.actor)
+        from ray.util.placement_group import remove_placement_group
+        remove_placement_group(self._placement_group)
+        if self._owns_ray:
+            self._ray.shutdown()
+
+    def _live_replicas(self) -> list[Replica]:
+        return [replica for replica in self.replicas if replica.alive]
+
+    def _mark_dead(self, replica: Replica, cause: BaseException) -> None:
+        if not replica.alive:
+            return
+        replica.alive = False
+        logger.error("engine replica %d (node %s) died: failing its %d in-flight requests; new requests go to the "
+                     "%d replicas left (%s)", replica.index, replica.info.node_id[:12], len(replica.request_ids),
+                     len(self._live_replicas()), cause)
+
+    def _no_replica_left(self) -> EngineDeadError:
+        self._dead = EngineDeadError(f"all {len(self.replicas)} engine replicas died")
+        return self._dead
+
+
+def replica_bundle(config: EngineConfig, cluster_resources: dict[str, float]) -> dict[str, float]:
+    """One replica's resources: a GPU per tensor parallel rank where the cluster has GPUs (and the device is
+    not forced to cpu), and an equal share of the cluster's CPUs (at least one) for the torch threads."""
+    size = config.data_parallel_size
+    num_cpus = int(cluster_resources.get("CPU", 0))
+    if num_cpus < size:
+        raise ValueError(f"data_parallel_size ({size}) needs at least one CPU per replica; "
+                         f"the Ray cluster has {num_cpus}")
+    bundle = {"CPU": num_cpus // size}
+    num_gpus = int(cluster_resources.get("GPU", 0))
+    if num_gpus and config.device != "cpu":
+        gpus = getattr(config, "tensor_parallel_size", 1)
+        if num_gpus < size * gpus:
+            raise ValueError(f"data_parallel_size ({size}) x tensor_parallel_size ({gpus}) needs {size * gpus} "
+                             f"GPUs; the Ray cluster has {num_gpus}")
+        bundle["GPU"] = gpus
+    return bundle

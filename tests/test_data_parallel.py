@@ -1,0 +1,436 @@
+"""Data-parallel engine replicas on Ray, on a tiny random Llama: outputs against one in-process engine,
+routing, aborts, a killed replica, `pagedllm serve` with the openai client, and two Ray nodes in two
+network namespaces. The Ray cluster is real (ray.init(num_cpus=2), or `ray start` processes); no test
+leaves a process behind (psutil)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_llm import EngineRequestError
+from pagedllm.engine.stats import EngineStats, StepStats
+from pagedllm.entrypoints.cli import parse_args
+from pagedllm.kv.manager import KVCacheUsage
+
+ENGINE_SETTINGS = dict(dtype="float32", kv_cache_memory="16MiB")
+TIMEOUT = 120          # seconds: a stream or a cluster that never answers fails the test, not hangs it
+# max_tokens of a request that must still be running when the test acts on it, one Ray call after its
+# first output: thousands of engine steps against one round trip.
+LONG = 3000
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # before Ray starts: nothing leaves the machine
+
+
+# ---- settings (no Ray needed) ----
+
+def test_one_engine_refuses_several_replicas(tmp_path):
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="data_parallel_size must be 1 for one LLMEngine, got 2"):
+        LLMEngine(EngineConfig(model=str(tmp_path), data_parallel_size=2))
+
+
+def test_backend_defaults_to_ray_with_several_replicas_and_mp_with_one():
+    assert EngineConfig().distributed_executor_backend == "mp"
+    assert EngineConfig(data_parallel_size=2).distributed_executor_backend == "ray"
+    assert EngineConfig(distributed_executor_backend="ray").data_parallel_size == 1
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(data_parallel_size=0), "data_parallel_size must be an integer >= 1, got 0"),
+    (dict(data_parallel_size=2, distributed_executor_backend="mp"),
+     "data_parallel_size > 1 needs distributed_executor_backend 'ray'"),
+    (dict(distributed_executor_backend="uni"), "distributed_executor_backend must be one of mp, ray, got 'uni'"),
+])
+def test_settings_that_cannot_run_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**settings)
+
+
+def test_flags_and_yaml_reach_the_config(tmp_path):
+    args = parse_args(["serve", "--data-parallel-size", "2", "--distributed-executor-backend", "ray"])
+    assert (args.engine_config.data_parallel_size, args.engine_config.distributed_executor_backend) == (2, "ray")
+    config_file = tmp_path / "dp.yaml"
+    config_file.write_text("engine_args:\n  data-parallel-size: 3\n")
+    args = parse_args(["serve", "--config", str(config_file)])
+    assert (args.engine_config.data_parallel_size, args.engine_config.distributed_executor_backend) == (3, "ray")
+
+
+def _stats(num_blocks, used, running, waiting, hits, queries, step):
+    kv = KVCacheUsage(num_blocks=num_blocks, num_used_blocks=used, num_free_blocks=num_blocks - used,
+                      num_cached_idle_blocks=1, num_shared_blocks=0, num_logical_blocks=used, num_tokens_stored=used,
+                      block_size=16, prefix_cache_queries=queries, prefix_cache_hits=hits)
+    return EngineStats(kv_cache=kv, num_running=running, num_waiting=waiting, num_preemptions=1, last_step=step)
+
+
+def test_combined_stats_sum_counts_and_pool_kv_usage():
+    from pagedllm.engine.data_parallel import combine_stats
+
+    step = StepStats(scheduling_seconds=0.001, model_seconds=0.5, num_seqs=3, num_tokens=40, num_preemptions=0)
+    combined = combine_stats([_stats(100, 90, 3, 2, 10, 40, step), _stats(300, 30, 1, 0, 0, 60, None)])
+    assert combined.kv_cache.usage == pytest.approx(120 / 400)   # not the mean of 0.9 and 0.1
+    assert combined.kv_cache.prefix_cache_hit_rate == pytest.approx(10 / 100)
+    assert (combined.num_running, combined.num_waiting, combined.num_preemptions) == (4, 2, 2)
+    assert (combined.kv_cache.num_free_blocks, combined.kv_cache.num_cached_idle_blocks) == (280, 2)
+    assert combined.last_step == step
+
+
+# ---- a local Ray cluster ----
+
+@pytest.fixture(scope="module")
+def ray_module():
+    return pytest.importorskip("ray", reason="Ray is not installed: pip install 'pagedllm[ray]'")
+
+
+def wait_for_exit(processes: list[psutil.Process], what: str) -> None:
+    """Every process must be gone within TIMEOUT seconds: none may outlive the test."""
+    _, alive = psutil.wait_procs(processes, timeout=TIMEOUT)
+    for process in alive:
+        process.kill()
+    assert not alive, f"{what} left processes behind: {[p.pid for p in alive]}"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_module):
+    before = set(psutil.Process().children(recursive=True))   # earlier tests' subprocesses are not Ray's
+    ray_module.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        yield ray_module
+    finally:
+        started = [process for process in psutil.Process().children(recursive=True) if process not in before]
+        ray_module.shutdown()
+        wait_for_exit(started, "ray.shutdown()")
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_tiny_model_dir, tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("data-parallel"), "llama", max_position_embeddings=4096)
+
+
+def start_replicas(model_dir):
+    from pagedllm.engine.data_parallel import DPAsyncLLM
+
+    return DPAsyncLLM.from_config(EngineConfig(model=str(model_dir), data_parallel_size=2, **ENGINE_SETTINGS))
+
+
+@pytest.fixture
+def llm(ray_cluster, model_dir):
+    replicas = start_replicas(model_dir)
+    yield replicas
+    asyncio.run(replicas.shutdown())
+
+
+async def wait_until_idle(llm) -> dict:
+    """Polls the replicas' own figures until none holds a request or a block (a closed stream's abort is
+    sent without waiting for it); returns the last figures, which the caller checks."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        stats = await llm.replica_stats()
+        busy = any(s.engine.num_running or s.engine.num_waiting or s.engine.kv_cache.num_used_blocks
+                   for s in stats.values())
+        if not busy or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def replicas_left_idle(llm):
+    """A test on the shared replicas must leave every replica with no request and every block free."""
+    yield
+    for index, stats in run(wait_until_idle(llm)).items():
+        assert stats.engine.num_running == stats.engine.num_waiting == 0, f"replica {index} still holds requests"
+        assert stats.engine.kv_cache.num_used_blocks == 0, f"replica {index} still holds KV blocks"
+
+
+def run(coroutine):
+    async def bounded():
+        return await asyncio.wait_for(coroutine, TIMEOUT)
+    return asyncio.run(bounded())
+
+
+def random_prompts(count, seed=0):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 256) for _ in range(rng.randint(2, 40))]} for _ in range(count)]
+
+
+def greedy(max_tokens):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def collect(llm, prompt, params, request_id):
+    return [output async for output in llm.generate(prompt, params, request_id)]
+
+
+async def first_output(stream):
+    """Advances a stream to its first output: the request is running (and holds blocks) on its replica."""
+    return await stream.__anext__()
+
+
+def reference_outputs(model_dir, prompts, params):
+    return LLM(str(model_dir), **ENGINE_SETTINGS).generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.usefixtures("replicas_left_idle")
+def test_greedy_and_seeded_outputs_match_one_in_process_engine_and_both_replicas_serve(llm, model_dir):
+    prompts = random_prompts(16)
+    params = [greedy(6 + i % 5) if i % 2 else SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i,
+                                                            max_tokens=6 + i % 5, ignore_eos=True)
+              for i in range(len(prompts))]
+    served_before = {i: s.num_requests_served for i, s in run(llm.replica_stats()).items()}
+
+    async def scenario():
+        return await asyncio.gather(*(collect(llm, prompt, p, f"match-{i}")
+                                      for i, (prompt, p) in enumerate(zip(prompts, params))))
+
+    streams = run(scenario())
+    for i, (stream, expected) in enumerate(zip(streams, reference_outputs(model_dir, prompts, params))):
+        final = stream[-1]
+        assert final.finished and final.request_id == f"match-{i}"
+        assert final.outputs[0].token_ids == expected.outputs[0].token_ids, f"prompt {i}"
+        assert final.outputs[0].text == expected.outputs[0].text
+    served = {i: s.num_requests_served - served_before[i] for i, s in run(llm.replica_stats()).items()}
+    assert sorted(served) == [0, 1] and all(count > 0 for count in served.values()), served
+    assert sum(served.values()) == len(prompts)
+
+
+@pytest.mark.usefixtures("replicas_left_idle")
+def test_requests_go_to_the_least_loaded_replica_and_stats_add_up(llm):
+    async def scenario():
+        streams = [llm.generate(prompt, greedy(LONG), f"load-{i}") for i, prompt in enumerate(random_prompts(2))]
+        try:
+            for stream in streams:
+                await first_output(stream)
+            owners = {llm.replica_of(f"load-{i}").index for i in range(2)}
+            per_replica = await llm.replica_stats()
+            combined = await llm.stats()
+            return owners, per_replica, combined
+        finally:
+            for stream in streams:
+                await stream.aclose()
+
+    owners, per_replica, combined = run(scenario())
+    assert owners == {0, 1}   # the second request went to the replica that had none
+    assert combined.num_running == sum(s.engine.num_running for s in per_replica.values()) == 2
+    assert combined.kv_cache.num_blocks == sum(s.engine.kv_cache.num_blocks for s in per_replica.values())
+    assert combined.kv_cache.num_used_blocks == sum(s.engine.kv_cache.num_used_blocks
+                                                    for s in per_replica.values()) > 0
+
+
+@pytest.mark.usefixtures("replicas_left_idle")
+@pytest.mark.parametrize("how", ["abort", "close"])
+def test_an_abort_frees_the_blocks_on_the_owning_replica(llm, how):
+    request_id = f"abort-{how}"
+
+    async def scenario():
+        stream = llm.generate(random_prompts(1, seed=7)[0], greedy(LONG), request_id)
+        await first_output(stream)
+        owner = llm.replica_of(request_id).index
+        held = (await llm.replica_stats())[owner].engine
+        if how == "abort":
+            await llm.abort(request_id)
+            rest = [output async for output in stream]   # ends quietly, with no finished output
+            assert not any(output.finished for output in rest)
+        else:
+            await stream.aclose()   # what a client disconnect does
+        return held, (await wait_until_idle(llm))[owner].engine
+
+    held, freed = run(scenario())
+    assert held.num_running == 1 and held.kv_cache.num_used_blocks > 0
+    assert freed.num_running == 0 and freed.kv_cache.num_used_blocks == 0
+
+
+def test_killing_a_replica_fails_only_its_requests(ray_cluster, llm, model_dir, caplog):
+    prompts = random_prompts(4, seed=3)
+    expected = reference_outputs(model_dir, prompts, [greedy(LONG)] * 2 + [greedy(8)] * 2)
+
+    async def scenario():
+        streams = [llm.generate(prompt, greedy(LONG), f"kill-{i}") for i, prompt in enumerate(prompts[:2])]
+        firsts = [await first_output(stream) for stream in streams]
+        victim = llm.replica_of("kill-0")
+        survivor_index = 1 - victim.index
+        ray_cluster.kill(victim.actor)
+        with pytest.raises(EngineRequestError, match=f"engine replica {victim.index} died"):
+            async for _ in streams[0]:
+                pass
+        survivor = [firsts[1], *[output async for output in streams[1]]]
+        # New requests skip the dead replica and are served by the one left.
+        later = await asyncio.gather(*(collect(llm, prompt, greedy(8), f"after-{i}")
+                                       for i, prompt in enumerate(prompts[2:], start=2)))
+        stats = await llm.replica_stats()
+        return victim.index, survivor_index, survivor, later, stats
+
+    with caplog.at_level(logging.ERROR, logger="pagedllm.engine.data_parallel"):
+        victim, survivor_index, survivor, later, stats = run(scenario())
+    assert f"engine replica {victim} " in caplog.text and "failing its 1 in-flight requests" in caplog.text
+    assert survivor[-1].finished and survivor[-1].outputs[0].token_ids == expected[1].outputs[0].token_ids
+    for i, stream in enumerate(later, start=2):
+        assert stream[-1].outputs[0].token_ids == expected[i].outputs[0].token_ids
+    assert list(stats) == [survivor_index] and not llm.replicas[victim].alive
+    assert stats[survivor_index].num_requests_served == 3
+
+
+# ---- `pagedllm serve` with two Ray replicas, driven by the openai client ----
+
+def test_openai_client_against_serve_with_two_ray_replicas(ray_module, model_dir, tmp_path, monkeypatch):
+    import openai
+
+    from pagedllm.bench.reliability.server import ServerProcess, metric
+
+    monkeypatch.setenv("RAY_ADDRESS", "local")   # the server starts a Ray cluster of its own
+    server = ServerProcess(tmp_path / "server.log", str(model_dir), "--dtype", "float32", "--kv-cache-memory",
+                           "16MiB", "--data-parallel-size", "2", "--distributed-executor-backend", "ray",
+                           "--served-model-name", "tiny")
+    descendants = psutil.Process(server.process.pid).children(recursive=True)
+    try:
+        client = server.openai_client()
+        # Token ids: the tiny model's vocabulary is the first 256 of the bundled tokenizer's.
+        prompts = [p["prompt_token_ids"] for p in random_prompts(6, seed=5)]
+        completions = [client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+                       for prompt in prompts]
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model="tiny", prompt=prompts[0], max_tokens=8, temperature=0, stream=True) if chunk.choices)
+        with pytest.raises(openai.BadRequestError, match="max_model_len"):   # a replica's own check: a 400
+            client.completions.create(model="tiny", prompt=prompts[0], max_tokens=10_000)
+        figures = server.wait_until_idle()
+        log = server.log()
+    finally:
+        server.stop()
+        wait_for_exit(descendants, "pagedllm serve")
+    expected = reference_outputs(model_dir, [{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(temperature=0, max_tokens=8))
+    assert [c.choices[0].text for c in completions] == [e.outputs[0].text for e in expected]
+    assert streamed == expected[0].outputs[0].text
+    one_engine_blocks = LLM(str(model_dir), **ENGINE_SETTINGS).llm_engine.stats().kv_cache.num_blocks
+    assert figures.total_blocks == figures.free_blocks == 2 * one_engine_blocks   # both replicas' pools
+    assert sum(metric(figures.text, "pagedllm:request_success_total", finished_reason=reason)
+               for reason in ("length", "stop")) == 7
+    assert "2 Ray engine replicas" in log
+
+
+# ---- two Ray nodes in two network namespaces joined by a veth pair ----
+
+HEAD_IP, WORKER_IP = "10.213.0.1", "10.213.0.2"
+
+
+def ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_namespaces():
+    """(head namespace, worker namespace), joined by a veth pair; deleted, with the pair, on teardown."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("network namespaces need root and iproute2's `ip`")
+    tag = uuid.uuid4().hex[:6]
+    head, worker = f"pllm-h-{tag}", f"pllm-w-{tag}"
+    made = []
+    try:
+        for namespace in (head, worker):
+            result = ip("netns", "add", namespace)
+            if result.returncode:
+                pytest.skip(f"network namespaces are not permitted here: {result.stderr.strip()}")
+            made.append(namespace)
+        head_veth, worker_veth = f"vh{tag}", f"vw{tag}"
+        for command in (("link", "add", head_veth, "type", "veth", "peer", "name", worker_veth),
+                        ("link", "set", head_veth, "netns", head), ("link", "set", worker_veth, "netns", worker),
+                        ("-n", head, "addr", "add", f"{HEAD_IP}/24", "dev", head_veth),
+                        ("-n", worker, "addr", "add", f"{WORKER_IP}/24", "dev", worker_veth),
+                        ("-n", head, "link", "set", head_veth, "up"), ("-n", worker, "link", "set", worker_veth, "up"),
+                        ("-n", head, "link", "set", "lo", "up"), ("-n", worker, "link", "set", "lo", "up")):
+            result = ip(*command)
+            assert result.returncode == 0, f"ip {' '.join(command)}: {result.stderr}"
+        yield head, worker
+    finally:
+        for namespace in made:
+            ip("netns", "del", namespace)   # takes its end of the veth pair, and so the pair, with it
+        ip("link", "del", f"vh{tag}")       # only there if it never moved into a namespace
+        listed = ip("netns", "list").stdout
+        assert not any(namespace in listed for namespace in made), listed
+
+
+class RayNode:
+    """`ray start --block` inside a namespace, in a session of its own; stop() ends it and all it started."""
+
+    def __init__(self, namespace: str, temp_dir: Path, log_path: Path, env: dict[str, str], *flags: str):
+        self.temp_dir = temp_dir
+        self.log_path = log_path
+        command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+                   "--num-cpus=1", f"--temp-dir={temp_dir}", *flags]
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+
+    def wait_until_started(self) -> None:
+        deadline = time.monotonic() + TIMEOUT
+        while "Ray runtime started" not in self.log_path.read_text(errors="replace"):
+            assert self.process.poll() is None, f"ray start exited:\n{self.log_path.read_text()}"
+            assert time.monotonic() < deadline, f"ray start not up after {TIMEOUT}s:\n{self.log_path.read_text()}"
+            time.sleep(0.2)
+
+    def processes(self) -> list[psutil.Process]:
+        """The node's processes: its session's, and any that carry its temp dir but left the session."""
+        found = []
+        for process in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                in_session = os.getsid(process.pid) == self.process.pid
+            except OSError:
+                continue
+            if in_session or str(self.temp_dir) in " ".join(process.info["cmdline"] or ()):
+                found.append(process)
+        return found
+
+    def stop(self) -> None:
+        processes = self.processes()
+        for process in processes:
+            try:
+                process.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        wait_for_exit(processes, "a ray node")
+
+
+def test_replicas_on_two_ray_nodes_in_two_network_namespaces(ray_module, two_namespaces, model_dir, tmp_path):
+    head_namespace, worker_namespace = two_namespaces
+    temp_dir = Path(f"/tmp/pllm-ray-{uuid.uuid4().hex[:6]}")   # short: Ray's socket paths have a length limit
+    # The cluster's own token, in the environment of its processes only: nothing is written to ~/.ray.
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
+    nodes = []
+    try:
+        head = RayNode(head_namespace, temp_dir, tmp_path / "head.log", env, "--head", f"--node-ip-address={HEAD_IP}",
+                       "--port=6379", "--include-dashboard=false", "--disable-usage-stats")
+        nodes.append(head)
+        head.wait_until_started()
+        worker = RayNode(worker_namespace, temp_dir, tmp_path / "worker.log", env, f"--address={HEAD_IP}:6379",
+                         f"--node-ip-address={WORKER_IP}")
+        nodes.append(worker)
+        worker.wait_until_started()
+        prompts = [p["prompt_token_ids"] for p in random_prompts(6, seed=11)]
+        driver = subprocess.run(["ip", "netns", "exec", head_namespace, sys.executable,
+                                 str(Path(__file__).with_name("data_parallel_driver.py")), f"{HEAD_IP}:6379",
+                                 str(model_dir), json.dumps(prompts)],
+                                capture_output=True, text=True, env=env, timeout=TIMEOUT * 3)
+        assert driver.returncode == 0, driver.stderr[-4000:]
+        result = json.loads(driver.stdout.strip().splitlines()[-1])
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert len(set(result["nodes"])) == 2
+    assert sorted(result["replica_nodes"]) == sorted(result["nodes"])   # one replica on each node
+    assert all(count > 0 for count in result["served"].values()) and len(result["served"]) == 2
+    expected = reference_outputs(model_dir, [{"prompt_token_ids": p} for p in prompts], greedy(8))
+    assert result["tokens"] == [e.outputs[0].token_ids for e in expected]
