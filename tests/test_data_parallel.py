@@ -80,7 +80,8 @@ def _stats(num_blocks, used, running, waiting, hits, queries, step):
 def test_combined_stats_sum_counts_and_pool_kv_usage():
     from pagedllm.engine.data_parallel import combine_stats
 
-    step = StepStats(scheduling_seconds=0.001, model_seconds=0.5, num_seqs=3, num_tokens=40, num_preemptions=0)
+    step = StepStats(scheduling_seconds=0.001, prepare_seconds=0.0005, model_seconds=0.5, num_seqs=3, num_tokens=40,
+                     num_preemptions=0)
     combined = combine_stats([_stats(100, 90, 3, 2, 10, 40, step), _stats(300, 30, 1, 0, 0, 60, None)])
     assert combined.kv_cache.usage == pytest.approx(120 / 400)   # not the mean of 0.9 and 0.1
     assert combined.kv_cache.prefix_cache_hit_rate == pytest.approx(10 / 100)

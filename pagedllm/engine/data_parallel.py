@@ -61,6 +61,7 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
               if f.name != "block_size"}
     steps = [s.last_step for s in stats if s.last_step is not None]
     last_step = StepStats(scheduling_seconds=max(s.scheduling_seconds for s in steps),
+                          prepare_seconds=max(s.prepare_seconds for s in steps),
                           model_seconds=max(s.model_seconds for s in steps),
                           num_seqs=sum(s.num_seqs for s in steps), num_tokens=sum(s.num_tokens for s in steps),
                           num_preemptions=sum(s.num_preemptions for s in steps)) if steps else None
