@@ -1,7 +1,8 @@
 """The dashboard in a real headless Chromium (Debian's chromium + chromium-driver, through selenium)
 against a real `pagedllm serve --api-key` on loopback. What the page shows is compared with the
 server's own /metrics and /v1/kv_map, polled until they agree (never a guessed sleep).
-The last test stops the server and watches the page say so; a screenshot is taken under load (docs/dashboard.png with PAGEDLLM_UPDATE_DOCS=1)."""
+The last test stops the server and watches the page say so; a screenshot is taken under load
+(docs/dashboard.png with PAGEDLLM_UPDATE_DOCS=1)."""
 from __future__ import annotations
 
 import os
