@@ -22,7 +22,7 @@ from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                                   ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                                                  DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
+                                                  DetokenizeRequest, DetokenizeResponse, ERROR_RESPONSES, ModelCard,
                                                   ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
                                                   TokenizeResponse, VersionResponse)
 from pagedllm.entrypoints.openai.server_config import ServerConfig
@@ -35,12 +35,6 @@ from pagedllm.model.loader import bundled_model_path
 logger = logging.getLogger(__name__)
 
 router = APIRouter()
-
-# The OpenAPI schema documents every answer the routes give, so clients and schema-driven fuzzers
-# (schemathesis) can rely on it: failures are OpenAI's error body with 400 (not FastAPI's 422),
-# 401 (API key), 404 (model), 413 (body size); 5xx only when the engine fails or shuts down.
-ERROR_RESPONSES = {"4XX": {"model": ErrorResponse, "description": "The request was refused; the body says why"},
-                   "5XX": {"model": ErrorResponse, "description": "The engine failed the request or is shutting down"}}
 
 
 def generation_responses(answer: type, chunk: type) -> dict:

@@ -27,6 +27,7 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.kv_map import KVMapFeed, StepRecorder, block_detail, capture, kv_map_snapshot
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import ERROR_RESPONSES
 
 logger = logging.getLogger(__name__)
 
@@ -145,14 +146,14 @@ async def dashboard(request: Request) -> HTMLResponse:
     return HTMLResponse(html, headers={"Content-Security-Policy": policy, "Cache-Control": "no-store"})
 
 
-@router.get("/v1/kv_map")
+@router.get("/v1/kv_map", responses=ERROR_RESPONSES)
 async def kv_map(request: Request) -> dict:
     """Every KV block (ref count, cached, state, owners) and every request with its block table."""
     llm = _hub(request).llm
     return await llm.call_in_engine_thread(kv_map_snapshot, llm.engine)
 
 
-@router.get("/v1/kv_map/blocks/{block_id}")
+@router.get("/v1/kv_map/blocks/{block_id}", responses=ERROR_RESPONSES)
 async def kv_block(block_id: int, request: Request) -> dict:
     """One block: its owners, the tokens it holds (decoded), whether it was a prefix-cache hit."""
     llm = _hub(request).llm
@@ -162,7 +163,7 @@ async def kv_block(block_id: int, request: Request) -> dict:
         raise APIError(400, str(exc), param="block_id") from exc
 
 
-@router.get("/v1/kv_map/events", response_class=StreamingResponse)
+@router.get("/v1/kv_map/events", response_class=StreamingResponse, responses=ERROR_RESPONSES)
 async def kv_map_events(request: Request) -> StreamingResponse:
     """Server-Sent Events, `event: frame`: a full frame, then deltas at most 5 a second."""
     return StreamingResponse(_hub(request).subscribe(), media_type="text/event-stream",

@@ -219,6 +219,13 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# The OpenAPI schema documents every answer the routes give, so clients and schema-driven fuzzers
+# (schemathesis) can rely on it: failures are OpenAI's error body with 400 (not FastAPI's 422),
+# 401 (API key), 404 (model), 413 (body size); 5xx only when the engine fails or shuts down.
+ERROR_RESPONSES = {"4XX": {"model": ErrorResponse, "description": "The request was refused; the body says why"},
+                   "5XX": {"model": ErrorResponse, "description": "The engine failed the request or is shutting down"}}
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
