@@ -51,6 +51,10 @@ def run(args: argparse.Namespace) -> None:
                                    request_rate=None, seed=args.seed, timeout=600.0)
     results: dict[str, list[float]] = {"closed": [], "open": []}
     try:
+        # A first run warms the server (allocator, kernel caches, a cold prefix cache): measured at about
+        # half the later runs' rate here, it would count against whichever mode came first.
+        timings, elapsed = asyncio.run(serving._run_load(load_args, workload))
+        print(f"warm-up (not counted): {sum(timing.output_tokens for timing in timings) / elapsed:.1f} output tok/s")
         for round_index in range(args.rounds):
             for mode in ("closed", "open") if round_index % 2 == 0 else ("open", "closed"):
                 frames, subscribed = multiprocessing.Value("i", 0), multiprocessing.Event()
