@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 
 import ray
 
 from pagedllm import SamplingParams
+from pagedllm.bench.reliability.server import poll
 from pagedllm.config import EngineConfig
 from pagedllm.engine.data_parallel import DPAsyncLLM
 
@@ -25,11 +25,10 @@ NODES_TIMEOUT = 120   # seconds for the worker node to join: a generous bound th
 def main(address: str, model_dir: str, prompts_json: str) -> None:
     prompts = json.loads(prompts_json)
     ray.init(address=address, logging_level="WARNING")
-    deadline = time.monotonic() + NODES_TIMEOUT
-    while len(alive := [node["NodeID"] for node in ray.nodes() if node["Alive"]]) < 2:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"only {len(alive)} Ray node(s) alive after {NODES_TIMEOUT}s")
-        time.sleep(0.2)
+    alive = poll(lambda: [node["NodeID"] for node in ray.nodes() if node["Alive"]], lambda nodes: len(nodes) >= 2,
+                 NODES_TIMEOUT)
+    if len(alive) < 2:
+        raise SystemExit(f"only {len(alive)} Ray node(s) alive after {NODES_TIMEOUT}s")
     config = EngineConfig(model=model_dir, dtype="float32", kv_cache_memory="16MiB", data_parallel_size=2)
     llm = DPAsyncLLM.from_config(config)
 

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.reliability.server import poll
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import EngineRequestError
 from pagedllm.engine.stats import EngineStats, StepStats
@@ -381,11 +382,9 @@ class RayNode:
                                             start_new_session=True)
 
     def wait_until_started(self) -> None:
-        deadline = time.monotonic() + TIMEOUT
-        while "Ray runtime started" not in self.log_path.read_text(errors="replace"):
-            assert self.process.poll() is None, f"ray start exited:\n{self.log_path.read_text()}"
-            assert time.monotonic() < deadline, f"ray start not up after {TIMEOUT}s:\n{self.log_path.read_text()}"
-            time.sleep(0.2)
+        started = poll(lambda: "Ray runtime started" in self.log_path.read_text(errors="replace"),
+                       lambda up: up or self.process.poll() is not None, TIMEOUT)
+        assert started, f"ray start not up (exit code {self.process.poll()}):\n{self.log_path.read_text()}"
 
     def processes(self) -> list[psutil.Process]:
         """The node's processes: its session's, and any that carry its temp dir but left the session."""
