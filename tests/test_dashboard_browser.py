@@ -104,6 +104,14 @@ def test_streaming_requests_show_in_use_cells_matching_metrics_and_shared_ones(s
         page_used, metrics_used, top_ref = poll(agreement, lambda a: a[0] == a[1] > 0 and a[2] == 4, TIMEOUT)
         assert page_used == metrics_used > 0
         assert top_ref == 4                                   # the prompt's full blocks, held by 4 samples
+        # Hover a shared block while the 4 samples still hold it (before the long wait for the screenshot,
+        # in which they may finish): the tooltip names its owners as /v1/kv_map does.
+        codes = page_codes(browser)
+        block_id = codes.index(max(codes))
+        owners = httpx.get(f"{server.url}/v1/kv_map", headers=server.headers).json()["blocks"][block_id]["owners"]
+        tooltip = hover(browser, block_id)
+        assert f"block {block_id}" in tooltip and "ref count 4" in tooltip
+        assert all(owner in tooltip for owner in owners) and len(owners) == 4
         # More requests for the screenshot, taken once the page lists them all and has a few seconds of plots.
         threads += [stream_in_background(server, f"Story {index}: {PROMPT}", max_tokens=120) for index in range(3)]
         poll(lambda: browser.execute_script(
@@ -112,13 +120,6 @@ def test_streaming_requests_show_in_use_cells_matching_metrics_and_shared_ones(s
         screenshot = DOCS_SCREENSHOT if os.environ.get("PAGEDLLM_UPDATE_DOCS") else tmp_path / "dashboard.png"
         browser.save_screenshot(str(screenshot))
         assert screenshot.stat().st_size > 10_000
-        # Hover a shared block: the tooltip names its owners as /v1/kv_map does.
-        codes = page_codes(browser)
-        block_id = codes.index(max(codes))
-        owners = httpx.get(f"{server.url}/v1/kv_map", headers=server.headers).json()["blocks"][block_id]["owners"]
-        tooltip = hover(browser, block_id)
-        assert f"block {block_id}" in tooltip and "ref count 4" in tooltip
-        assert all(owner in tooltip for owner in owners) and len(owners) == 4
     finally:
         for thread in threads:
             thread.join()
