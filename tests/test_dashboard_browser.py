@@ -127,6 +127,9 @@ def test_streaming_requests_show_in_use_cells_matching_metrics_and_shared_ones(s
 
 def test_a_repeated_prompt_shows_prefix_cache_hits(server, browser):
     stream_in_background(server, max_tokens=4).join()
+    # Until the page has dropped the finished requests' rows, one of them (a hit itself) could be taken for the new one.
+    assert poll(lambda: browser.execute_script("return window.kvDashboard.state.rows.size"), lambda size: size == 0,
+                TIMEOUT) == 0
     thread = stream_in_background(server, max_tokens=150)
     try:
         def hit_rows():
@@ -137,8 +140,12 @@ def test_a_repeated_prompt_shows_prefix_cache_hits(server, browser):
         table = browser.execute_script("return window.kvDashboard.state.tables.get(arguments[0])", rows[0]["request_id"])
         tooltip = poll(lambda: hover(browser, table[0]), lambda text: "prefix-cache hit: yes" in text, TIMEOUT)
         assert "prefix-cache hit: yes" in tooltip and rows[0]["request_id"] in tooltip
-        row_text = browser.find_element("css selector", f'#requests tr[data-request-id="{rows[0]["request_id"]}"]').text
-        assert f"{rows[0]['num_cached_tokens'] // 16} blocks" in row_text
+        # The table is re-rendered every frame, so its row is read in one script call (no element handle to go stale).
+        expected = f"{rows[0]['num_cached_tokens'] // 16} blocks"
+        row_text = poll(lambda: browser.execute_script(
+            "const row = document.querySelector(`#requests tr[data-request-id=\"${arguments[0]}\"]`);"
+            "return row ? row.innerText : ''", rows[0]["request_id"]), lambda text: expected in text, TIMEOUT)
+        assert expected in row_text
     finally:
         thread.join()
 
