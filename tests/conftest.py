@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from pagedllm.model.loader import bundled_model_path
 from pagedllm.tokenizer import load_tokenizer_from_gguf
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated (when pagedllm.model.triton_kernels is first
+# imported), not when triton itself is: set here, before any test imports that module, it makes the Triton
+# kernels run on CPU tensors in the interpreter, whoever imported triton earlier (xgrammar does). On a GPU
+# it stays unset, so the same tests run the compiled kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _TINY_SHAPE = dict(
     vocab_size=256,

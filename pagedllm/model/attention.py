@@ -36,6 +36,14 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [chunks, max_blocks] int64, covering context and chunk
     block_size: int
     use_kernel: bool                    # the C++ kernels serve
+    # Every row at once, for a backend that attends decodes and prefill chunks in one launch (Triton); the
+    # decode and prefill fields above are slices of these. The maxima are host integers: a launch grid
+    # sized from them needs no read from the device.
+    query_starts: torch.Tensor | None = None   # [rows + 1] int64: row r is tokens [starts[r], starts[r + 1])
+    seq_lens: torch.Tensor | None = None       # [rows] int64: keys the row's last token attends to
+    block_tables: torch.Tensor | None = None   # [rows, max_blocks] int64
+    max_query_len: int = 0
+    max_seq_len: int = 0
 
     @cached_property
     def decode_rows(self) -> torch.Tensor:

@@ -1,0 +1,38 @@
+"""The `triton` attention backend: the KV write and one unified attention launch per layer (triton_kernels.py)."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.model import triton_kernels
+from pagedllm.model.attention import AttentionMetadata, CacheTensor
+from pagedllm.model.attention_backends import AttentionBackend
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, device: torch.device, head_dim: int, block_size: int, dtype: torch.dtype,
+                 cache_dtype: torch.dtype):
+        """Refuses, once, what the kernels cannot take: the layout, or a CPU without the interpreter."""
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"attention_backend 'triton' runs on cuda (or cpu under TRITON_INTERPRET=1), got {device}")
+        if device.type == "cpu" and not triton_kernels.INTERPRETED:
+            raise ValueError("attention_backend 'triton' on cpu runs only under Triton's interpreter: set "
+                             "TRITON_INTERPRET=1 before pagedllm is imported (or use attention_backend 'cpu')")
+        if device.type == "cuda" and triton_kernels.INTERPRETED:
+            raise ValueError("attention_backend 'triton' on cuda: TRITON_INTERPRET=1 is set, which would run the "
+                             "kernels on the host; unset it")
+        triton_kernels.check_layout(head_dim, block_size, dtype, cache_dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: CacheTensor,
+                v_cache: CacheTensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_tokens = meta.slot_mapping.shape[0]
+        triton_kernels.write_kv(k_cache.data, v_cache.data, k_cache.scales, v_cache.scales, k[:num_tokens],
+                                v[:num_tokens], meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if num_tokens < q.shape[0]:
+            out[num_tokens:] = 0
+        triton_kernels.unified_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
+                                         meta.block_tables, meta.query_starts, meta.seq_lens, meta.max_query_len,
+                                         meta.max_seq_len, scale)
+        return out
