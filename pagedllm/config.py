@@ -16,6 +16,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: 
 # vLLM's: mp runs one engine in this process (its tensor parallel workers as subprocesses);
 # ray runs data_parallel_size engine replicas as Ray actors (pagedllm/engine/data_parallel.py).
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+# auto: triton on CUDA, the C++ kernels on CPU (pagedllm/model/attention_backends.py); torch: the PyTorch reference.
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 
 
 def parse_memory_size(value: int | float | str) -> int:
@@ -55,6 +57,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1   # ranks splitting each layer; the KV cache memory is per rank
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None   # None: ray when data_parallel_size > 1, else mp
+    attention_backend: str = "auto"   # auto: PAGEDLLM_ATTENTION_BACKEND if set, else the device's default
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -82,6 +85,9 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")

@@ -102,19 +102,13 @@ def compare_greedy_tokens(args: argparse.Namespace) -> None:
 def sequence_logprobs(runner, token_ids: list[int], kv_caches):
     """Log-probabilities [positions, vocab] of the next token after each position of one sequence, from
     one prefill of all of it through the runner's model into kv_caches (blocks 0 onwards)."""
+    import numpy as np
     import torch
-
-    from pagedllm.model.attention import AttentionMetadata
 
     device, length = runner.device, len(token_ids)
     positions = torch.arange(length, device=device)
-    no_decodes = torch.zeros(0, dtype=torch.int64, device=device)
-    meta = AttentionMetadata(
-        slot_mapping=positions, num_decode_tokens=0, decode_block_tables=no_decodes.view(0, 0),
-        decode_seq_lens=no_decodes, prefill_query_starts=torch.tensor([0, length], device=device),
-        prefill_context_lens=torch.tensor([0], device=device),
-        prefill_block_tables=torch.arange(-(-length // runner.block_size), device=device)[None],
-        block_size=runner.block_size, use_kernel=runner.use_kernel)
+    meta, _, _ = runner.attention_metadata(np.arange(-(-length // runner.block_size))[None], np.zeros(1, np.int64),
+                                           np.array([length]))
     with torch.inference_mode():
         logits = runner.model(torch.tensor(token_ids, device=device), positions, kv_caches, meta, positions)
     return logits.log_softmax(-1)

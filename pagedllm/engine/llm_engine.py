@@ -84,6 +84,18 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
     return torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else getattr(torch, kv_cache_dtype)
 
 
+def gpu_kv_cache_budget(total: int, utilization: float, peak_torch: int, non_torch: int) -> int:
+    """Bytes the KV cache may take on a GPU of `total` bytes: the engine's share (utilization), less what the
+    profile run showed the engine needs besides: the peak of its tensors (weights, activations, sampler)
+    and the memory torch does not manage (CUDA context, NCCL, other processes on the device)."""
+    budget = int(total * utilization) - peak_torch - non_torch
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {utilization} gives the engine {int(total * utilization)} of "
+                         f"{total} bytes, but the profile run needs {peak_torch} bytes of tensors and {non_torch} "
+                         f"bytes outside torch already: no room for a KV cache; raise gpu_memory_utilization")
+    return budget
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         if config.data_parallel_size > 1:   # replicas are several engines: DPAsyncLLM (pagedllm serve) runs them
@@ -97,14 +109,20 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, checkpoint.config.torch_dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = self._resolve_max_model_len()
-        num_blocks = self._num_kv_blocks()
+        # On CUDA without kv_cache_memory the pool is sized after a profile run of the loaded model.
+        profile = self.device.type == "cuda" and config.kv_cache_memory is None
+        num_blocks = None if profile else self._num_kv_blocks(config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
         self.executor = Executor.create(WorkerArgs(config, self.device, self.dtype, self.kv_cache_dtype,
                                                    self.max_model_len, num_blocks), checkpoint)
         del checkpoint
         self.runner = self.executor.driver_worker.model_runner   # rank 0's
         model = self.runner.model
+        token_budget = self._resolve_token_budget()
+        if profile:
+            num_blocks = self._num_kv_blocks(self._profiled_kv_cache_budget(token_budget))
+            self.executor.collective_rpc("allocate_kv_caches", num_blocks)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self._resolve_token_budget(),
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, token_budget,
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.parents: dict[str, ParentRequest | BeamSearchParent] = {}
         self.children: dict[str, ChildState] = {}   # plain and parallel samples (not beams) by request id
@@ -113,9 +131,11 @@ class LLMEngine:
         self.last_step_stats: StepStats | None = None
         # Called on the engine thread with each step's StepStats (the dashboard subscribes while a page is open).
         self.step_listeners: list[Callable[[StepStats], None]] = []
-        logger.info("model %s (%s) on %s, dtype %s, CPU kernels %s; KV cache: %s, %d blocks of %d tokens = %d tokens",
+        logger.info("model %s (%s) on %s, dtype %s, attention backend %s, CPU kernels %s; KV cache: %s, %d blocks "
+                    "of %d tokens = %d tokens",
                     config.model or "bundled SmolLM2-135M-Instruct", self.model_config.architecture,
-                    self.device, str(self.dtype).removeprefix("torch."), kernels.variant or "not built",
+                    self.device, str(self.dtype).removeprefix("torch."), self.runner.attention_backend.name,
+                    kernels.variant or "not built",
                     str(self.kv_cache_dtype).removeprefix("torch."), num_blocks, config.block_size,
                     num_blocks * config.block_size)
         logger.info("weights (quantization=%s): %s", config.quantization, model.weight_summary())
@@ -137,15 +157,22 @@ class LLMEngine:
                              f"({self.max_model_len}) when enable_chunked_prefill is False")
         return budget or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
 
-    def _num_kv_blocks(self) -> int:
+    def _profiled_kv_cache_budget(self, token_budget: int) -> int:
+        """Runs the largest step on every rank and sizes the KV cache from rank 0's device by what it showed."""
+        num_tokens = min(token_budget, self.max_model_len)
+        peak = self.executor.collective_rpc("profile_run", num_tokens, min(self.config.max_num_seqs, num_tokens))
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = gpu_kv_cache_budget(total, self.config.gpu_memory_utilization, peak, non_torch)
+        logger.info("profile run of %d tokens: peak %.2f GiB of tensors, %.2f GiB outside torch; KV cache gets "
+                    "%.2f GiB of the %.2f GiB that gpu_memory_utilization=%s allows", num_tokens, peak / 2**30,
+                    non_torch / 2**30, budget / 2**30, total * self.config.gpu_memory_utilization / 2**30,
+                    self.config.gpu_memory_utilization)
+        return budget
+
+    def _num_kv_blocks(self, budget: int) -> int:
         per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype,
                                        self.config.tensor_parallel_size)   # per rank, as kv_cache_memory
-        budget = self.config.kv_cache_memory
-        if budget is None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
-        if budget is None:
-            budget = DEFAULT_CPU_KV_CACHE_MEMORY
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block; one block of "

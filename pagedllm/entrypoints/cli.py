@@ -14,8 +14,8 @@ import sys
 
 from pagedllm.bench import accuracy, dashboard_cost, kernels, latency, load, memory, scheduling, serving, sweep, throughput
 from pagedllm.bench.reliability import suite as reliability
-from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
-                             SCHEDULING_POLICIES, EngineConfig)
+from pagedllm.config import (ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES,
+                             QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig)
 from pagedllm.entrypoints.config_file import merge_config
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 
@@ -44,6 +44,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="precision of the KV cache: auto is --dtype's; int8 keeps a scale per token and kv head "
                             f"{_default(EngineConfig, 'kv_cache_dtype')}")
     group.add_argument("--device", default=_UNSET, help="cpu or cuda (default: cuda when present)")
+    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=_UNSET,
+                       help="attention kernels: cpu (C++), triton (CUDA; on CPU only under TRITON_INTERPRET=1), torch "
+                            "(the PyTorch reference); auto is PAGEDLLM_ATTENTION_BACKEND if set, else triton on CUDA "
+                            f"and cpu on CPU {_default(EngineConfig, 'attention_backend')}")
     group.add_argument("--block-size", type=int, default=_UNSET,
                        help=f"tokens per KV block, a power of two from 8 to 256 {_default(EngineConfig, 'block_size')}")
     group.add_argument("--max-num-seqs", type=int, default=_UNSET,

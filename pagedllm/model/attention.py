@@ -44,6 +44,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None   # [rows, max_blocks] int64
     max_query_len: int = 0
     max_seq_len: int = 0
+    backend: object = None   # the engine's AttentionBackend (attention_backends.py), which the model calls
 
     @cached_property
     def decode_rows(self) -> torch.Tensor:

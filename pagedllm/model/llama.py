@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, paged_attention
+from pagedllm.model.attention import AttentionMetadata, CacheTensor
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_linear, padded_rows
 from pagedllm.model.ops import rms_norm, silu_and_mul
@@ -94,7 +94,7 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotation.apply(q), rotation.apply(k)
-        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        attn = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         normed = self.post_attention_norm(self.o_proj(attn.reshape(num_tokens, q_size)), residual)
         return self.down_proj(silu_and_mul(self.gate_up_proj(normed))), residual
 

@@ -11,12 +11,13 @@ import time
 import numpy as np
 import torch
 
-from pagedllm.model.attention import (AttentionMetadata, CacheTensor, has_scales, kernel_available, kv_cache_shapes,
-                                      kv_scales_shape)
+from pagedllm.model.attention import AttentionMetadata, CacheTensor, has_scales, kv_cache_shapes, kv_scales_shape
+from pagedllm.model.attention_backends import select_attention_backend
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.host_staging import HostStaging, fetch
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.sampler import SamplingBatch, sample
 
@@ -58,18 +59,55 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, ca
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype,
-                 device: torch.device, seed: int, max_model_len: int, max_num_seqs: int):
+    def __init__(self, model: CausalLM, num_blocks: int | None, block_size: int, kv_cache_dtype: torch.dtype,
+                 device: torch.device, seed: int, max_model_len: int, max_num_seqs: int,
+                 attention_backend: str = "auto", dtype: torch.dtype = torch.float32):
+        """num_blocks None: the caches are allocated later (allocate_kv_caches), once a profile run has
+        measured what the model leaves free. attention_backend: an EngineConfig value, resolved here once."""
         config = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
         self.vocab_size = config.vocab_size
-        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, kv_cache_dtype, device,
-                                            model.num_kv_heads)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attention_backend = select_attention_backend(attention_backend, device, config.head_dim, block_size,
+                                                          dtype, kv_cache_dtype)
+        self.kv_caches: list[tuple[CacheTensor, CacheTensor]] = []
+        if num_blocks is not None:
+            self.allocate_kv_caches(num_blocks)
         self.input_batch = InputBatch(max_model_len, block_size, device, capacity=max_num_seqs)
-        self.use_kernel = kernel_available(device, config.head_dim)
+        self.staging = HostStaging(device)
         torch.manual_seed(seed)
+
+    def allocate_kv_caches(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.model.config, num_blocks, self.block_size, self.kv_cache_dtype,
+                                            self.device, self.model.num_kv_heads)
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int) -> int:
+        """Runs the largest step the scheduler can make (num_tokens prompt tokens, logits and sampling for
+        num_seqs rows) against a scratch cache just large enough, and returns the peak bytes the device's
+        allocator held meanwhile, the scratch cache's excluded (0 off CUDA, where nothing is measured)."""
+        num_blocks = -(-num_tokens // self.block_size)
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = allocate_kv_caches(self.model.config, num_blocks, self.block_size, self.kv_cache_dtype,
+                                     self.device, self.model.num_kv_heads)
+        scratch_bytes = sum(t.nbytes for layer in scratch for cache in layer
+                            for t in (cache.data, cache.scales) if t is not None)
+        meta, positions, _ = self.attention_metadata(np.arange(num_blocks)[None], np.zeros(1, np.int64),
+                                                     np.array([num_tokens]))
+        logits_indices = torch.full((num_seqs,), num_tokens - 1, device=self.device)
+        logits = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
+                            self.staging.to_device("positions", positions), scratch, meta, logits_indices)
+        if logits is not None:   # the sampler's own buffers: a softmax and a sort over the vocabulary per row
+            logits.softmax(-1).sort(dim=-1)
+        if not on_cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - scratch_bytes
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -90,14 +128,15 @@ class ModelRunner:
                                        batch.num_prompt_tokens[sampling_rows], batch.num_tokens[sampling_rows],
                                        self.vocab_size, self.device)
         samples = sample(logits, sampling)
-        top_ids = samples.top_logprob_ids
+        token_ids, logprobs, top_ids, top_logprobs, ranks = fetch(
+            [samples.token_ids, samples.logprobs, samples.top_logprob_ids, samples.top_logprobs, samples.token_ranks])
         return ModelRunnerOutput(
             req_ids=[batch.req_ids[row] for row in sampling_rows.tolist()],
-            sampled_token_ids=samples.token_ids.tolist(),
-            logprobs=samples.logprobs.tolist(),
-            top_logprob_ids=None if top_ids is None else top_ids.tolist(),
-            top_logprobs=None if top_ids is None else samples.top_logprobs.tolist(),
-            token_ranks=None if top_ids is None else samples.token_ranks.tolist(),
+            sampled_token_ids=token_ids,
+            logprobs=logprobs,
+            top_logprob_ids=top_ids,
+            top_logprobs=top_logprobs,
+            token_ranks=ranks,
             prepare_seconds=prepared - started,
         )
 
@@ -107,41 +146,52 @@ class ModelRunner:
             for cache in layer:
                 cache.copy_blocks(sources, destinations)
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
-
     def _prepare(self, scheduler_output: SchedulerOutput):
         """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; and
         the batch rows that sample, in the order of the logits rows."""
-        batch, block_size = self.input_batch, self.block_size
+        batch, staging = self.input_batch, self.staging
         rows, num_new = batch.step_rows(scheduler_output)
-        context = batch.num_computed_tokens[rows]
+        max_blocks = int(batch.num_blocks[rows].max())
+        meta, positions, token_row = self.attention_metadata(batch.block_table[rows, :max_blocks],
+                                                             batch.num_computed_tokens[rows], num_new)
+        input_ids = batch.token_ids[rows[token_row], positions].astype(np.int64)
+        sampling_rows, logits_indices = batch.sampling_rows(rows, num_new, scheduler_output)
+        return (staging.to_device("input_ids", input_ids), staging.to_device("positions", positions), meta,
+                staging.to_device("logits_indices", logits_indices), sampling_rows)
+
+    def attention_metadata(self, block_tables: np.ndarray, context: np.ndarray, num_new: np.ndarray
+                           ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
+        """The attention layout of rows (decodes, one new token each, first) with `context` tokens cached
+        and `num_new` new ones, their blocks in block_tables; and each new token's position and row."""
+        block_size, staging = self.block_size, self.staging
         row_ends = np.cumsum(num_new)
         row_starts = row_ends - num_new
         num_tokens = int(row_ends[-1])
-        token_row = np.repeat(np.arange(len(rows)), num_new)
+        token_row = np.repeat(np.arange(len(num_new)), num_new)
         positions = np.arange(num_tokens) - row_starts[token_row] + context[token_row]
-
-        max_blocks = int(batch.num_blocks[rows].max())
-        block_tables = batch.block_table[rows, :max_blocks]
         slot_mapping = block_tables[token_row, positions // block_size] * block_size + positions % block_size
-        input_ids = batch.token_ids[rows[token_row], positions].astype(np.int64)
-        sampling_rows, logits_indices = batch.sampling_rows(rows, num_new, scheduler_output)
 
         num_decodes = int((num_new == 1).sum())
         seq_lens = context + num_new
         decode_blocks = -(-int(seq_lens[:num_decodes].max()) // block_size) if num_decodes else 0
-        tables = self._to_device(block_tables)
+        tables = staging.to_device("block_tables", block_tables)
+        query_starts = staging.to_device("query_starts", np.append(row_starts, num_tokens))
+        device_seq_lens = staging.to_device("seq_lens", seq_lens)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
+            slot_mapping=staging.to_device("slot_mapping", slot_mapping),
             num_decode_tokens=num_decodes,
             decode_block_tables=tables[:num_decodes, :decode_blocks].contiguous(),
-            decode_seq_lens=self._to_device(seq_lens[:num_decodes]),
-            prefill_query_starts=self._to_device(np.append(row_starts[num_decodes:], num_tokens)),
-            prefill_context_lens=self._to_device(context[num_decodes:]),
+            decode_seq_lens=device_seq_lens[:num_decodes],
+            prefill_query_starts=query_starts[num_decodes:],
+            prefill_context_lens=staging.to_device("context_lens", context[num_decodes:]),
             prefill_block_tables=tables[num_decodes:],
             block_size=block_size,
-            use_kernel=self.use_kernel,
+            use_kernel=self.attention_backend.uses_cpu_kernels,
+            query_starts=query_starts,
+            seq_lens=device_seq_lens,
+            block_tables=tables,
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+            backend=self.attention_backend,
         )
-        return (self._to_device(input_ids), self._to_device(positions), meta, self._to_device(logits_indices),
-                sampling_rows)
+        return meta, positions, token_row

@@ -34,7 +34,8 @@ class WorkerArgs:
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype
     max_model_len: int
-    num_blocks: int                 # the same on every rank, so the scheduler's block ids hold everywhere
+    num_blocks: int | None          # the same on every rank, so the scheduler's block ids hold everywhere;
+                                    # None: allocated after a profile run (allocate_kv_caches)
     num_threads: int | None = None  # torch threads of this rank; None leaves the process's setting
     port: int | None = None         # the tensor-parallel group's rendezvous port on 127.0.0.1
 
@@ -61,7 +62,8 @@ class Worker:
         model = CausalLM(checkpoint.config, weights, args.dtype, self.device, args.max_model_len, self.group)
         del checkpoint, weights
         self.model_runner = ModelRunner(model, args.num_blocks, config.block_size, args.kv_cache_dtype,
-                                        self.device, config.seed, args.max_model_len, config.max_num_seqs)
+                                        self.device, config.seed, args.max_model_len, config.max_num_seqs,
+                                        attention_backend=config.attention_backend, dtype=args.dtype)
 
     def init_distributed(self) -> None:
         """Joins the tensor-parallel group, once every rank has built its model (so a rank that fails to
@@ -74,6 +76,12 @@ class Worker:
         """One step on this rank's runner: every rank applies the same plain step data to its own batch;
         only rank 0 samples, so only its result matters."""
         return self.model_runner.execute_model(scheduler_output)
+
+    def profile_run(self, num_tokens: int, num_seqs: int) -> int:
+        return self.model_runner.profile_run(num_tokens, num_seqs)
+
+    def allocate_kv_caches(self, num_blocks: int) -> None:
+        self.model_runner.allocate_kv_caches(num_blocks)
 
     def check_health(self) -> None:
         """Answering at all is the check: a rank that can run this is alive and idle."""
