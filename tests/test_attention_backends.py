@@ -15,6 +15,7 @@ from pagedllm.model.attention_backends import FORCE_VARIABLE, select_attention_b
 from pagedllm.worker.host_staging import HostStaging, fetch
 
 CPU = torch.device("cpu")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_cpu_kernels = pytest.mark.skipif(attention_backends._C is None, reason="C++ kernels not built")
 
 
@@ -68,7 +69,7 @@ def test_profile_run_leaves_the_cache_and_the_batch_alone(make_tiny_model_dir, t
     """The profile run (the largest step, on a scratch cache) runs on CPU too; it measures nothing there, and
     touches neither the engine's cache nor its batch: generation afterwards is what it would have been."""
     folder = str(make_tiny_model_dir(tmp_path, "llama"))
-    llm = LLM(folder, dtype="float32", kv_cache_memory="1MiB", max_num_batched_tokens=64)
+    llm = LLM(folder, dtype="float32", device="cpu", kv_cache_memory="1MiB", max_num_batched_tokens=64)
     runner = llm.llm_engine.runner
     before = [cache.data.clone() for layer in runner.kv_caches for cache in layer]
     assert runner.profile_run(64, 8) == 0
@@ -76,7 +77,7 @@ def test_profile_run_leaves_the_cache_and_the_batch_alone(make_tiny_model_dir, t
     assert not runner.input_batch.req_ids
     prompt = {"prompt_token_ids": list(range(30, 50))}
     params = SamplingParams(temperature=0, max_tokens=3)
-    fresh = LLM(folder, dtype="float32", kv_cache_memory="1MiB")
+    fresh = LLM(folder, dtype="float32", device="cpu", kv_cache_memory="1MiB")
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
         fresh.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
 
@@ -101,10 +102,12 @@ def test_engine_on_the_triton_backend_gives_the_cpu_kernels_tokens(caplog):
               [{"prompt_token_ids": shared + [7, 8, 9]}, "The capital of France is"]]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     tokens = {}
-    for backend in ("cpu" if attention_backends._C is not None else "torch", "triton"):
+    # On CPU the C++ kernels are the reference; on a GPU the PyTorch one, so that only attention differs.
+    reference = "cpu" if DEVICE.type == "cpu" and attention_backends._C is not None else "torch"
+    for backend in (reference, "triton"):
         with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
-            llm = LLM(dtype="float32", quantization="none", attention_backend=backend, kv_cache_memory="16MiB",
-                      max_num_batched_tokens=24)
+            llm = LLM(dtype="float32", quantization="none", device=DEVICE.type, attention_backend=backend,
+                      kv_cache_memory="16MiB", max_num_batched_tokens=24)
         assert f"attention backend {backend}," in caplog.text
         tokens[backend] = [list(output.outputs[0].token_ids) for prompts in rounds
                            for output in llm.generate(prompts, params, use_tqdm=False)]

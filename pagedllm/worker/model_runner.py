@@ -141,7 +141,8 @@ class ModelRunner:
         )
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
-        sources, destinations = (torch.tensor(ids, device=self.device) for ids in zip(*block_copies))
+        sources, destinations = (self.staging.to_device(name, np.array(ids))
+                                 for name, ids in zip(("copy_sources", "copy_destinations"), zip(*block_copies)))
         for layer in self.kv_caches:
             for cache in layer:
                 cache.copy_blocks(sources, destinations)
