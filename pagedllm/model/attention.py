@@ -4,8 +4,9 @@ The runner orders a step's tokens so that all single-token rows (decodes) come
 first, then the multi-token rows (prefill chunks). Both kinds are attended in one
 batched call each; on CPU by the C++ kernels (csrc/paged_attention.cpp for decodes,
 csrc/prefill_attention.cpp for prefill chunks), which read K/V in place through the
-block tables, cached prefix included. Elsewhere (CUDA, or no compiled kernels) each
-row's blocks are gathered and SDPA attends to them.
+block tables, cached prefix included. Otherwise (the `torch` backend: no compiled kernels,
+or chosen) each row's blocks are gathered and SDPA attends to them. On CUDA the `triton`
+backend (triton_attention.py) serves instead; attention_backends.py chooses, once per engine.
 
 The cache may hold K/V in a smaller dtype than the model's (`kv_cache_dtype`): bfloat16,
 float16, float8 e5m2, or int8 with a float32 scale per slot and kv head. Decode attention
