@@ -8,10 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-from pagedllm.model.loader import bundled_model_path
-from pagedllm.tokenizer import load_tokenizer_from_gguf
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated (when pagedllm.model.triton_kernels is first
 # imported), not when triton itself is: set here, before any test imports that module, it makes the Triton
@@ -19,6 +15,11 @@ from pagedllm.tokenizer import load_tokenizer_from_gguf
 # it stays unset, so the same tests run the compiled kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
+
+from pagedllm.model.loader import bundled_model_path  # noqa: E402
+from pagedllm.tokenizer import load_tokenizer_from_gguf  # noqa: E402
 
 _TINY_SHAPE = dict(
     vocab_size=256,

@@ -3,6 +3,10 @@ attention.quantize for the KV write), on CPU under Triton's interpreter (tests/c
 TRITON_INTERPRET=1 where there is no GPU) or on a GPU (`cuda` marker, run by scripts/gpu_check.sh).
 
 Shapes are tiny: the interpreter runs each program in Python."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -183,3 +187,14 @@ def test_backend_refuses_what_the_kernels_cannot_take():
         triton_kernels.unified_attention(torch.empty_like(q), q, k_cache.data, v_cache.data, None, None,
                                          torch.zeros(1, 2, dtype=torch.int64, device=DEVICE),
                                          torch.tensor([0, 1], device=DEVICE), torch.tensor([1], device=DEVICE), 1, 1, 1.0)
+
+
+def test_the_interpreter_is_taken_when_set_after_triton_was_imported():
+    """Triton 3.9 reads TRITON_INTERPRET as each kernel is decorated: an earlier `import triton` (xgrammar's, say)
+    does not fix the choice, only an earlier import of the kernel module would."""
+    code = ("import os, triton\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from pagedllm.model import triton_kernels\n"
+            "assert triton_kernels.INTERPRETED\n")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from pagedllm.model.ops import _C
+
+if TYPE_CHECKING:   # attention_backends builds on this module
+    from pagedllm.model.attention_backends import AttentionBackend
 
 
 @dataclass
@@ -45,7 +49,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None   # [rows, max_blocks] int64
     max_query_len: int = 0
     max_seq_len: int = 0
-    backend: object = None   # the engine's AttentionBackend (attention_backends.py), which the model calls
+    backend: AttentionBackend | None = None   # the engine's, chosen once (attention_backends.py): the model calls it
 
     @cached_property
     def decode_rows(self) -> torch.Tensor:
