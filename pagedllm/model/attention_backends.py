@@ -6,7 +6,8 @@
   tests check it without a GPU.
 - `torch`: the PyTorch reference (gather each row's blocks, SDPA); any device, any layout.
 
-"auto" takes the device's default; PAGEDLLM_ATTENTION_BACKEND (as vLLM's VLLM_ATTENTION_BACKEND) names one
+"auto" takes the device's default (on CUDA that needs Triton installed; `torch` serves without it);
+PAGEDLLM_ATTENTION_BACKEND (as vLLM's VLLM_ATTENTION_BACKEND) names one
 when the engine argument is left at "auto". A backend that cannot take the model's layout (head size,
 block size, dtypes, device) is refused here, at start-up, with the reason: no step ever falls back.
 """
