@@ -18,6 +18,7 @@ from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from pagedllm.worker.sampler import SamplingBatch, sample
 
 
@@ -81,11 +82,17 @@ class ModelRunner:
             self._copy_blocks(scheduler_output.block_copies)
         if not scheduler_output.num_scheduled_tokens:   # a step that only drops finished or preempted requests
             return ModelRunnerOutput([], [], [], prepare_seconds=time.perf_counter() - started)
-        input_ids, positions, meta, logits_indices, sampling_rows = self._prepare(scheduler_output)
+        input_ids, positions, meta, logits_indices, sampling_rows, prompt_plan = self._prepare(scheduler_output)
         prepared = time.perf_counter()
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
-        if logits is None or not len(sampling_rows):   # tensor-parallel ranks > 0 get no logits: rank 0 samples
+        if logits is None:   # tensor-parallel ranks > 0 get no logits: rank 0 samples
             return ModelRunnerOutput([], [], [], prepare_seconds=prepared - started)
+        prompt_logprobs = None
+        if prompt_plan is not None:   # their rows come after the sampling rows
+            prompt_logprobs = compute_prompt_logprobs(logits[len(sampling_rows):], prompt_plan)
+            logits = logits[:len(sampling_rows)]
+        if not len(sampling_rows):
+            return ModelRunnerOutput([], [], [], prepare_seconds=prepared - started, prompt_logprobs=prompt_logprobs)
         sampling = SamplingBatch.build(batch.sampling, sampling_rows, batch.token_ids,
                                        batch.num_prompt_tokens[sampling_rows], batch.num_tokens[sampling_rows],
                                        self.vocab_size, self.device)
@@ -99,6 +106,7 @@ class ModelRunner:
             top_logprobs=None if top_ids is None else samples.top_logprobs.tolist(),
             token_ranks=None if top_ids is None else samples.token_ranks.tolist(),
             prepare_seconds=prepared - started,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
@@ -111,8 +119,8 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device)
 
     def _prepare(self, scheduler_output: SchedulerOutput):
-        """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; and
-        the batch rows that sample, in the order of the logits rows."""
+        """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; the
+        batch rows that sample, in the order of the logits rows; and the rows prompt logprobs add after them."""
         batch, block_size = self.input_batch, self.block_size
         rows, num_new = batch.step_rows(scheduler_output)
         context = batch.num_computed_tokens[rows]
@@ -127,6 +135,10 @@ class ModelRunner:
         slot_mapping = block_tables[token_row, positions // block_size] * block_size + positions % block_size
         input_ids = batch.token_ids[rows[token_row], positions].astype(np.int64)
         sampling_rows, logits_indices = batch.sampling_rows(rows, num_new, scheduler_output)
+        prompt_plan = PromptLogprobsPlan.for_step(batch.sampling.num_prompt_logprobs, batch.req_ids, rows, num_new,
+                                                  batch.num_computed_tokens, batch.num_prompt_tokens, batch.token_ids)
+        if prompt_plan is not None:
+            logits_indices = np.concatenate([logits_indices, prompt_plan.token_indices])
 
         num_decodes = int((num_new == 1).sum())
         seq_lens = context + num_new
@@ -144,4 +156,4 @@ class ModelRunner:
             use_kernel=self.use_kernel,
         )
         return (self._to_device(input_ids), self._to_device(positions), meta, self._to_device(logits_indices),
-                sampling_rows)
+                sampling_rows, prompt_plan)
