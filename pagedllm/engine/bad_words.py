@@ -5,12 +5,14 @@ from pagedllm.tokenizer import Tokenizer
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, bad_words: list[str]) -> list[list[int]]:
-    """For each word, its tokens without and with a leading space; the spaced form is added only when it is
-    a different sequence of the same length, as vLLM does, so one word never bans its own unspaced start."""
+    """For each word, its tokens without and with a leading space; as in vLLM, the spaced form is added
+    only when the space merges into the word's first token (as many tokens, another first token)."""
     sequences = []
     for word in bad_words:
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if not plain:   # a word without tokens bans nothing (byte-level tokenizers always give some)
+            continue
         sequences.append(plain)
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
             sequences.append(spaced)
