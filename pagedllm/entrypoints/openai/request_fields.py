@@ -69,6 +69,7 @@ POLICIES: dict[str, dict[str, NoOp | Refused]] = {
         "documents": Refused("documents are not passed to chat templates"),
         "echo": Refused("echo exists on /v1/completions only"),
         "use_beam_search": Refused("beam search exists on /v1/completions only"),
+        "length_penalty": Refused("beam search exists on /v1/completions only"),
         "best_of": Refused("best_of exists on /v1/completions only"),
     },
     "message": {
