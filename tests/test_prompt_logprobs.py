@@ -98,3 +98,16 @@ def test_mixed_batch_parallel_samples_and_top_zero(tiny_llama_dir, reference):
     assert_matches_reference(prompts[2], outputs[2].prompt_logprobs, reference, 0)
     alone = llm.generate({"prompt_token_ids": prompts[1]}, params[1], use_tqdm=False)[0]
     assert alone.outputs[0].token_ids == outputs[1].outputs[0].token_ids   # the extra logits rows change nothing
+
+
+def test_preempted_requests_keep_their_prompt_logprobs(tiny_llama_dir, reference):
+    """A KV cache of 12 blocks of 8 tokens for four requests that each grow to 48 tokens: requests are
+    preempted and recompute their prompts, and their prompt logprobs stay whole and right."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=12 * 4096, block_size=8, max_model_len=64)
+    assert llm.llm_engine.kv_manager.pool.num_blocks == 12
+    prompts = make_prompts([24, 24, 24, 24], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    for prompt, output in zip(prompts, outputs):
+        assert_matches_reference(prompt, output.prompt_logprobs, reference, 1)

@@ -111,6 +111,14 @@ def test_prompt_logprobs_extra_has_vllms_shape(http, offline):
             assert (entry["rank"], entry["decoded_token"]) == (logprob.rank, logprob.decoded_token)
     chat_entries = chat.json()["prompt_logprobs"]
     assert chat_entries[0] is None and all(len(entry) == 1 for entry in chat_entries[1:])
+    for path, body in (("/v1/completions", {"prompt": prompt_ids, "prompt_logprobs": 1}),
+                       ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 0})):
+        streamed = http.post(path, json={**body, "max_tokens": 3, "stream": True})
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        sent = [event.get("prompt_logprobs") or event["choices"][0].get("prompt_logprobs")
+                for event in events if event["choices"]]
+        sent = [entries for entries in sent if entries]
+        assert sent == [served if path == "/v1/completions" else chat_entries]   # once, as in the whole answer
 
 
 # ---------------------------------------------------------------- logit controls

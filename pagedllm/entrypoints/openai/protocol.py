@@ -358,6 +358,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsField = None   # vLLM's extra, when asked: in the first chunk with content
 
 
 class ModelCard(BaseModel):

@@ -61,7 +61,10 @@ async def _stream(body: ChatCompletionRequest, request_id: str, num_prompt_token
         # As OpenAI: each choice opens with the role, before any text.
         for index in range(n):
             yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        prompt_logprobs = None   # when asked: from the first output, sent with the first chunk after it
         async for _, output in merged:
+            if output.prompt_logprobs is not None:
+                prompt_logprobs = prompt_logprobs_field(output.prompt_logprobs)
             for delta in output.outputs:
                 choice = choices[delta.index]
                 if not has_news(choice, delta):
@@ -70,7 +73,8 @@ async def _stream(body: ChatCompletionRequest, request_id: str, num_prompt_token
                 logprobs = chat_logprobs(delta.token_ids, delta.logprobs or [], num_top) if body.logprobs else None
                 yield chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
                                               logprobs=logprobs, finish_reason=delta.finish_reason,
-                                              stop_reason=delta.stop_reason)])
+                                              stop_reason=delta.stop_reason)], prompt_logprobs=prompt_logprobs)
+                prompt_logprobs = None
         if body.include_usage:
             yield chunk([], usage=usage([num_prompt_tokens], choices))
     except Exception as exc:
