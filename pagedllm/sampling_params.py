@@ -171,6 +171,14 @@ class SamplingParams:
                 if not (isinstance(word, str) and word.strip()):
                     raise ValueError(f"bad_words must hold only non-blank strings, got {_shown(word)} at index {index}")
             self.bad_words = self.bad_words or None
+        if self.bad_words_token_ids is not None:
+            if not isinstance(self.bad_words_token_ids, (list, tuple)) or not all(
+                    isinstance(word, (list, tuple)) and word for word in self.bad_words_token_ids):
+                raise ValueError(f"bad_words_token_ids must be a list of non-empty token-id lists, "
+                                 f"got {_shown(self.bad_words_token_ids)}")
+            self.bad_words_token_ids = [list(word) for word in self.bad_words_token_ids]
+            for token_id in (token_id for word in self.bad_words_token_ids for token_id in word):
+                _check_int("bad_words_token_ids", token_id, minimum=0)
 
     @property
     def has_logit_controls(self) -> bool:

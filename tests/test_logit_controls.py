@@ -147,3 +147,12 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm):
     for field, value in (("logit_bias", {10**6: 1.0}), ("allowed_token_ids", [3, 10**6])):
         with pytest.raises(ValueError, match=f"{field} must name token ids below the vocabulary size 49152"):
             llm.generate(PROMPT, SamplingParams(**{field: value}), use_tqdm=False)
+
+
+def test_bad_words_token_ids_are_checked_too(llm):
+    with pytest.raises(ValueError, match="bad_words_token_ids must be a list of non-empty token-id lists"):
+        SamplingParams(bad_words_token_ids=[[]])
+    with pytest.raises(ValueError, match="bad_words_token_ids must be >= 0"):
+        SamplingParams(bad_words_token_ids=[[3, -1]])
+    with pytest.raises(ValueError, match="bad_words_token_ids must name token ids below the vocabulary size"):
+        llm.generate(PROMPT, SamplingParams(bad_words_token_ids=[[10**6]]), use_tqdm=False)

@@ -189,9 +189,9 @@ class LLMEngine:
             self.scheduler.add_request(search.first_request)
             return
         prompt_ids = checked.token_ids
-        if params.bad_words:
-            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer,
-                                                                                          params.bad_words))
+        if params.bad_words:   # the caller's params stay as they are: each request gets its own copy
+            sequences = [*(params.bad_words_token_ids or ()), *bad_words_token_ids(self.tokenizer, params.bad_words)]
+            params = dataclasses.replace(params, bad_words_token_ids=sequences)
         num_children = params.best_of or params.n
         children = []
         for index in range(num_children):
@@ -236,8 +236,10 @@ class LLMEngine:
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Token ids the params name must be in the vocabulary."""
         vocab = self.model_config.vocab_size
+        bad_word_ids = [token_id for word in params.bad_words_token_ids or () for token_id in word]
         for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
-                                ("allowed_token_ids", params.allowed_token_ids or ())):
+                                ("allowed_token_ids", params.allowed_token_ids or ()),
+                                ("bad_words_token_ids", bad_word_ids)):
             outside = [token_id for token_id in token_ids if token_id >= vocab]
             if outside:
                 raise ValueError(f"{name} must name token ids below the vocabulary size {vocab}, got {outside[:10]}")
