@@ -14,8 +14,6 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.reliability.server import ServerProcess
 
-lm_eval = pytest.importorskip("lm_eval")
-
 MODEL = "smollm2"
 ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512")
 TOLERANCE = 1e-4
@@ -79,6 +77,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def evaluation(server, hf_tokenizer_dir, tmp_path_factory, monkeypatch_module):
+    # Imported once the offline switches are set: datasets reads them when first imported.
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager

@@ -3,7 +3,8 @@
 One engine runs the same greedy batch (every prompt decoding --output-len tokens, EOS ignored) with
 no row using the controls, with one row using all three, and with every row using them; then the
 same prompts prefilled with and without prompt_logprobs. The variants alternate over --rounds so
-slow drift of the machine falls on all alike; each figure is the median round's wall time.
+slow drift of the machine falls on all alike; each figure is the median round's CPU time of this
+process (all its threads), which other processes on a shared machine disturb far less than wall time.
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _timed(llm: LLM, prompts: list[dict], params: list[SamplingParams]) -> float:
-    started = time.perf_counter()
+    started = time.process_time()
     llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - started
+    return time.process_time() - started
 
 
 def run(args: argparse.Namespace) -> None:
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> None:
             seconds[name].append(_timed(llm, prompts, params))
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     print(f"batch {args.batch_size}, prompts of {args.prompt_len} tokens, {args.output_len} decoded tokens each, "
-          f"median of {args.rounds} rounds")
+          f"median CPU seconds of {args.rounds} rounds")
     baselines = {"decode": medians["decode, no row with controls"], "prefill": medians["prefill, no prompt_logprobs"]}
     for name, median in medians.items():
         baseline = baselines[name.split(",")[0]]

@@ -45,7 +45,7 @@ _SHARED: dict[str, NoOp | Refused] = {
     "add_special_tokens": Refused("send prompt token ids to control special tokens"),
     "return_tokens_as_token_ids": Refused("tokens are returned as text"),
     "logits_processors": Refused("custom logits processors are not implemented"),
-    "priority": Refused("the server schedules first come, first served"),
+    "priority": Refused("the server takes no per-request priorities"),
     "guided_json": Refused(SEPARATE_CHANGE), "guided_regex": Refused(SEPARATE_CHANGE),
     "guided_choice": Refused(SEPARATE_CHANGE), "guided_grammar": Refused(SEPARATE_CHANGE),
     "guided_decoding_backend": Refused(SEPARATE_CHANGE), "structured_outputs": Refused(SEPARATE_CHANGE),
