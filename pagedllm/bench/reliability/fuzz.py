@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from openai.types import Completion, CompletionChoice
-from openai.types.completion_choice import Logprobs
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.completion_choice import Logprobs
 from schemathesis import GenerationMode
 from schemathesis.checks import (content_type_conformance, negative_data_rejection, not_a_server_error,
                                  response_schema_conformance, status_code_conformance)
