@@ -32,6 +32,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: None = None
+    # When asked: None for the first prompt token, then each token's {id: Logprob} (it and the top-k).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None   # set when the request failed inside the engine (finish_reason "error")

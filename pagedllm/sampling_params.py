@@ -14,6 +14,8 @@ MAX_LOGPROBS = 20
 MAX_SAMPLES = 128
 # Values the sampler puts in int64 tensors or hands to torch.Generator.manual_seed.
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+# OpenAI's range for logit_bias values: -100 bans a token, +100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
 
 
 def _check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> None:
@@ -87,12 +89,19 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Logit controls (OpenAI's logit_bias, vLLM's allowed_token_ids and bad_words).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # bad_words as token-id sequences: set by the engine, which holds the tokenizer (vLLM keeps it private).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self._normalise_and_check_sampling()
+        self._normalise_and_check_logit_controls()
         self._normalise_and_check_stopping()
         self._check_outputs()
 
@@ -134,6 +143,48 @@ class SamplingParams:
                 raise ValueError(
                     f"best_of must be 1 when temperature is 0 (greedy sampling), got {self.best_of}")
 
+    def _normalise_and_check_logit_controls(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {_shown(self.logit_bias)}")
+            bias = {}
+            for token_id, value in self.logit_bias.items():
+                _check_int("logit_bias", token_id, minimum=0)
+                value = _to_float("logit_bias", value)
+                if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                     f"got {value:g} for token {token_id}")
+                bias[token_id] = value
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
+                                 f"got {_shown(self.allowed_token_ids)}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            for token_id in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token_id, minimum=0)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)):
+                raise ValueError(f"bad_words must be a list of strings, got {_shown(self.bad_words)}")
+            self.bad_words = list(self.bad_words)
+            for index, word in enumerate(self.bad_words):
+                if not (isinstance(word, str) and word.strip()):
+                    raise ValueError(f"bad_words must hold only non-blank strings, got {_shown(word)} at index {index}")
+            self.bad_words = self.bad_words or None
+        if self.bad_words_token_ids is not None:
+            if not isinstance(self.bad_words_token_ids, (list, tuple)) or not all(
+                    isinstance(word, (list, tuple)) and word for word in self.bad_words_token_ids):
+                raise ValueError(f"bad_words_token_ids must be a list of non-empty token-id lists, "
+                                 f"got {_shown(self.bad_words_token_ids)}")
+            self.bad_words_token_ids = [list(word) for word in self.bad_words_token_ids]
+            for token_id in (token_id for word in self.bad_words_token_ids for token_id in word):
+                _check_int("bad_words_token_ids", token_id, minimum=0)
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether the sampler must change this row's logits for logit_bias, allowed_token_ids or bad_words."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
     def _normalise_and_check_stopping(self) -> None:
         if self.stop is None:
             self.stop = []
@@ -171,8 +222,7 @@ class SamplingParams:
                     f"logprobs must be in [0, {MAX_LOGPROBS}] (at most {MAX_LOGPROBS} top "
                     f"logprobs per token are supported), got {_shown(self.logprobs)}")
         if self.prompt_logprobs is not None:
-            raise ValueError(
-                f"prompt_logprobs is not supported yet; it must be None, got {_shown(self.prompt_logprobs)}")
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=MAX_LOGPROBS)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
         if not isinstance(self.output_kind, RequestOutputKind):

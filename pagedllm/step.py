@@ -49,6 +49,16 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """One request's prompt logprobs from one step: the prompt tokens first_position on, one entry each."""
+    first_position: int                # >= 1: the first prompt token has nothing before it to score it
+    token_logprobs: list[float]
+    token_ranks: list[int]             # 1 = most likely
+    top_ids: list[list[int]]           # the request's top-k, by falling logprob
+    top_logprobs: list[list[float]]
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """What one step sampled, row for row; the top-k fields are None when no row asked for logprobs."""
     req_ids: list[str]
@@ -58,3 +68,4 @@ class ModelRunnerOutput:
     top_logprobs: list[list[float]] | None = None
     token_ranks: list[int] | None = None        # the sampled token's rank, 1 = most likely
     prepare_seconds: float = 0.0                # the runner's share of step preparation (batch update, inputs)
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None   # by request id, for those that asked

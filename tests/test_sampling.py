@@ -30,6 +30,10 @@ VALID = {
     "max_tokens": st.none() | st.integers(20, 4096),
     "min_tokens": st.integers(0, 16),
     "logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
+    "prompt_logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
+    "logit_bias": st.none() | st.dictionaries(st.integers(0, 50000), st.floats(-100, 100), max_size=3),
+    "allowed_token_ids": st.none() | st.lists(st.integers(0, 50000), min_size=1, max_size=3),
+    "bad_words": st.none() | st.lists(STOP_TEXT.filter(str.strip), max_size=3),
     "ignore_eos": st.booleans(),
     "skip_special_tokens": st.booleans(),
 }
@@ -50,7 +54,10 @@ INVALID = {
     "max_tokens": st.integers(max_value=0) | st.just(10.0),
     "min_tokens": st.integers(max_value=-1),
     "logprobs": st.integers(max_value=-1) | st.integers(MAX_LOGPROBS + 1, 10**6) | st.just(True),
-    "prompt_logprobs": st.integers(0, 5),
+    "prompt_logprobs": st.integers(max_value=-1) | st.integers(MAX_LOGPROBS + 1, 10**6) | st.just(1.0),
+    "logit_bias": st.dictionaries(st.integers(0, 9), st.floats(100.01, 1e6), min_size=1) | st.just({"1": 1.0}),
+    "allowed_token_ids": st.just([]) | st.just([-1]) | st.just(3),
+    "bad_words": st.just([""]) | st.just(["  "]) | st.just("word") | st.just([7]),
     "ignore_eos": st.just(1) | st.just("yes"),
     "include_stop_str_in_output": st.just(None),
 }
@@ -90,8 +97,8 @@ def test_cross_field_checks():
 def test_message_states_the_allowed_range():
     with pytest.raises(ValueError, match=r"temperature must be >= 0, got -1"):
         SamplingParams(temperature=-1)
-    with pytest.raises(ValueError, match=r"not supported"):
-        SamplingParams(prompt_logprobs=1)
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be in \[0, 20\], got 21"):
+        SamplingParams(prompt_logprobs=21)
 
 
 def test_greedy_disables_truncation():

@@ -1,6 +1,7 @@
 """LLMEngine: add requests, step the batch forward, read outputs, abort."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.bad_words import bad_words_token_ids
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.executor.abstract import Executor
@@ -21,7 +23,7 @@ from pagedllm.model import kernels
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.step import ModelRunnerOutput
+from pagedllm.step import ModelRunnerOutput, PromptLogprobs
 from pagedllm.worker.model_runner import kv_bytes_per_block
 from pagedllm.worker.worker import WorkerArgs
 
@@ -214,6 +216,9 @@ class LLMEngine:
             self.scheduler.add_request(search.first_request)
             return
         prompt_ids = checked.token_ids
+        if params.bad_words:   # the caller's params stay as they are: each request gets its own copy
+            sequences = [*(params.bad_words_token_ids or ()), *bad_words_token_ids(self.tokenizer, params.bad_words)]
+            params = dataclasses.replace(params, bad_words_token_ids=sequences)
         num_children = params.best_of or params.n
         children = []
         for index in range(num_children):
@@ -251,11 +256,20 @@ class LLMEngine:
             raise ValueError(f"prompt + max_tokens = {total} tokens need more KV blocks than the whole "
                              f"cache has ({self.kv_manager.pool.num_blocks} blocks of "
                              f"{self.kv_manager.block_size}); raise kv_cache_memory")
-        vocab = self.model_config.vocab_size
-        if isinstance(params, SamplingParams) and any(token_id >= vocab for token_id in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}, "
-                             f"got {params.stop_token_ids}")
+        if isinstance(params, SamplingParams):
+            self._check_token_ids(params)
         return CheckedPrompt(text, prompt_ids, max_tokens, cache_salt)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids the params name must be in the vocabulary."""
+        vocab = self.model_config.vocab_size
+        bad_word_ids = [token_id for word in params.bad_words_token_ids or () for token_id in word]
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                                ("allowed_token_ids", params.allowed_token_ids or ()),
+                                ("bad_words_token_ids", bad_word_ids)):
+            outside = [token_id for token_id in token_ids if token_id >= vocab]
+            if outside:
+                raise ValueError(f"{name} must name token ids below the vocabulary size {vocab}, got {outside[:10]}")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their blocks return to the pool at once."""
@@ -284,6 +298,8 @@ class LLMEngine:
         runner_output = self.executor.execute_model(scheduler_output)
         computed = time.perf_counter()
         sampled = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if runner_output.prompt_logprobs:
+            self._store_prompt_logprobs(runner_output.prompt_logprobs)
         updated = time.perf_counter()
         outputs = self._process_outputs(sampled, runner_output)
         self.last_step_stats = StepStats(
@@ -333,9 +349,21 @@ class LLMEngine:
             request.stop_reason = stop_string
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
+    def _store_prompt_logprobs(self, chunks: dict[str, PromptLogprobs]) -> None:
+        """Hands each request's share of the step's prompt logprobs to its user request, as Logprob entries."""
+        for request_id, chunk in chunks.items():
+            parent = self.parents.get(self.parent_of.get(request_id))
+            if parent is None:   # aborted since the step was scheduled
+                continue
+            positions = range(chunk.first_position, chunk.first_position + len(chunk.token_logprobs))
+            entries = [self._logprob_entry(parent.prompt_token_ids[position], *values, parent.params.prompt_logprobs)
+                       for position, *values in zip(positions, chunk.token_logprobs, chunk.token_ranks,
+                                                    chunk.top_ids, chunk.top_logprobs)]
+            parent.add_prompt_logprobs(chunk.first_position, entries)
+
     def _logprob_entry(self, token_id: int, token_logprob: float, rank: int, top_ids: list[int],
                        top_values: list[float], k: int) -> dict[int, Logprob]:
-        """The sampled token's logprob and rank, plus the k most likely tokens ranked from 1."""
+        """The token's logprob and rank, plus the k most likely tokens ranked from 1 (sampled or prompt tokens)."""
         decode = self.tokenizer.decode
         entry = {token_id: Logprob(token_logprob, rank, decode([token_id], skip_special_tokens=False))}
         for top_rank, (top_id, value) in enumerate(zip(top_ids[:k], top_values[:k]), start=1):

@@ -34,6 +34,14 @@ class ParentRequest:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.children = children
+        # Position by position (None first: nothing scores the first token), filled as prefill chunks run.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            None if params.prompt_logprobs is None else [None] * len(prompt_token_ids))
+        self._prompt_logprobs_reported = False   # DELTA outputs carry them once, in the first output
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[dict[int, Logprob]]) -> None:
+        """Stores a chunk's entries by position: a prefix recomputed after preemption rewrites equal values."""
+        self.prompt_logprobs[first_position:first_position + len(entries)] = entries
 
     @property
     def finished(self) -> bool:
@@ -56,8 +64,12 @@ class ParentRequest:
         outputs = [_completion(child, index, kind is RequestOutputKind.DELTA)
                    for index, child in enumerate(children)]
         error = next((c.request.error for c in self.children if c.request.error), None)
+        prompt_logprobs = self.prompt_logprobs
+        if kind is RequestOutputKind.DELTA:
+            prompt_logprobs = None if self._prompt_logprobs_reported else prompt_logprobs
+            self._prompt_logprobs_reported = True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
-                             error=error)
+                             prompt_logprobs=prompt_logprobs, error=error)
 
 
 def _completion(child: ChildState, index: int, delta: bool) -> CompletionOutput:

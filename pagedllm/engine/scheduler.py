@@ -185,7 +185,9 @@ class Scheduler:
             if index is None:
                 break
             request = self.waiting[index]
-            cached = kv.get_computed_blocks(request.request_id, request.all_token_ids, request.cache_salt)
+            # Cached blocks carry no logits: a request asking for prompt logprobs recomputes its prefix.
+            cached = [] if request.sampling_params.prompt_logprobs is not None else kv.get_computed_blocks(
+                request.request_id, request.all_token_ids, request.cache_salt)
             num_computed = len(cached) * kv.block_size
             num_new = request.num_tokens - num_computed
             if num_new > budget:

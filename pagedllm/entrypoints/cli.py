@@ -12,7 +12,8 @@ import itertools
 import logging
 import sys
 
-from pagedllm.bench import accuracy, dashboard_cost, kernels, latency, load, memory, scheduling, serving, sweep, throughput
+from pagedllm.bench import (accuracy, dashboard_cost, kernels, latency, load, logit_controls, memory, scheduling,
+                            serving, sweep, throughput)
 from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import (ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES,
                              QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig)
@@ -222,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("accuracy", accuracy, "bfloat16 against float32 greedy tokens, or KV cache dtypes teacher-forced"),
         ("kernels", kernels, "quantized linear kernels against the float matmul, per row count"),
         ("load", load, "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),
+        ("logit-controls", logit_controls, "cost of logit_bias / allowed_token_ids / bad_words and prompt_logprobs"),
         ("reliability", reliability, "load, soak, faults, fuzzing and security checks against real servers"),
     )
     for name, module, text in benchmarks:

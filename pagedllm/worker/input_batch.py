@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step import NewRequestData, SchedulerOutput
+from pagedllm.worker.logit_controls import RowLogitControls
 
 _FLOAT32 = np.finfo(np.float32)
 _TINY, _HUGE = float(_FLOAT32.tiny), float(_FLOAT32.max)
@@ -34,13 +35,17 @@ class SamplingColumns:
         self.min_tokens = np.zeros(capacity, np.int64)
         self.num_logprobs = np.full(capacity, -1, np.int64)        # -1: no logprobs asked
         self.seeded = np.zeros(capacity, bool)                     # owns a generator
+        self.has_logit_controls = np.zeros(capacity, bool)         # logit_bias, allowed_token_ids or bad_words
+        self.num_prompt_logprobs = np.full(capacity, -1, np.int64)  # -1: no prompt logprobs asked
         # Token ids min_tokens holds back (EOS and stop_token_ids), and the seeded generators: Python per row.
         self.stop_ids: list[tuple[int, ...]] = [()] * capacity
         self.generators: list[torch.Generator | None] = [None] * capacity
+        self.logit_controls: list[RowLogitControls | None] = [None] * capacity
 
     ARRAYS = ("temperature", "greedy", "top_k", "top_p", "log_min_p", "repetition_penalty", "frequency_penalty",
-              "presence_penalty", "min_tokens", "num_logprobs", "seeded")
-    LISTS = ("stop_ids", "generators")
+              "presence_penalty", "min_tokens", "num_logprobs", "seeded", "has_logit_controls",
+              "num_prompt_logprobs")
+    LISTS = ("stop_ids", "generators", "logit_controls")
 
     def set_row(self, row: int, params: SamplingParams, eos_token_ids: tuple[int, ...],
                 generator: torch.Generator | None) -> None:
@@ -60,6 +65,9 @@ class SamplingColumns:
         self.stop_ids[row] = (*eos_token_ids, *params.stop_token_ids) if params.min_tokens else ()
         self.generators[row] = generator
         self.seeded[row] = generator is not None
+        self.logit_controls[row] = RowLogitControls.of(params)
+        self.has_logit_controls[row] = self.logit_controls[row] is not None
+        self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
 
     def move_row(self, source: int, destination: int) -> None:
         for name in self.ARRAYS:

@@ -19,6 +19,7 @@ from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.host_staging import HostStaging, fetch
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from pagedllm.worker.sampler import SamplingBatch, sample
 
 
@@ -119,11 +120,17 @@ class ModelRunner:
             self._copy_blocks(scheduler_output.block_copies)
         if not scheduler_output.num_scheduled_tokens:   # a step that only drops finished or preempted requests
             return ModelRunnerOutput([], [], [], prepare_seconds=time.perf_counter() - started)
-        input_ids, positions, meta, logits_indices, sampling_rows = self._prepare(scheduler_output)
+        input_ids, positions, meta, logits_indices, sampling_rows, prompt_plan = self._prepare(scheduler_output)
         prepared = time.perf_counter()
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
-        if logits is None or not len(sampling_rows):   # tensor-parallel ranks > 0 get no logits: rank 0 samples
+        if logits is None:   # tensor-parallel ranks > 0 get no logits: rank 0 samples
             return ModelRunnerOutput([], [], [], prepare_seconds=prepared - started)
+        prompt_logprobs = None
+        if prompt_plan is not None:   # their rows come after the sampling rows
+            prompt_logprobs = compute_prompt_logprobs(logits[len(sampling_rows):], prompt_plan)
+            logits = logits[:len(sampling_rows)]
+        if not len(sampling_rows):
+            return ModelRunnerOutput([], [], [], prepare_seconds=prepared - started, prompt_logprobs=prompt_logprobs)
         sampling = SamplingBatch.build(batch.sampling, sampling_rows, batch.token_ids,
                                        batch.num_prompt_tokens[sampling_rows], batch.num_tokens[sampling_rows],
                                        self.vocab_size, self.device)
@@ -138,6 +145,7 @@ class ModelRunner:
             top_logprobs=top_logprobs,
             token_ranks=ranks,
             prepare_seconds=prepared - started,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
@@ -148,8 +156,8 @@ class ModelRunner:
                 cache.copy_blocks(sources, destinations)
 
     def _prepare(self, scheduler_output: SchedulerOutput):
-        """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; and
-        the batch rows that sample, in the order of the logits rows."""
+        """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; the
+        batch rows that sample, in the order of the logits rows; and the rows prompt logprobs add after them."""
         batch, staging = self.input_batch, self.staging
         rows, num_new = batch.step_rows(scheduler_output)
         max_blocks = int(batch.num_blocks[rows].max())
@@ -157,8 +165,12 @@ class ModelRunner:
                                                              batch.num_computed_tokens[rows], num_new)
         input_ids = batch.token_ids[rows[token_row], positions].astype(np.int64)
         sampling_rows, logits_indices = batch.sampling_rows(rows, num_new, scheduler_output)
+        prompt_plan = PromptLogprobsPlan.for_step(batch.sampling.num_prompt_logprobs, batch.req_ids, rows, num_new,
+                                                  batch.num_computed_tokens, batch.num_prompt_tokens, batch.token_ids)
+        if prompt_plan is not None:
+            logits_indices = np.concatenate([logits_indices, prompt_plan.token_indices])
         return (staging.to_device("input_ids", input_ids), staging.to_device("positions", positions), meta,
-                staging.to_device("logits_indices", logits_indices), sampling_rows)
+                staging.to_device("logits_indices", logits_indices), sampling_rows, prompt_plan)
 
     def attention_metadata(self, block_tables: np.ndarray, context: np.ndarray, num_new: np.ndarray
                            ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:

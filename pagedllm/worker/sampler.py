@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.model.ops import _C, on_cpu_kernel
 from pagedllm.worker.input_batch import SamplingColumns
+from pagedllm.worker.logit_controls import LogitControlsBatch
 
 
 def _token_counts(token_ids: np.ndarray, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, vocab_size: int,
@@ -54,6 +55,7 @@ class SamplingBatch:
     output_counts: torch.Tensor | None = None         # [num_seqs, vocab] float32
     min_tokens_rows: torch.Tensor | None = None       # with min_tokens_ids: (row, id) pairs to ban
     min_tokens_ids: torch.Tensor | None = None
+    logit_controls: LogitControlsBatch | None = None   # logit_bias, allowed_token_ids, bad_words
 
     @classmethod
     def build(cls, columns: SamplingColumns, rows: np.ndarray, token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
@@ -101,6 +103,10 @@ class SamplingBatch:
             banned_rows, ids = zip(*banned)
             batch.min_tokens_rows = torch.tensor(banned_rows, dtype=torch.int64).to(device, non_blocking=True)
             batch.min_tokens_ids = torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+        if columns.has_logit_controls[rows].any():
+            batch.logit_controls = LogitControlsBatch.build([columns.logit_controls[row] for row in rows.tolist()],
+                                                            token_ids, rows, num_prompt_tokens, num_tokens,
+                                                            vocab_size, device)
         return batch
 
 
@@ -188,13 +194,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """One token per row of logits [num_seqs, vocab], with logprobs of the raw (unprocessed) distribution."""
     raw_logits = logits.float()
     changes_logits = (batch.min_tokens_rows is not None or batch.seen_tokens is not None
-                      or batch.output_counts is not None)
+                      or batch.output_counts is not None or batch.logit_controls is not None)
     plain_greedy = batch.all_greedy and not changes_logits
     log_normaliser, raw_best = _normaliser_and_argmax(raw_logits, need_argmax=plain_greedy)
     if plain_greedy:
         token_ids = raw_best
     else:
         logits = raw_logits.clone()
+        if batch.logit_controls is not None:
+            batch.logit_controls.apply(logits)
         if batch.min_tokens_rows is not None:
             logits[batch.min_tokens_rows, batch.min_tokens_ids] = -math.inf
         _apply_penalties(logits, batch)

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from openai.types import Completion, CompletionChoice
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.completion_choice import Logprobs
 from schemathesis import GenerationMode
 from schemathesis.checks import (content_type_conformance, negative_data_rejection, not_a_server_error,
                                  response_schema_conformance, status_code_conformance)
@@ -131,7 +132,13 @@ SAMPLING_FIELDS = {
     "include_stop_str_in_output": FieldValues(st.booleans(), st.sampled_from([1, None])),
     "stream_options": FieldValues(st.just({"include_usage": True}) | st.just({"include_usage": False}),
                                   st.sampled_from([{"include_usage": 1}, "usage", {"extra": True}])),
-    "logit_bias": FieldValues(st.just({}), st.sampled_from([{"1": 5}, {"x": "y"}, [1]])),
+    "logit_bias": FieldValues(st.dictionaries(TOKEN_IDS.map(str), st.floats(-100, 100), max_size=3),
+                              st.sampled_from([{"x": "y"}, [1], {"1": 100.5}, {"-1": 1}, {"99999999": 1}])),
+    "allowed_token_ids": FieldValues(st.lists(TOKEN_IDS, min_size=1, max_size=4),
+                                     st.lists(EDGE_TOKEN_IDS, max_size=3) | st.just([1.5])),
+    "bad_words": FieldValues(st.lists(NON_EMPTY_TEXT, max_size=3), st.sampled_from([[""], [" "], "word", [1]])),
+    "prompt_logprobs": FieldValues(st.integers(0, MAX_LOGPROBS),
+                                   HUGE_INTS | st.sampled_from([-1, MAX_LOGPROBS + 1, True])),
 }
 COMPLETION_FIELDS = {
     **SAMPLING_FIELDS,
@@ -283,7 +290,22 @@ def drawn_requests(target: Target) -> st.SearchStrategy[tuple[str, Any]]:
 
 # ---------------------------------------------------------------- what a correct answer is
 
-class _CompletionChunkChoice(CompletionChoice):
+class _EchoedLogprobs(Logprobs):
+    """With echo, nothing scores the first prompt token: its logprob and top logprobs are null, as in
+    OpenAI's legacy API and vLLM, which the SDK's types leave out."""
+    token_logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+
+class _CompletionAnswerChoice(CompletionChoice):
+    logprobs: _EchoedLogprobs | None = None
+
+
+class _CompletionAnswer(Completion):
+    choices: list[_CompletionAnswerChoice]
+
+
+class _CompletionChunkChoice(_CompletionAnswerChoice):
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -293,7 +315,7 @@ class _CompletionChunk(Completion):
     choices: list[_CompletionChunkChoice]
 
 
-_WHOLE_ANSWER = {COMPLETIONS: Completion, CHAT: ChatCompletion}
+_WHOLE_ANSWER = {COMPLETIONS: _CompletionAnswer, CHAT: ChatCompletion}
 _CHUNK = {COMPLETIONS: _CompletionChunk, CHAT: ChatCompletionChunk}
 
 

@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompl
                                                   DetokenizeRequest, DetokenizeResponse, ERROR_RESPONSES, ModelCard,
                                                   ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
                                                   TokenizeResponse, VersionResponse)
+from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
@@ -82,6 +83,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 @router.post("/tokenize", responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> TokenizeResponse:
     """vLLM's: token ids of a prompt, or of a conversation through the chat template."""
+    check_undeclared_fields(body)
     state = _state(request)
     state.check_model(body.model)
     if isinstance(body, TokenizeChatRequest):
@@ -93,6 +95,7 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, reques
 
 @router.post("/detokenize", responses=ERROR_RESPONSES)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    check_undeclared_fields(body)
     state = _state(request)
     state.check_model(body.model)
     vocab_size = state.engine.model_config.vocab_size

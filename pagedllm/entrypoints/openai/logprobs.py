@@ -1,7 +1,8 @@
 """The engine's per-token logprobs ({token_id: Logprob}) in OpenAI's two response shapes."""
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pagedllm.entrypoints.openai.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
+                                                  TopLogprob)
 from pagedllm.outputs import Logprob
 
 
@@ -37,3 +38,27 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
         result.text_offset.append(text_offset)
         text_offset += len(sampled.decoded_token)
     return result
+
+
+def echoed_completion_logprobs(prompt_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None],
+                               first_token_text: str, token_ids: list[int],
+                               logprobs: list[dict[int, Logprob]]) -> CompletionLogprobs:
+    """The legacy shape with echo: the prompt's tokens (the first with null logprobs: nothing scores
+    it), then the generated ones, offsets counted from the start of the prompt."""
+    echoed = completion_logprobs(prompt_ids[1:], prompt_logprobs[1:], len(first_token_text))
+    end = len(first_token_text) + sum(map(len, echoed.tokens))
+    generated = completion_logprobs(token_ids, logprobs, end)
+    return CompletionLogprobs(text_offset=[0, *echoed.text_offset, *generated.text_offset],
+                              token_logprobs=[None, *echoed.token_logprobs, *generated.token_logprobs],
+                              tokens=[first_token_text, *echoed.tokens, *generated.tokens],
+                              top_logprobs=[None, *echoed.top_logprobs, *generated.top_logprobs])
+
+
+def prompt_logprobs_field(prompt_logprobs: list[dict[int, Logprob] | None] | None
+                          ) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's prompt_logprobs extra: None first, then {token id: {logprob, rank, decoded_token}}."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {token_id: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+             for token_id, lp in entry.items()} for entry in prompt_logprobs]

@@ -1,13 +1,14 @@
 """Request and response bodies of the OpenAI API (and vLLM's extras), as pydantic models.
 
 Requests validate strictly (no "5" for 5, no true for 1) so that a wrong type is a 400
-naming the field; value ranges are left to SamplingParams, which already checks them.
+naming the field; value ranges are left to SamplingParams, which already checks them. Fields a
+model does not declare are kept (extra="allow") for request_fields.py to judge: none is dropped unseen.
 """
 from __future__ import annotations
 
 import re
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -20,7 +21,8 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 # Request fields passed to SamplingParams under the same name, when the client sets them.
 _SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
                     "stop", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+                    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                    "allowed_token_ids", "bad_words", "prompt_logprobs")
 
 
 # JSON may escape a lone UTF-16 surrogate ("\ud800"); Python's json module lets it into a str, which
@@ -42,13 +44,15 @@ def _reject_lone_surrogates(value: Any) -> Any:
 
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
+    field_policy: ClassVar[str] = ""   # which table of request_fields.POLICIES judges undeclared fields
 
     # "*": every field of every request model, nested ones included, so the 400 names the field.
     _valid_unicode = field_validator("*")(_reject_lone_surrogates)
 
 
 class StreamOptions(RequestModel):
+    field_policy: ClassVar[str] = "stream_options"
     include_usage: bool = False
 
 
@@ -78,8 +82,11 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool | None = None
     # Requests share prefix-cache blocks only with requests of the same salt (and tenant).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
-    # Accepted by OpenAI, not by this engine: refused rather than silently ignored.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None   # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    # vLLM's logit controls and prompt logprobs
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -88,11 +95,11 @@ class SamplingRequest(RequestModel):
     def sampling_params(self, aliases: dict[str, str] | None = None, **overrides) -> SamplingParams:
         """SamplingParams from the fields the client set, plus overrides; its ValueError becomes a 400
         naming the field (as the client called it: aliases maps SamplingParams names to request names)."""
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         values = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        if self.logit_bias is not None:
+            values["logit_bias"] = self._logit_bias_by_id()
         values = {"output_kind": RequestOutputKind.DELTA, **values, **overrides}
         try:
             return SamplingParams(**values)
@@ -105,7 +112,18 @@ class SamplingRequest(RequestModel):
             raise APIError(400, param + message[len(field):], param=param) from exc
 
 
+    def _logit_bias_by_id(self) -> dict[int, float]:
+        """OpenAI sends token ids as JSON object keys, that is as strings."""
+        try:
+            return {int(key): value for key, value in self.logit_bias.items()}
+        except ValueError:
+            bad = next(key for key in self.logit_bias if not key.lstrip("-").isdigit())
+            raise APIError(400, f"logit_bias keys must be token ids (integers), got {bad!r:.80}",
+                           param="logit_bias") from None
+
+
 class CompletionRequest(SamplingRequest):
+    field_policy: ClassVar[str] = "completions"
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16   # OpenAI's default for completions
     best_of: int | None = None
@@ -121,20 +139,29 @@ class CompletionRequest(SamplingRequest):
             return self._beam_search_params()
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported (it needs prompt logprobs)", param="echo")
+        overrides = {}
+        if self.echo and self.logprobs is not None:   # the legacy shape: the prompt's logprobs come first
+            overrides["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
+        if self.echo_only:   # lm-eval's loglikelihood: one token is generated, and left out of the answer
+            overrides["max_tokens"] = 1
         # DELTA outputs cannot pick the best of best_of samples (known only at the end): a whole
         # answer then comes as one FINAL_ONLY output; streaming it stays refused by SamplingParams.
         picks_best = not self.stream and (self.best_of or self.n) > self.n
         return self.sampling_params(best_of=self.best_of, logprobs=self.logprobs,
-                                    output_kind=RequestOutputKind.FINAL_ONLY if picks_best else RequestOutputKind.DELTA)
+                                    output_kind=RequestOutputKind.FINAL_ONLY if picks_best else RequestOutputKind.DELTA,
+                                    **overrides)
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo (vLLM's meaning): the answer is the prompt alone, with its logprobs."""
+        return self.echo and self.max_tokens == 0
 
 
     def _beam_search_params(self) -> BeamSearchParams:
         """n beams, max_tokens, ignore_eos and length_penalty; a sampling field beam search cannot honour
         is a 400 naming it, not ignored (temperature 0 is what beam search does anyway)."""
         allowed = {"n", "max_tokens", "ignore_eos", "temperature"}
-        for name in (*_SAMPLING_FIELDS, "best_of", "logprobs", "logit_bias", "suffix"):
+        for name in (*_SAMPLING_FIELDS, "best_of", "logprobs", "logit_bias", "suffix", "prompt_logprobs"):
             if name not in allowed and getattr(self, name) is not None:
                 raise APIError(400, f"{name} cannot be used with use_beam_search", param=name)
         if self.temperature not in (None, 0):
@@ -155,6 +182,7 @@ class TextContentPart(RequestModel):
 
 
 class ChatMessage(RequestModel):
+    field_policy: ClassVar[str] = "message"
     role: Literal["system", "user", "assistant"]
     content: str | list[TextContentPart]
 
@@ -165,6 +193,7 @@ class ChatMessage(RequestModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    field_policy: ClassVar[str] = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -233,10 +262,21 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With echo the prompt's tokens come first; the first has no logprob (null), as in OpenAI's legacy API."""
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry, under the token id."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
 
 
 class CompletionChoice(BaseModel):
@@ -245,6 +285,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None   # vLLM's: the stop string or token id that ended the text
+    prompt_logprobs: PromptLogprobsField = None   # vLLM's extra, when asked
 
 
 class CompletionResponse(BaseModel):
@@ -293,6 +334,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsField = None   # vLLM's extra, when asked
 
 
 class DeltaMessage(BaseModel):
@@ -316,6 +358,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsField = None   # vLLM's extra, when asked: in the first chunk with content
 
 
 class ModelCard(BaseModel):

@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
-from pagedllm.entrypoints.openai.logprobs import chat_logprobs
+from pagedllm.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_field
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                   ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice,
                                                   DeltaMessage)
+from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, ServerState, collect_choices, has_news,
                                                         usage)
 from pagedllm.entrypoints.openai.streams import SSE_DONE, sse_error, sse_event, sse_response, unless_disconnected
@@ -19,6 +20,7 @@ from pagedllm.outputs import RequestOutput
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request,
                                  state: ServerState) -> Response | ChatCompletionResponse:
+    check_undeclared_fields(body)
     state.check_model(body.model)
     params = body.to_sampling_params()
     prompt_ids = state.chat_prompt_ids(body.messages, body.add_generation_prompt)
@@ -36,6 +38,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     return ChatCompletionResponse(
         id=request_id, model=state.model_name, system_fingerprint=state.system_fingerprint,
         usage=usage([len(prompt_ids)], choices),
+        prompt_logprobs=prompt_logprobs_field(choices[0].prompt_logprobs),
         choices=[ChatChoice(index=index, message=ChatResponseMessage(content=choice.text),
                             logprobs=chat_logprobs(choice.token_ids, choice.logprobs, num_top) if body.logprobs
                             else None,
@@ -58,7 +61,10 @@ async def _stream(body: ChatCompletionRequest, request_id: str, num_prompt_token
         # As OpenAI: each choice opens with the role, before any text.
         for index in range(n):
             yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        prompt_logprobs = None   # when asked: from the first output, sent with the first chunk after it
         async for _, output in merged:
+            if output.prompt_logprobs is not None:
+                prompt_logprobs = prompt_logprobs_field(output.prompt_logprobs)
             for delta in output.outputs:
                 choice = choices[delta.index]
                 if not has_news(choice, delta):
@@ -67,7 +73,8 @@ async def _stream(body: ChatCompletionRequest, request_id: str, num_prompt_token
                 logprobs = chat_logprobs(delta.token_ids, delta.logprobs or [], num_top) if body.logprobs else None
                 yield chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
                                               logprobs=logprobs, finish_reason=delta.finish_reason,
-                                              stop_reason=delta.stop_reason)])
+                                              stop_reason=delta.stop_reason)], prompt_logprobs=prompt_logprobs)
+                prompt_logprobs = None
         if body.include_usage:
             yield chunk([], usage=usage([num_prompt_tokens], choices))
     except Exception as exc:

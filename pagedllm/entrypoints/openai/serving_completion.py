@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request, Response
 
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.logprobs import completion_logprobs
-from pagedllm.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from pagedllm.entrypoints.openai.logprobs import completion_logprobs, echoed_completion_logprobs, prompt_logprobs_field
+from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                                  CompletionResponse)
+from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, ServerState, collect_choices, has_news,
                                                         usage)
 from pagedllm.entrypoints.openai.streams import SSE_DONE, sse_error, sse_event, sse_response, unless_disconnected
@@ -32,7 +34,26 @@ def _echo_text(prompt: dict, state: ServerState) -> str:
     return prompt.get("prompt") or state.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
 
 
+def _choice_logprobs(body: CompletionRequest, prompt: dict, choice: ChoiceState, text_offset: int,
+                     state: ServerState) -> CompletionLogprobs | None:
+    """The legacy logprobs of a choice (or of a streamed delta): with echo, its prompt's come first."""
+    if body.logprobs is None:
+        return None
+    if not body.echo or choice.prompt_logprobs is None:
+        return completion_logprobs(choice.token_ids, choice.logprobs, text_offset)
+    prompt_ids = prompt["prompt_token_ids"]
+    first = state.tokenizer.decode(prompt_ids[:1], skip_special_tokens=False)
+    return echoed_completion_logprobs(prompt_ids, choice.prompt_logprobs, first, choice.token_ids, choice.logprobs)
+
+
+def _drop_generated(choice: ChoiceState) -> None:
+    """echo with max_tokens 0: the token generated to get there is not part of the answer."""
+    choice.text, choice.token_ids, choice.logprobs = "", [], []
+    choice.finish_reason, choice.stop_reason = "length", None
+
+
 async def create_completion(body: CompletionRequest, raw_request: Request, state: ServerState) -> Response | dict:
+    check_undeclared_fields(body)
     state.check_model(body.model)
     params = body.to_sampling_params()
     cache_salt = state.cache_salt(raw_request, body.cache_salt)
@@ -45,6 +66,9 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
     choices = await unless_disconnected(raw_request, collect_choices(merged, len(prompts), body.n))
     if choices is None:
         return Response(status_code=499)   # the client left; nobody reads this
+    if body.echo_only:
+        for choice in (choice for row in choices for choice in row):
+            _drop_generated(choice)
     response = CompletionResponse(id=request_id, model=state.model_name, choices=[],
                                   system_fingerprint=state.system_fingerprint,
                                   usage=usage([len(p["prompt_token_ids"]) for p in prompts],
@@ -52,11 +76,12 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
     for prompt_index, (prompt, row) in enumerate(zip(prompts, choices)):
         prefix = _echo_text(prompt, state) if body.echo else ""
         for index, choice in enumerate(row):
-            logprobs = None if body.logprobs is None else completion_logprobs(choice.token_ids, choice.logprobs,
-                                                                              len(prefix))
             response.choices.append(CompletionChoice(
-                index=prompt_index * body.n + index, text=prefix + choice.text, logprobs=logprobs,
-                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
+                index=prompt_index * body.n + index, text=prefix + choice.text,
+                logprobs=_choice_logprobs(body, prompt, choice, len(prefix), state),
+                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                prompt_logprobs=prompt_logprobs_field(choice.prompt_logprobs) if body.prompt_logprobs is not None
+                else None))
     return response
 
 
@@ -70,27 +95,40 @@ async def _stream(body: CompletionRequest, request_id: str, prompts: list[dict],
 
     choices = [[ChoiceState() for _ in range(n)] for _ in prompts]
     text_offsets = [[0] * n for _ in prompts]   # where each choice's next token starts in its text
+    prompt_logprobs = [None] * len(prompts)     # each prompt's, from its first output (when asked)
     try:
         async for prompt_index, output in merged:
+            if output.prompt_logprobs is not None:
+                prompt_logprobs[prompt_index] = output.prompt_logprobs
             for delta in output.outputs:
                 choice = choices[prompt_index][delta.index]
                 if not has_news(choice, delta):
                     continue
+                first = not choice.token_ids
+                choice.add(delta)
+                # This chunk's part of the choice: the delta, after the echoed prompt in the first chunk.
+                part = ChoiceState(text=delta.text, token_ids=delta.token_ids, logprobs=delta.logprobs or [],
+                                   finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                                   prompt_logprobs=prompt_logprobs[prompt_index] if first else None)
+                if body.echo_only:
+                    _drop_generated(part)
                 prefix = ""
-                if body.echo and not choice.token_ids:
+                if body.echo and first:
                     prefix = _echo_text(prompts[prompt_index], state)
                     text_offsets[prompt_index][delta.index] = len(prefix)
-                choice.add(delta)
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs = completion_logprobs(delta.token_ids, delta.logprobs or [],
-                                                   text_offsets[prompt_index][delta.index])
-                    if logprobs.tokens:
-                        text_offsets[prompt_index][delta.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-                yield chunk([CompletionChoice(index=prompt_index * n + delta.index, text=prefix + delta.text,
-                                              logprobs=logprobs, finish_reason=delta.finish_reason,
-                                              stop_reason=delta.stop_reason)])
+                logprobs = _choice_logprobs(body, prompts[prompt_index], part, text_offsets[prompt_index][delta.index],
+                                            state)
+                if logprobs is not None and logprobs.tokens:
+                    text_offsets[prompt_index][delta.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                yield chunk([CompletionChoice(
+                    index=prompt_index * n + delta.index, text=prefix + part.text, logprobs=logprobs,
+                    finish_reason=part.finish_reason, stop_reason=part.stop_reason,
+                    prompt_logprobs=prompt_logprobs_field(part.prompt_logprobs) if body.prompt_logprobs is not None
+                    else None)])
         if body.include_usage:
+            if body.echo_only:
+                for choice in (choice for row in choices for choice in row):
+                    _drop_generated(choice)
             yield chunk([], usage=usage([len(p["prompt_token_ids"]) for p in prompts],
                                         [choice for row in choices for choice in row]))
     except Exception as exc:

@@ -101,6 +101,7 @@ class ChoiceState:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # its prompt's, when asked
 
     def add(self, delta: CompletionOutput) -> None:
         self.text += delta.text
@@ -124,6 +125,9 @@ async def collect_choices(merged: AsyncIterator[tuple[int, RequestOutput]], num_
     async for prompt_index, output in merged:
         for delta in output.outputs:
             choices[prompt_index][delta.index].add(delta)
+        if output.prompt_logprobs is not None:
+            for choice in choices[prompt_index]:
+                choice.prompt_logprobs = output.prompt_logprobs
     return choices
 
 

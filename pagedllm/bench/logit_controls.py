@@ -1,0 +1,92 @@
+"""`pagedllm bench logit-controls`: what logit_bias / allowed_token_ids / bad_words and prompt_logprobs cost.
+
+The logit controls change only the sampling step, so that step is timed alone: a decode batch's
+SamplingBatch.build + sample on random logits of the bundled model's vocabulary, with no row using
+the controls, one row using all three, and every row using them. Prompt logprobs add logits rows to
+the forward pass, so they are timed end to end: the same prompts prefilled (one token generated) with
+and without prompt_logprobs. Variants alternate so slow drift of the machine falls on all alike; each
+figure is a median, in CPU seconds of this process (a shared machine disturbs them less than wall time).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.worker.input_batch import SamplingColumns
+from pagedllm.worker.sampler import SamplingBatch, sample
+
+VOCAB_SIZE = 49152   # the bundled SmolLM2's
+CONTROLS = dict(logit_bias={11: 2.0, 260: -1.0}, allowed_token_ids=list(range(200, 4200)),
+                bad_words_token_ids=[[300, 301], [302]])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--sampler-rounds", type=int, default=200, help="sampling steps per variant (default: 200)")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default: 64)")
+    parser.add_argument("--rounds", type=int, default=3, help="prefill rounds per variant (default: 3)")
+    parser.add_argument("--dtype", default="auto")
+
+
+def _sampling_step_seconds(params: list[SamplingParams], rounds: int) -> list[float]:
+    """CPU seconds of build + sample for one decode step of these rows, `rounds` times."""
+    columns = SamplingColumns(len(params))
+    for row, row_params in enumerate(params):
+        columns.set_row(row, row_params, (2,), None)
+    rows = np.arange(len(params))
+    token_ids = np.random.default_rng(0).integers(0, VOCAB_SIZE, (len(params), 64)).astype(np.int32)
+    num_prompt, num_tokens = np.full(len(params), 32), np.full(len(params), 48)
+    logits = torch.randn(len(params), VOCAB_SIZE)
+    seconds = []
+    for _ in range(rounds):
+        started = time.process_time()
+        sample(logits, SamplingBatch.build(columns, rows, token_ids, num_prompt, num_tokens, VOCAB_SIZE, "cpu"))
+        seconds.append(time.process_time() - started)
+    return seconds
+
+
+def _prefill_seconds(llm: LLM, prompts: list[dict], params: SamplingParams) -> float:
+    started = time.process_time()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.process_time() - started
+
+
+def _report(title: str, medians: dict[str, float], unit: str, scale: float) -> None:
+    print(title)
+    baseline = next(iter(medians.values()))
+    for name, median in medians.items():
+        print(f"  {name:36s} {median * scale:9.3f} {unit}   {100 * (median / baseline - 1):+7.1f}%")
+
+
+def run(args: argparse.Namespace) -> None:
+    plain = SamplingParams(temperature=0.8, top_p=0.9)
+    controlled = SamplingParams(temperature=0.8, top_p=0.9, **CONTROLS)
+    samplers = {"no row with controls": [plain] * args.batch_size,
+                "1 row with controls": [controlled] + [plain] * (args.batch_size - 1),
+                "every row with controls": [controlled] * args.batch_size}
+    _sampling_step_seconds(samplers["no row with controls"], 10)   # warm-up
+    seconds = {name: [] for name in samplers}
+    for _ in range(10):   # interleaved slices
+        for name, params in samplers.items():
+            seconds[name] += _sampling_step_seconds(params, max(1, args.sampler_rounds // 10))
+    _report(f"sampling step, batch {args.batch_size}, vocabulary {VOCAB_SIZE} (median of {args.sampler_rounds}):",
+            {name: statistics.median(values) for name, values in seconds.items()}, "ms", 1e3)
+
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.batch_size, enable_prefix_caching=False,
+              max_model_len=args.prompt_len + 8)
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 4000 + 200 for j in range(args.prompt_len)]}
+               for i in range(args.batch_size)]
+    prefills = {"no prompt_logprobs": SamplingParams(temperature=0, max_tokens=1),
+                "prompt_logprobs=5 on every row": SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)}
+    _prefill_seconds(llm, prompts, prefills["no prompt_logprobs"])   # warm-up
+    seconds = {name: [] for name in prefills}
+    for _ in range(args.rounds):
+        for name, params in prefills.items():
+            seconds[name].append(_prefill_seconds(llm, prompts, params))
+    _report(f"prefill of {args.batch_size} prompts of {args.prompt_len} tokens (median of {args.rounds}):",
+            {name: statistics.median(values) for name, values in seconds.items()}, "s", 1.0)

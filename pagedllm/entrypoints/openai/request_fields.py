@@ -1,0 +1,109 @@
+"""What becomes of request fields that no request model declares: none is dropped without a word.
+
+A declared field is honoured by the code that reads it, so declaring a field in protocol.py is all it
+takes to honour it (its entry here is then never consulted). An undeclared field that OpenAI's or
+vLLM's API defines is either accepted as a documented no-op (it changes nothing about the output) or
+refused with a 400 naming it; any other field is logged once per name and ignored, as vLLM does.
+README.md ("Request fields") lists them all.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from pagedllm.entrypoints.openai.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+SEPARATE_CHANGE = "structured outputs / tools (separate change)"
+
+
+@dataclass(frozen=True)
+class NoOp:
+    """A field accepted because it cannot change the output; `accepts` says which values are harmless."""
+    accepts: Callable[[Any], bool] = lambda value: True
+    allowed: str = ""   # the harmless values, for the error when another one comes
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+
+
+_TEXT_ONLY = NoOp(lambda value: value in (None, ["text"]), 'null or ["text"]')
+_DEFAULT_TIER = NoOp(lambda value: value in (None, "auto", "default"), 'null, "auto" or "default"')
+_NOT_STORED = NoOp(lambda value: value in (None, False), "false (this server keeps no completions)")
+_SHARED: dict[str, NoOp | Refused] = {
+    "user": NoOp(), "safety_identifier": NoOp(), "prompt_cache_key": NoOp(),   # identify the caller, or hint caching
+    "metadata": NoOp(), "store": _NOT_STORED, "service_tier": _DEFAULT_TIER,
+    # vLLM's extras this engine does not implement: each would change the output.
+    "truncate_prompt_tokens": Refused("prompts are never truncated; shorten the prompt"),
+    "add_special_tokens": Refused("send prompt token ids to control special tokens"),
+    "return_tokens_as_token_ids": Refused("tokens are returned as text"),
+    "logits_processors": Refused("custom logits processors are not implemented"),
+    "priority": Refused("the server takes no per-request priorities"),
+    "guided_json": Refused(SEPARATE_CHANGE), "guided_regex": Refused(SEPARATE_CHANGE),
+    "guided_choice": Refused(SEPARATE_CHANGE), "guided_grammar": Refused(SEPARATE_CHANGE),
+    "guided_decoding_backend": Refused(SEPARATE_CHANGE), "structured_outputs": Refused(SEPARATE_CHANGE),
+    "response_format": Refused(SEPARATE_CHANGE),
+}
+POLICIES: dict[str, dict[str, NoOp | Refused]] = {
+    "completions": _SHARED,
+    "chat": {
+        **_SHARED,
+        "audio": Refused("this server generates text only"),
+        "modalities": _TEXT_ONLY,
+        "prediction": Refused("predicted outputs are not implemented"),
+        "web_search_options": Refused("this server has no web search"),
+        "verbosity": Refused("the model cannot be told how long to answer"),
+        "reasoning_effort": Refused(SEPARATE_CHANGE),
+        "tool_choice": Refused(SEPARATE_CHANGE), "parallel_tool_calls": Refused(SEPARATE_CHANGE),
+        "functions": Refused(SEPARATE_CHANGE), "function_call": Refused(SEPARATE_CHANGE),
+        "chat_template_kwargs": Refused(SEPARATE_CHANGE),
+        "chat_template": Refused("the model's own chat template is used"),
+        "continue_final_message": Refused("a final assistant message cannot be continued"),
+        "documents": Refused("documents are not passed to chat templates"),
+        "echo": Refused("echo exists on /v1/completions only"),
+        "use_beam_search": Refused("beam search exists on /v1/completions only"),
+        "length_penalty": Refused("beam search exists on /v1/completions only"),
+        "best_of": Refused("best_of exists on /v1/completions only"),
+    },
+    "message": {
+        "name": NoOp(), "refusal": NoOp(),
+        "audio": Refused("this server takes text only"),
+        "tool_calls": Refused(SEPARATE_CHANGE), "tool_call_id": Refused(SEPARATE_CHANGE),
+        "function_call": Refused(SEPARATE_CHANGE), "reasoning_content": Refused(SEPARATE_CHANGE),
+    },
+    "stream_options": {"include_obfuscation": NoOp()},
+}
+
+_logged: set[tuple[str, str]] = set()
+
+
+def check_undeclared_fields(body: BaseModel, path: str = "") -> None:
+    """Walks the request (nested models too): refuses what must be refused with a 400 naming the field,
+    logs each unknown field name once."""
+    policy = POLICIES.get(getattr(body, "field_policy", ""), {})
+    for name, value in (body.model_extra or {}).items():
+        param = f"{path}{name}"
+        rule = policy.get(name)
+        if isinstance(rule, Refused):
+            raise APIError(400, f"{param} is not supported: {rule.reason}", param=param)
+        if isinstance(rule, NoOp):
+            if not rule.accepts(value):
+                raise APIError(400, f"{param} must be {rule.allowed}, got {value!r:.80}", param=param)
+            continue
+        if (type(body).__name__, name) not in _logged:
+            _logged.add((type(body).__name__, name))
+            logger.warning("ignoring the unknown field %r in a %s", name, type(body).__name__)
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        items = value if isinstance(value, list) else [value]
+        for index, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                suffix = f".{index}" if isinstance(value, list) else ""
+                check_undeclared_fields(item, f"{path}{name}{suffix}.")
