@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass
 
+from pagedllm.structured_output.params import StructuredOutputsParams
+
 # vLLM treats temperatures below this as greedy: dividing by them would overflow.
 _SAMPLING_EPS = 1e-5
 # Like vLLM's default max_logprobs: top logprobs cost a topk over the vocabulary per row.
@@ -90,6 +92,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None   # the output must match this grammar
 
     def __post_init__(self) -> None:
         self._normalise_and_check_sampling()
@@ -175,6 +178,8 @@ class SamplingParams:
                 f"prompt_logprobs is not supported yet; it must be None, got {_shown(self.prompt_logprobs)}")
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {_shown(self.structured_outputs)}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {_shown(self.output_kind)}")
         if self.output_kind is RequestOutputKind.DELTA and (self.best_of or self.n) > self.n:

@@ -17,6 +17,7 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
+from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.sampler import SamplingBatch, sample
 
@@ -86,13 +87,16 @@ class ModelRunner:
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
         if logits is None or not len(sampling_rows):   # tensor-parallel ranks > 0 get no logits: rank 0 samples
             return ModelRunnerOutput([], [], [], prepare_seconds=prepared - started)
+        req_ids = [batch.req_ids[row] for row in sampling_rows.tolist()]
+        if scheduler_output.grammar_bitmask is not None:
+            logits = self._apply_grammar_bitmask(logits, req_ids, scheduler_output)
         sampling = SamplingBatch.build(batch.sampling, sampling_rows, batch.token_ids,
                                        batch.num_prompt_tokens[sampling_rows], batch.num_tokens[sampling_rows],
                                        self.vocab_size, self.device)
         samples = sample(logits, sampling)
         top_ids = samples.top_logprob_ids
         return ModelRunnerOutput(
-            req_ids=[batch.req_ids[row] for row in sampling_rows.tolist()],
+            req_ids=req_ids,
             sampled_token_ids=samples.token_ids.tolist(),
             logprobs=samples.logprobs.tolist(),
             top_logprob_ids=None if top_ids is None else top_ids.tolist(),
@@ -100,6 +104,14 @@ class ModelRunner:
             token_ranks=None if top_ids is None else samples.token_ranks.tolist(),
             prepare_seconds=prepared - started,
         )
+
+    @staticmethod
+    def _apply_grammar_bitmask(logits: torch.Tensor, req_ids: list[str], scheduler_output: SchedulerOutput
+                               ) -> torch.Tensor:
+        """Structured outputs: the rows with a grammar may sample only what it allows next."""
+        logits_row = {request_id: index for index, request_id in enumerate(req_ids)}
+        rows = [logits_row[request_id] for request_id in scheduler_output.grammar_request_ids]
+        return apply_grammar_bitmask(logits, scheduler_output.grammar_bitmask, rows)
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         sources, destinations = (torch.tensor(ids, device=self.device) for ids in zip(*block_copies))
