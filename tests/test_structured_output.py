@@ -182,7 +182,7 @@ def test_a_request_waits_for_its_grammar_without_holding_the_batch():
                           structured_output=_AllowAll())
     constrained = Request("grammar", list(range(10, 18)), SamplingParams(temperature=0), (2,), 8, arrival_time=0.0)
     constrained.grammar = grammar = _PendingGrammar()
-    plain = Request("plain", list(range(10, 16)), SamplingParams(temperature=0), (2,), 8, arrival_time=1.0)
+    plain = Request("plain", list(range(50, 56)), SamplingParams(temperature=0), (2,), 8, arrival_time=1.0)
     scheduler.add_request(constrained)
     scheduler.add_request(plain)
     first = scheduler.schedule()
