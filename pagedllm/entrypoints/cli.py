@@ -17,7 +17,7 @@ from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
                              SCHEDULING_POLICIES, EngineConfig)
 from pagedllm.entrypoints.config_file import merge_config
-from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.entrypoints.openai.server_config import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES, ServerConfig
 
 _UNSET = argparse.SUPPRESS
 
@@ -103,6 +103,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             f"{_default(ServerConfig, 'shutdown_timeout')}")
     group.add_argument("--disable-dashboard", action="store_true", default=_UNSET,
                        help="serve no /dashboard page and no /v1/kv_map routes (default: served)")
+    group.add_argument("--chat-template", default=_UNSET, metavar="FILE",
+                       help="a Jinja chat template used instead of the model's own (default: the model's)")
+    group.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES, default=_UNSET,
+                       help="how tool calls are read from the model's text with tool_choice auto (default: none)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true", default=_UNSET,
+                       help="allow tool_choice auto (needs --tool-call-parser; required and named choices "
+                            "work without it) (default: off)")
+    group.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=_UNSET,
+                       help="split the model's reasoning into reasoning_content: qwen3 reads <think>...</think> "
+                            "(default: none)")
 
 
 def resolve_settings(args: argparse.Namespace, settings: dict[str, type]) -> dict[str, object]:
