@@ -23,12 +23,17 @@ class StructuredOutputsParams:
     key: tuple[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        given = [kind for kind in KINDS if getattr(self, kind) is not None
+                 and not (kind == "json_object" and self.json_object is False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}, "
                              f"got {', '.join(given) or 'none'}")
         kind = given[0]
-        object.__setattr__(self, "key", (kind, _canonical_text(kind, getattr(self, kind))))
+        try:
+            text = _canonical_text(kind, getattr(self, kind))
+        except RecursionError as exc:
+            raise ValueError(f"structured_outputs {kind} is nested too deeply") from exc
+        object.__setattr__(self, "key", (kind, text))
         # Parsing needs no tokenizer and takes well under a millisecond for usual schemas; compiling
         # against the vocabulary (the slow part) happens later, off the engine thread.
         from pagedllm.structured_output.xgrammar_backend import parse_grammar
