@@ -12,7 +12,8 @@ import itertools
 import logging
 import sys
 
-from pagedllm.bench import accuracy, dashboard_cost, kernels, latency, load, memory, scheduling, serving, sweep, throughput
+from pagedllm.bench import (accuracy, dashboard_cost, kernels, latency, load, memory, scheduling, serving,
+                            structured_outputs, sweep, throughput)
 from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
                              SCHEDULING_POLICIES, EngineConfig)
@@ -225,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("dashboard", dashboard_cost, "server throughput with the live KV-cache page open against closed"),
         ("sweep", sweep, "throughput and KV waste by block size, with a plot"),
         ("scheduling", scheduling, "scheduler + KV bookkeeping time per step"),
+        ("structured", structured_outputs, "decode step time with structured outputs against without, at batch 64"),
         ("accuracy", accuracy, "bfloat16 against float32 greedy tokens, or KV cache dtypes teacher-forced"),
         ("kernels", kernels, "quantized linear kernels against the float matmul, per row count"),
         ("load", load, "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),
