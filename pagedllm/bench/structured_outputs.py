@@ -44,19 +44,20 @@ def cpu_name() -> str:
 
 def _decode_step_seconds(engine, prompts: list[list[int]], params_list: list, tag: str
                          ) -> list[tuple[float, float]]:
-    """Runs the requests to their end; for each step in which all of them decoded, its wall time and the
-    part outside the model (the scheduler's share holds the bitmask fill and the matchers' advance)."""
+    """Runs the requests to their end; for each step in which all of them decoded, its wall time, the part
+    outside the model (the scheduler's share holds the bitmask fill and the matchers' advance) and the
+    process's CPU time (steadier than wall time on a machine that other jobs share)."""
     batch = len(prompts)
     for index, (prompt, params) in enumerate(zip(prompts, params_list)):
         engine.add_request(f"{tag}-{index}", {"prompt_token_ids": prompt}, params)
     seconds = []
     while engine.has_unfinished_requests():
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         engine.step()
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         stats = engine.last_step_stats
         if stats is not None and stats.num_seqs == batch and stats.num_tokens == batch:
-            seconds.append((elapsed, stats.scheduling_seconds + stats.prepare_seconds))
+            seconds.append((elapsed, stats.scheduling_seconds + stats.prepare_seconds, cpu))
     return seconds
 
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> None:
     engine.structured_output.request_grammar(structured.structured_outputs)._compiled.result()
     compile_seconds = time.perf_counter() - started
     _decode_step_seconds(engine, prompts, params["mixed"], "warm-up")   # discarded: first runs are slower
-    times: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
+    times: dict[str, list[tuple[float, float, float]]] = {mode: [] for mode in MODES}
     for round_index in range(args.rounds):
         order = MODES if round_index % 2 == 0 else MODES[::-1]
         for mode in order:
@@ -88,14 +89,17 @@ def run(args: argparse.Namespace) -> None:
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; load average {load_before[0]:.2f} before, "
           f"{load_after[0]:.2f} after; batch {args.batch}, {len(times['plain'])} decode steps per mode, "
           f"{args.rounds} rounds; schema compile {compile_seconds * 1e3:.0f} ms (once, off the engine thread)")
-    print("| batch of decode steps | median step | p90 | against plain | outside the model, median |")
-    print("|---|---|---|---|---|")
-    base = statistics.median(step for step, _ in times["plain"])
+    print("| batch of decode steps | median step | p90 | against plain | outside the model, median "
+          "| CPU time per step, median | against plain |")
+    print("|---|---|---|---|---|---|---|")
+    base = statistics.median(step for step, _, _ in times["plain"])
+    cpu_base = statistics.median(cpu for _, _, cpu in times["plain"])
     labels = {"plain": f"{args.batch} plain", "structured": f"{args.batch} under a JSON schema",
               "mixed": f"{args.batch // 2} plain + {args.batch - args.batch // 2} under the schema"}
     for mode in MODES:
-        steps = [step for step, _ in times[mode]]
+        steps = [step for step, _, _ in times[mode]]
         median = statistics.median(steps)
-        outside = statistics.median(other for _, other in times[mode])
+        outside = statistics.median(other for _, other, _ in times[mode])
+        cpu = statistics.median(cpu for _, _, cpu in times[mode])
         print(f"| {labels[mode]} | {median * 1e3:.2f} ms | {percentile(steps, 0.9) * 1e3:.2f} ms "
-              f"| {median / base - 1:+.1%} | {outside * 1e3:.2f} ms |")
+              f"| {median / base - 1:+.1%} | {outside * 1e3:.2f} ms | {cpu * 1e3:.1f} ms | {cpu / cpu_base - 1:+.1%} |")
