@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-
 from pathlib import Path
 
 from pagedllm.entrypoints.openai.auth import load_api_keys_file
@@ -56,7 +55,6 @@ class ServerConfig:
         if isinstance(self.shutdown_timeout, bool) or not isinstance(self.shutdown_timeout, (int, float)) \
                 or self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")
-
         self._check_chat_settings()
 
     def _check_chat_settings(self) -> None:

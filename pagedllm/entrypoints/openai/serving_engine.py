@@ -15,8 +15,8 @@ from pagedllm.engine.stats import EngineStats
 from pagedllm.entrypoints.openai.errors import APIError, api_error_for, sampling_field_named_in
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import ChatMessage, UsageInfo
-from pagedllm.entrypoints.openai.tool_requests import ChatCompletionTool
 from pagedllm.entrypoints.openai.streams import merge_streams
+from pagedllm.entrypoints.openai.tool_requests import ChatCompletionTool
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import Tokenizer
