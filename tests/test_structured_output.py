@@ -189,7 +189,7 @@ def test_a_request_waits_for_its_grammar_without_holding_the_batch():
     assert first.num_scheduled_tokens == {"plain": 6}   # the earlier request waits, the later one runs
     assert first.grammar_bitmask is None
     scheduler.update_from_output(first, ModelRunnerOutput(["plain"], [100], [-0.1]))
-    grammar._compiled.set_result(None)
+    grammar.compiled.set_result(None)
     second = scheduler.schedule()
     assert second.num_scheduled_tokens == {"plain": 1, "grammar": 8}
     assert second.grammar_request_ids == ["grammar"] and second.grammar_bitmask.shape == (1, 4)

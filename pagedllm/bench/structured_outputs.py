@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> None:
     params = {"plain": [plain] * args.batch, "structured": [structured] * args.batch,
               "mixed": [structured if index % 2 else plain for index in range(args.batch)]}
     started = time.perf_counter()
-    engine.structured_output.request_grammar(structured.structured_outputs)._compiled.result()
+    engine.structured_output.request_grammar(structured.structured_outputs).compiled.result()
     compile_seconds = time.perf_counter() - started
     _decode_step_seconds(engine, prompts, params["mixed"], "warm-up")   # discarded: first runs are slower
     times: dict[str, list[tuple[float, float, float]]] = {mode: [] for mode in MODES}

@@ -61,7 +61,7 @@ class StructuredOutputManager:
     def wait_for_compiles(self, grammars: list[RequestGrammar], timeout: float) -> None:
         """Blocks until one of these grammars is compiled, or timeout seconds: what an engine with nothing
         else to run does instead of spinning."""
-        pending = [grammar._compiled for grammar in grammars if not grammar.is_ready]
+        pending = [grammar.compiled for grammar in grammars if not grammar.is_ready]
         if pending:
             concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 

@@ -5,7 +5,6 @@ The API is token lists, not single tokens, so a verifier of several proposed tok
 """
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future
 
 import numpy as np
@@ -14,30 +13,28 @@ import xgrammar as xgr
 
 from pagedllm.structured_output.xgrammar_backend import new_matcher
 
-logger = logging.getLogger(__name__)
-
 
 class RequestGrammar:
     def __init__(self, compiled: Future):
-        self._compiled = compiled
+        self.compiled = compiled   # the CompiledGrammar, shared by every request with the same spec
         self._matcher: xgr.GrammarMatcher | None = None
 
     @property
     def is_ready(self) -> bool:
         """Compiled (or failed to compile: `error` says why); until then the request waits to be admitted."""
-        return self._compiled.done()
+        return self.compiled.done()
 
     @property
     def error(self) -> str | None:
-        if not self._compiled.done() or self._compiled.exception() is None:
+        if not self.compiled.done() or self.compiled.exception() is None:
             return None
-        exc = self._compiled.exception()
+        exc = self.compiled.exception()
         return f"the grammar failed to compile: {type(exc).__name__}: {exc}"
 
     @property
     def matcher(self) -> xgr.GrammarMatcher:
         if self._matcher is None:
-            self._matcher = new_matcher(self._compiled.result())
+            self._matcher = new_matcher(self.compiled.result())
         return self._matcher
 
     def accept_tokens(self, token_ids: list[int]) -> int:

@@ -42,8 +42,6 @@ class XgrammarCompiler:
         # vocab_size is the model's (its logits' width), which may exceed the tokenizer's token count.
         info = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids))
-        self.vocab_size = vocab_size
-        self.bitmask_words = xgr.get_bitmask_shape(1, vocab_size)[1]
         # Our own cache keys the specs; xgrammar's would hold a second copy of each compiled grammar.
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
