@@ -104,11 +104,12 @@ class ChoiceParser:
 
 
 def _required_calls(text: str) -> list[ParsedToolCall] | None:
+    """The grammar's [{"name", "parameters"}, ...]; None when the text is not that (cut by max_tokens or a stop)."""
     try:
-        calls = json.loads(text)
-    except ValueError:
+        return [ParsedToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+                for call in json.loads(text)]
+    except (ValueError, TypeError, KeyError):
         return None
-    return [ParsedToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
 
 
 def whole_tool_calls(deltas: list[DeltaToolCall]) -> list[ToolCall]:
