@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass
 
+from pagedllm.structured_output.params import StructuredOutputsParams
+
 # vLLM treats temperatures below this as greedy: dividing by them would overflow.
 _SAMPLING_EPS = 1e-5
 # Like vLLM's default max_logprobs: top logprobs cost a topk over the vocabulary per row.
@@ -96,6 +98,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None   # the output must match this grammar
     # bad_words as token-id sequences: set by the engine, which holds the tokenizer (vLLM keeps it private).
     bad_words_token_ids: list[list[int]] | None = None
 
@@ -225,6 +228,8 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=MAX_LOGPROBS)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {_shown(self.structured_outputs)}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {_shown(self.output_kind)}")
         if self.output_kind is RequestOutputKind.DELTA and (self.best_of or self.n) > self.n:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -46,6 +48,10 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)   # leave the batch; their random state stays
     finished_req_ids: list[str] = field(default_factory=list)    # done since the last step: forget them
     block_copies: list[tuple[int, int]] = field(default_factory=list)   # (source, destination), copy on write
+    # Structured outputs: row i of the int32 bitmask ([rows, ceil(vocab / 32)]) holds the tokens that
+    # grammar_request_ids[i] may sample in this step; None when no sampling row has a grammar.
+    grammar_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
 
 @dataclass(slots=True)

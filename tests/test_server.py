@@ -266,7 +266,7 @@ BAD_REQUESTS = {
                               f"max_model_len is {MAX_MODEL_LEN}"),
     "unknown model": ("/v1/completions", _completion(model="gpt-4"), 404, "model", "'gpt-4' does not exist"),
     "chat: unknown role": ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "Hi"}]}, 400,
-                           "messages.0.role", "'system', 'user' or 'assistant'"),
+                           "messages.0.role", "'user', 'assistant' or 'tool'"),
     "chat: image part": ("/v1/chat/completions",
                          {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
                          400, "messages.0.content", "Input should be 'text'"),

@@ -176,9 +176,9 @@ def test_refused_chat_fields_are_400s_naming_them(http, name):
 
 
 def test_nested_fields_are_judged_too(http):
-    message = {**CHAT[0], "tool_call_id": "call_1"}
+    message = {**CHAT[0], "audio": {"id": "audio_1"}}
     response = http.post("/v1/chat/completions", json={"messages": [message], "max_tokens": 2})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "messages.0.tool_call_id"
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages.0.audio"
     named = http.post("/v1/chat/completions", json={"messages": [{**CHAT[0], "name": "ann"}], "max_tokens": 2})
     assert named.status_code == 200
 
@@ -210,14 +210,14 @@ def test_unknown_fields_are_logged_once_and_ignored(http, server):
 
 
 def test_declaring_a_field_is_all_it_takes_to_honour_it():
-    """A field another change will honour (response_format) is refused while undeclared; a request model
-    that declares it passes the check, so its own code decides."""
-    body = {"messages": CHAT, "response_format": {"type": "json_object"}}
-    with pytest.raises(APIError, match="response_format is not supported"):
+    """A refused field (prediction) is refused only while undeclared: a request model that declares it
+    passes the check, so its own code decides."""
+    body = {"messages": CHAT, "prediction": {"type": "content", "content": "x"}}
+    with pytest.raises(APIError, match="prediction is not supported"):
         check_undeclared_fields(ChatCompletionRequest.model_validate(body))
 
-    class WithResponseFormat(ChatCompletionRequest):
-        response_format: dict | None = None
-    check_undeclared_fields(WithResponseFormat.model_validate(body))
+    class WithPrediction(ChatCompletionRequest):
+        prediction: dict | None = None
+    check_undeclared_fields(WithPrediction.model_validate(body))
     check_undeclared_fields(CompletionRequest.model_validate({"prompt": "x", "user": "u"}))
     assert all(isinstance(rule, (NoOp, Refused)) for policy in POLICIES.values() for rule in policy.values())

@@ -24,6 +24,7 @@ from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step import ModelRunnerOutput, PromptLogprobs
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import kv_bytes_per_block
 from pagedllm.worker.worker import WorkerArgs
 
@@ -124,8 +125,10 @@ class LLMEngine:
             num_blocks = self._num_kv_blocks(self._profiled_kv_cache_budget(token_budget))
             self.executor.collective_rpc("allocate_kv_caches", num_blocks)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                         self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, token_budget,
-                                   config.enable_chunked_prefill, config.scheduling_policy)
+                                   config.enable_chunked_prefill, config.scheduling_policy, self.structured_output)
         self.parents: dict[str, ParentRequest | BeamSearchParent] = {}
         self.children: dict[str, ChildState] = {}   # plain and parallel samples (not beams) by request id
         self.parent_of: dict[str, str] = {}
@@ -227,6 +230,8 @@ class LLMEngine:
             request = Request(child_id, prompt_ids, child_params, self.model_config.eos_token_ids,
                               checked.max_tokens, arrival_time=arrival_time, priority=priority,
                               cache_salt=checked.cache_salt)
+            if params.structured_outputs is not None:
+                request.grammar = self.structured_output.request_grammar(params.structured_outputs)
             children.append(ChildState(request, index,
                                        IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)))
         self.parents[request_id] = ParentRequest(request_id, checked.text, prompt_ids, params, children)
@@ -291,8 +296,12 @@ class LLMEngine:
         """Runs one scheduled batch; returns an output for each user request that progressed."""
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        failed, self.scheduler.failed_requests = self.scheduler.failed_requests, []
         if not (scheduler_output.num_scheduled_tokens or scheduler_output.finished_req_ids
                 or scheduler_output.preempted_req_ids):
+            if failed:
+                return self._process_outputs([], None, failed)
+            self._wait_for_grammars()
             return []
         scheduled = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
@@ -301,7 +310,7 @@ class LLMEngine:
         if runner_output.prompt_logprobs:
             self._store_prompt_logprobs(runner_output.prompt_logprobs)
         updated = time.perf_counter()
-        outputs = self._process_outputs(sampled, runner_output)
+        outputs = self._process_outputs(sampled, runner_output, failed)
         self.last_step_stats = StepStats(
             scheduling_seconds=(scheduled - started) + (updated - computed),
             prepare_seconds=runner_output.prepare_seconds,
@@ -315,10 +324,20 @@ class LLMEngine:
             listener(self.last_step_stats)
         return outputs
 
-    def _process_outputs(self, sampled: list[tuple[Request, int]], runner_output: ModelRunnerOutput
-                         ) -> list[RequestOutput]:
-        """Detokenizes the appended tokens, applies stop strings, and makes the user requests' outputs."""
+    def _wait_for_grammars(self, timeout: float = 0.05) -> None:
+        """Nothing could run: if requests wait for their grammars to compile, wait for one rather than spin."""
+        compiling = [request.grammar for request in self.scheduler.waiting if request.grammar is not None]
+        if compiling:
+            self.structured_output.wait_for_compiles(compiling, timeout)
+
+    def _process_outputs(self, sampled: list[tuple[Request, int]], runner_output: ModelRunnerOutput | None,
+                         failed: list[Request] = ()) -> list[RequestOutput]:
+        """Detokenizes the appended tokens, applies stop strings, and makes the user requests' outputs
+        (also of the requests that failed before running)."""
         progressed: dict[str, ParentRequest | BeamSearchParent] = {}
+        for request in failed:
+            parent_id = self.parent_of[request.request_id]
+            progressed[parent_id] = self.parents[parent_id]
         for request, row in sampled:
             try:
                 self._process_token(request, runner_output, row)
@@ -383,6 +402,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the executor's worker processes (tensor parallel); also done when the engine is freed."""
         self.executor.shutdown()
+        self.structured_output.shutdown()
 
     def stats(self) -> EngineStats:
         return EngineStats(kv_cache=self.kv_manager.usage(), num_running=len(self.scheduler.running),

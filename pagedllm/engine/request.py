@@ -45,6 +45,7 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     beam_search: object | None = None   # the BeamSearch this beam belongs to; it chooses the beam's tokens
+    grammar: object | None = None   # its structured output's RequestGrammar; dropped when it finishes
     # What the workers' batch holds of this request, so that a step sends only what changed;
     # 0 tokens: not in the batch (not yet scheduled, or preempted since).
     worker_num_tokens: int = 0

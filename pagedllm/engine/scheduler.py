@@ -21,6 +21,11 @@ hold comes whole, a running one as what it gained since its last step. `update_f
 the result in one place: computed tokens advanced, full blocks cached, sampled tokens appended and
 checked against the token-level stops (EOS, stop_token_ids, max_tokens), beams advanced, finished
 requests freed. Stop strings need text, so the output processor checks them and calls `finish`.
+
+Structured outputs: a request with a grammar (`Request.grammar`) is admitted only once its grammar has
+compiled (others run meanwhile); each step carries the bitmask of the rows that sample under a grammar
+(filled by the `structured_output` manager the engine passes in), and `update_from_output` advances
+their matchers. With no such request, none of this runs.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from pagedllm.step import CachedRequestData, ModelRunnerOutput, NewRequestData, 
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, policy: str = "fcfs"):
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs", structured_output=None):
         self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -48,6 +53,9 @@ class Scheduler:
         # First sample's id -> its parallel siblings, forked from it in the step where it first samples.
         self._pending_forks: dict[str, list[Request]] = {}
         self._finished_ids: list[str] = []   # finished since the last step: the workers forget them
+        self.structured_output = structured_output   # a StructuredOutputManager, or None
+        self._num_grammar_requests = 0   # of self.requests
+        self.failed_requests: list[Request] = []   # failed before running (grammar did not compile)
 
     def _order_key(self, request: Request) -> tuple:
         if self.policy == "priority":
@@ -57,10 +65,14 @@ class Scheduler:
     def add_request(self, request: Request, siblings: list[Request] = ()) -> None:
         """Queues a request; `siblings` (the other parallel samples of its prompt) are forked from it
         when it first samples, sharing its prefill and every block."""
-        self.requests[request.request_id] = request
+        self._hold(request)
         self._enqueue(request)
         if siblings:
             self._pending_forks[request.request_id] = list(siblings)
+
+    def _hold(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._num_grammar_requests += request.grammar is not None
 
     def _enqueue(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -130,6 +142,18 @@ class Scheduler:
                 self._fork_siblings(request, num_new, out)
         out.total_num_scheduled_tokens = sum(num_scheduled.values())
         out.block_copies = kv.take_block_copies()
+        if self._num_grammar_requests:
+            self._fill_grammar_bitmask(out)
+
+    def _fill_grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """The bitmask of the rows that sample in this step under a grammar (their KV reaches their last token)."""
+        requests = self.requests
+        constrained = [request for request_id, num_new in out.num_scheduled_tokens.items()
+                       if (request := requests[request_id]).grammar is not None
+                       and request.num_computed_tokens + num_new == request.num_tokens]
+        if constrained:
+            out.grammar_request_ids = [request.request_id for request in constrained]
+            out.grammar_bitmask = self.structured_output.grammar_bitmask([r.grammar for r in constrained])
 
     def _new_request_data(self, request: Request, table: list[int], sample_with: str | None = None
                           ) -> NewRequestData:
@@ -155,7 +179,7 @@ class Scheduler:
 
     def _admit_running(self, request: Request) -> None:
         """Admits a request whose KV is already in place (a fork of a running one)."""
-        self.requests[request.request_id] = request
+        self._hold(request)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=self._order_key)
 
@@ -170,12 +194,14 @@ class Scheduler:
 
     def _next_to_admit(self) -> int | None:
         """Index in `waiting` of the first request with something to compute (a parked one has not, until
-        its search takes a step and gives it a new token)."""
-        if not self._parked:
-            return 0 if self.waiting else None
+        its search takes a step and gives it a new token) whose grammar, if any, has compiled."""
+        parked = self._parked
         for index, request in enumerate(self.waiting):
-            if self._parked.get(request.request_id) != request.num_tokens:
-                return index
+            if parked and parked.get(request.request_id) == request.num_tokens:
+                continue
+            if request.grammar is not None and not request.grammar.is_ready:
+                continue
+            return index
         return None
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
@@ -185,6 +211,11 @@ class Scheduler:
             if index is None:
                 break
             request = self.waiting[index]
+            if request.grammar is not None and request.grammar.error is not None:
+                request.error = request.grammar.error
+                self.finish(request, RequestStatus.FINISHED_ERROR)
+                self.failed_requests.append(request)
+                continue
             # Cached blocks carry no logits: a request asking for prompt logprobs recomputes its prefix.
             cached = [] if request.sampling_params.prompt_logprobs is not None else kv.get_computed_blocks(
                 request.request_id, request.all_token_ids, request.cache_salt)
@@ -258,6 +289,8 @@ class Scheduler:
             request.cumulative_logprob += logprobs[row]
             sampled.append((request, row))
             status = _token_stop(request, token_id)
+            if request.grammar is not None:
+                status = _grammar_stop(request, token_id) or status
             if status is not None:
                 self.finish(request, status)
         for search in searches:
@@ -281,6 +314,9 @@ class Scheduler:
         request_id = request.request_id
         if self.requests.pop(request_id, None) is None:
             return   # finished already, or never queued (a parallel sample that was never forked)
+        if request.grammar is not None:
+            self._num_grammar_requests -= 1
+            request.grammar = None   # frees its matcher
         self._parked.pop(request_id, None)
         self._pending_forks.pop(request_id, None)
         if request in self.running:
@@ -289,6 +325,17 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_manager.free(request_id)
         self._finished_ids.append(request_id)
+
+
+def _grammar_stop(request: Request, token_id: int) -> RequestStatus | None:
+    """Advances the request's grammar by the token: stopped once the grammar has taken its stop token (so
+    nothing may follow, ignore_eos or not); an error if it refuses the token, which the bitmask should
+    have made impossible."""
+    grammar = request.grammar
+    if not grammar.accept_tokens([token_id]):
+        request.error = f"token {token_id} does not match the request's structured_outputs grammar"
+        return RequestStatus.FINISHED_ERROR
+    return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
 
 
 def _token_stop(request: Request, token_id: int) -> RequestStatus | None:

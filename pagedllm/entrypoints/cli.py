@@ -13,12 +13,12 @@ import logging
 import sys
 
 from pagedllm.bench import (accuracy, dashboard_cost, kernels, latency, load, logit_controls, memory, scheduling,
-                            serving, sweep, throughput)
+                            serving, structured_outputs, sweep, throughput)
 from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import (ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES,
                              QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig)
 from pagedllm.entrypoints.config_file import merge_config
-from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.entrypoints.openai.server_config import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES, ServerConfig
 
 _UNSET = argparse.SUPPRESS
 
@@ -108,6 +108,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             f"{_default(ServerConfig, 'shutdown_timeout')}")
     group.add_argument("--disable-dashboard", action="store_true", default=_UNSET,
                        help="serve no /dashboard page and no /v1/kv_map routes (default: served)")
+    group.add_argument("--chat-template", default=_UNSET, metavar="FILE",
+                       help="a Jinja chat template used instead of the model's own (default: the model's)")
+    group.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES, default=_UNSET,
+                       help="how tool calls are read from the model's text with tool_choice auto (default: none)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true", default=_UNSET,
+                       help="allow tool_choice auto (needs --tool-call-parser; required and named choices "
+                            "work without it) (default: off)")
+    group.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=_UNSET,
+                       help="split the model's reasoning into reasoning_content: qwen3 reads <think>...</think> "
+                            "(default: none)")
 
 
 def resolve_settings(args: argparse.Namespace, settings: dict[str, type]) -> dict[str, object]:
@@ -220,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("dashboard", dashboard_cost, "server throughput with the live KV-cache page open against closed"),
         ("sweep", sweep, "throughput and KV waste by block size, with a plot"),
         ("scheduling", scheduling, "scheduler + KV bookkeeping time per step"),
+        ("structured", structured_outputs, "decode step time with structured outputs against without, at batch 64"),
         ("accuracy", accuracy, "bfloat16 against float32 greedy tokens, or KV cache dtypes teacher-forced"),
         ("kernels", kernels, "quantized linear kernels against the float matmul, per row count"),
         ("load", load, "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),

@@ -17,6 +17,7 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
+from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.host_staging import HostStaging, fetch
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
@@ -131,6 +132,9 @@ class ModelRunner:
             logits = logits[:len(sampling_rows)]
         if not len(sampling_rows):
             return ModelRunnerOutput([], [], [], prepare_seconds=prepared - started, prompt_logprobs=prompt_logprobs)
+        req_ids = [batch.req_ids[row] for row in sampling_rows.tolist()]
+        if scheduler_output.grammar_bitmask is not None:
+            logits = self._apply_grammar_bitmask(logits, req_ids, scheduler_output)
         sampling = SamplingBatch.build(batch.sampling, sampling_rows, batch.token_ids,
                                        batch.num_prompt_tokens[sampling_rows], batch.num_tokens[sampling_rows],
                                        self.vocab_size, self.device)
@@ -138,7 +142,7 @@ class ModelRunner:
         token_ids, logprobs, top_ids, top_logprobs, ranks = fetch(
             [samples.token_ids, samples.logprobs, samples.top_logprob_ids, samples.top_logprobs, samples.token_ranks])
         return ModelRunnerOutput(
-            req_ids=[batch.req_ids[row] for row in sampling_rows.tolist()],
+            req_ids=req_ids,
             sampled_token_ids=token_ids,
             logprobs=logprobs,
             top_logprob_ids=top_ids,
@@ -147,6 +151,14 @@ class ModelRunner:
             prepare_seconds=prepared - started,
             prompt_logprobs=prompt_logprobs,
         )
+
+    @staticmethod
+    def _apply_grammar_bitmask(logits: torch.Tensor, req_ids: list[str], scheduler_output: SchedulerOutput
+                               ) -> torch.Tensor:
+        """Structured outputs: the rows with a grammar may sample only what it allows next."""
+        logits_row = {request_id: index for index, request_id in enumerate(req_ids)}
+        rows = [logits_row[request_id] for request_id in scheduler_output.grammar_request_ids]
+        return apply_grammar_bitmask(logits, scheduler_output.grammar_bitmask, rows)
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         sources, destinations = (self.staging.to_device(name, np.array(ids))

@@ -87,7 +87,7 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, reques
     state = _state(request)
     state.check_model(body.model)
     if isinstance(body, TokenizeChatRequest):
-        tokens = state.chat_prompt_ids(body.messages, body.add_generation_prompt)
+        tokens = state.chat_prompt_ids(body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs)
     else:
         tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens)
@@ -118,7 +118,10 @@ def build_app(llm: AsyncLLM | DPAsyncLLM, config: ServerConfig) -> FastAPI:
     model_names = config.served_model_name or [llm.engine.config.model or bundled_model_path().stem]
     api_keys: dict[str, str | None] = {**config.tenant_keys, **({config.api_key: None} if config.api_key else {})}
     state = ServerState(llm=llm, model_names=model_names, metrics=ServerMetrics(model_names[0]),
-                        system_fingerprint=f"pagedllm-{pagedllm_version()}", salt_by_tenant=bool(config.tenant_keys))
+                        system_fingerprint=f"pagedllm-{pagedllm_version()}", salt_by_tenant=bool(config.tenant_keys),
+                        chat_template=config.chat_template_text, tool_call_parser=config.tool_call_parser,
+                        enable_auto_tool_choice=config.enable_auto_tool_choice,
+                        reasoning_parser=config.reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

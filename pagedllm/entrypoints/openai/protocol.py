@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm_engine import MAX_CACHE_SALT_CHARS
 from pagedllm.entrypoints.openai.errors import APIError, sampling_field_named_in
+from pagedllm.entrypoints.openai.structured_requests import StructuredOutputFields, structured_outputs_params
+from pagedllm.entrypoints.openai.tool_requests import ChatCompletionTool, ToolCallParam, ToolChoice
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -56,7 +58,7 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingRequest(RequestModel):
+class SamplingRequest(RequestModel, StructuredOutputFields):
     """Fields shared by completions and chat; the sampling ones map onto SamplingParams fields of the same name."""
 
     model: str | None = None
@@ -100,6 +102,12 @@ class SamplingRequest(RequestModel):
         values = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         if self.logit_bias is not None:
             values["logit_bias"] = self._logit_bias_by_id()
+        requested = self.requested_structured_outputs()
+        if requested is not None:
+            if overrides.get("structured_outputs") is not None:
+                raise APIError(400, f"{requested[0]} cannot be combined with a required or named tool_choice "
+                                    "(the tool's schema constrains the output)", param=requested[0])
+            overrides["structured_outputs"] = structured_outputs_params(*requested)
         values = {"output_kind": RequestOutputKind.DELTA, **values, **overrides}
         try:
             return SamplingParams(**values)
@@ -168,6 +176,9 @@ class CompletionRequest(SamplingRequest):
             raise APIError(400, "temperature must be 0 (or unset) with use_beam_search", param="temperature")
         if self.max_tokens is None:
             raise APIError(400, "max_tokens is required with use_beam_search", param="max_tokens")
+        requested = self.requested_structured_outputs()
+        if requested is not None:
+            raise APIError(400, f"{requested[0]} cannot be used with use_beam_search", param=requested[0])
         try:
             return BeamSearchParams(beam_width=self.n, max_tokens=self.max_tokens, ignore_eos=bool(self.ignore_eos),
                                     length_penalty=self.length_penalty)
@@ -183,13 +194,28 @@ class TextContentPart(RequestModel):
 
 class ChatMessage(RequestModel):
     field_policy: ClassVar[str] = "message"
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None   # assistant messages
+    tool_call_id: str | None = None                 # tool messages: the call they answer
 
     def as_template_message(self) -> dict:
-        """What the chat template reads: text parts are joined with newlines, as vLLM does."""
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": content}
+        """What the chat template reads: text parts are joined with newlines, as vLLM does; `developer` (OpenAI's
+        new name for system) as `system`, which templates know; calls with their arguments as objects."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise APIError(400, f"content is required in {self.role} messages (only an assistant message with "
+                                "tool_calls may leave it out)", param="messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise APIError(400, "tool messages need the tool_call_id they answer", param="messages")
+        content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_call() for call in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -199,13 +225,16 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True   # vLLM's extra
-    tools: list | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: extra variables for the chat template
+    include_reasoning: bool = True   # vLLM's: with --reasoning-parser, return reasoning_content
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, forced_tool_schema: dict | None = None) -> SamplingParams:
         """max_completion_tokens is OpenAI's new name for max_tokens and wins over it; without either,
-        the answer may fill the model's context."""
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools")
+        the answer may fill the model's context. forced_tool_schema: the grammar of a required or named
+        tool_choice."""
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         aliases = {"logprobs": "top_logprobs"}
@@ -213,7 +242,9 @@ class ChatCompletionRequest(SamplingRequest):
         if self.max_completion_tokens is not None:
             max_tokens = self.max_completion_tokens
             aliases["max_tokens"] = "max_completion_tokens"
-        return self.sampling_params(aliases, max_tokens=max_tokens,
+        forced = None if forced_tool_schema is None else structured_outputs_params("tool_choice",
+                                                                                  {"json": forced_tool_schema})
+        return self.sampling_params(aliases, max_tokens=max_tokens, structured_outputs=forced,
                                     logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
@@ -227,6 +258,8 @@ class TokenizeChatRequest(RequestModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    tools: list[ChatCompletionTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(RequestModel):
@@ -313,9 +346,35 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str   # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a call: the first of each index carries id, type and name."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None   # with --reasoning-parser
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -340,6 +399,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

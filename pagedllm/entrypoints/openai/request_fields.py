@@ -19,9 +19,6 @@ from pagedllm.entrypoints.openai.errors import APIError
 
 logger = logging.getLogger(__name__)
 
-SEPARATE_CHANGE = "structured outputs / tools (separate change)"
-
-
 @dataclass(frozen=True)
 class NoOp:
     """A field accepted because it cannot change the output; `accepts` says which values are harmless."""
@@ -46,10 +43,8 @@ _SHARED: dict[str, NoOp | Refused] = {
     "return_tokens_as_token_ids": Refused("tokens are returned as text"),
     "logits_processors": Refused("custom logits processors are not implemented"),
     "priority": Refused("the server takes no per-request priorities"),
-    "guided_json": Refused(SEPARATE_CHANGE), "guided_regex": Refused(SEPARATE_CHANGE),
-    "guided_choice": Refused(SEPARATE_CHANGE), "guided_grammar": Refused(SEPARATE_CHANGE),
-    "guided_decoding_backend": Refused(SEPARATE_CHANGE), "structured_outputs": Refused(SEPARATE_CHANGE),
-    "response_format": Refused(SEPARATE_CHANGE),
+    "guided_decoding_backend": NoOp(lambda value: value in (None, "auto", "xgrammar"),
+                                    'null, "auto" or "xgrammar" (the one grammar backend)'),
 }
 POLICIES: dict[str, dict[str, NoOp | Refused]] = {
     "completions": _SHARED,
@@ -60,11 +55,11 @@ POLICIES: dict[str, dict[str, NoOp | Refused]] = {
         "prediction": Refused("predicted outputs are not implemented"),
         "web_search_options": Refused("this server has no web search"),
         "verbosity": Refused("the model cannot be told how long to answer"),
-        "reasoning_effort": Refused(SEPARATE_CHANGE),
-        "tool_choice": Refused(SEPARATE_CHANGE), "parallel_tool_calls": Refused(SEPARATE_CHANGE),
-        "functions": Refused(SEPARATE_CHANGE), "function_call": Refused(SEPARATE_CHANGE),
-        "chat_template_kwargs": Refused(SEPARATE_CHANGE),
-        "chat_template": Refused("the model's own chat template is used"),
+        "reasoning_effort": Refused("the effort cannot be set; chat_template_kwargs (e.g. enable_thinking) reach "
+                                    "the template"),
+        "functions": Refused("the deprecated functions API is not supported; send tools and tool_choice"),
+        "function_call": Refused("the deprecated functions API is not supported; send tools and tool_choice"),
+        "chat_template": Refused("per-request templates are not supported; start the server with --chat-template"),
         "continue_final_message": Refused("a final assistant message cannot be continued"),
         "documents": Refused("documents are not passed to chat templates"),
         "echo": Refused("echo exists on /v1/completions only"),
@@ -73,10 +68,9 @@ POLICIES: dict[str, dict[str, NoOp | Refused]] = {
         "best_of": Refused("best_of exists on /v1/completions only"),
     },
     "message": {
-        "name": NoOp(), "refusal": NoOp(),
+        "refusal": NoOp(), "reasoning_content": NoOp(),   # an earlier answer's: templates do not read them
         "audio": Refused("this server takes text only"),
-        "tool_calls": Refused(SEPARATE_CHANGE), "tool_call_id": Refused(SEPARATE_CHANGE),
-        "function_call": Refused(SEPARATE_CHANGE), "reasoning_content": Refused(SEPARATE_CHANGE),
+        "function_call": Refused("the deprecated functions API is not supported; send tool_calls"),
     },
     "stream_options": {"include_obfuscation": NoOp()},
 }

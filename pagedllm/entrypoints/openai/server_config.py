@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from pagedllm.entrypoints.openai.auth import load_api_keys_file
+
+# The parsers' names (pagedllm/entrypoints/openai/tool_parsers, reasoning), listed here so reading the
+# settings loads no parser code.
+TOOL_PARSER_NAMES = ("hermes", "llama3_json")
+REASONING_PARSER_NAMES = ("qwen3",)
 
 
 @dataclass
@@ -17,7 +23,12 @@ class ServerConfig:
     shutdown_timeout: float = 10.0                # seconds in-flight requests get to finish on SIGTERM
     max_waiting_requests: int | None = None       # past it new requests get 503 + Retry-After; None: no bound
     disable_dashboard: bool = False               # drop /dashboard and /v1/kv_map*
+    chat_template: str | None = None              # a Jinja file used instead of the model's own template
+    tool_call_parser: str | None = None           # hermes or llama3_json: how "auto" tool calls are read
+    enable_auto_tool_choice: bool = False         # allow tool_choice "auto" (needs tool_call_parser)
+    reasoning_parser: str | None = None           # qwen3: <think>...</think> becomes reasoning_content
     tenant_keys: dict[str, str] = field(init=False, repr=False, default_factory=dict)   # read from api_keys_file
+    chat_template_text: str | None = field(init=False, repr=False, default=None)   # read from chat_template
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
@@ -44,6 +55,20 @@ class ServerConfig:
         if isinstance(self.shutdown_timeout, bool) or not isinstance(self.shutdown_timeout, (int, float)) \
                 or self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")
+        self._check_chat_settings()
+
+    def _check_chat_settings(self) -> None:
+        for name, allowed in (("tool_call_parser", TOOL_PARSER_NAMES), ("reasoning_parser", REASONING_PARSER_NAMES)):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
+        if self.chat_template is not None:   # read now, so a missing file stops the server before the model loads
+            try:
+                self.chat_template_text = Path(self.chat_template).read_text()
+            except OSError as exc:
+                raise ValueError(f"chat_template {self.chat_template!r} cannot be read: {exc}") from exc
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -1,20 +1,25 @@
-"""POST /v1/chat/completions: the conversation through the model's chat template, n answers."""
+"""POST /v1/chat/completions: the conversation through the chat template, n answers, each read by the
+reasoning parser and the tool choice into content, reasoning_content and tool_calls."""
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request, Response
 
+from pagedllm.entrypoints.openai.chat_output import ChoiceParser, ParsedDelta, whole_tool_calls
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_field
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                   ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice,
                                                   DeltaMessage)
+from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, ServerState, collect_choices, has_news,
                                                         usage)
 from pagedllm.entrypoints.openai.streams import SSE_DONE, sse_error, sse_event, sse_response, unless_disconnected
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.entrypoints.openai.tool_requests import forced_tool_schema, tool_choice_mode
 from pagedllm.outputs import RequestOutput
 
 
@@ -22,14 +27,22 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
                                  state: ServerState) -> Response | ChatCompletionResponse:
     check_undeclared_fields(body)
     state.check_model(body.model)
-    params = body.to_sampling_params()
-    prompt_ids = state.chat_prompt_ids(body.messages, body.add_generation_prompt)
+    tool_mode = tool_choice_mode(body.tools, body.tool_choice, state.enable_auto_tool_choice)
+    tools = body.tools if tool_mode != "none" else None   # "none": the template does not offer them either
+    params = body.to_sampling_params(forced_tool_schema(tools, tool_mode, body.parallel_tool_calls) if tools else None)
+    prompt_ids = state.chat_prompt_ids(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
     prompt = state.engine_prompt(prompt_ids, None, params, param="messages",
                                  cache_salt=state.cache_salt(raw_request, body.cache_salt))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     merged = state.generate([prompt], params, [request_id])
+
+    def new_parser() -> ChoiceParser:
+        reasoning = REASONING_PARSERS[state.reasoning_parser]() if state.reasoning_parser else None
+        tool_parser = TOOL_PARSERS[state.tool_call_parser]() if tool_mode == "auto" else None
+        return ChoiceParser(reasoning, tool_mode, tool_parser, parallel_tool_calls=body.parallel_tool_calls)
+
     if body.stream:
-        return sse_response(_stream(body, request_id, len(prompt_ids), params.n, merged, state))
+        return sse_response(_stream(body, request_id, len(prompt_ids), params.n, merged, state, new_parser))
     rows = await unless_disconnected(raw_request, collect_choices(merged, 1, params.n))
     if rows is None:
         return Response(status_code=499)   # the client left; nobody reads this
@@ -39,15 +52,34 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         id=request_id, model=state.model_name, system_fingerprint=state.system_fingerprint,
         usage=usage([len(prompt_ids)], choices),
         prompt_logprobs=prompt_logprobs_field(choices[0].prompt_logprobs),
-        choices=[ChatChoice(index=index, message=ChatResponseMessage(content=choice.text),
-                            logprobs=chat_logprobs(choice.token_ids, choice.logprobs, num_top) if body.logprobs
-                            else None,
-                            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
-                 for index, choice in enumerate(choices)])
+        choices=[_whole_choice(index, choice, new_parser(), body, num_top) for index, choice in enumerate(choices)])
+
+
+def _whole_choice(index: int, choice: ChoiceState, parser: ChoiceParser, body: ChatCompletionRequest,
+                  num_top: int) -> ChatChoice:
+    parts = parser.feed(choice.text)
+    parts.extend(parser.finish())
+    tool_calls = whole_tool_calls(parts.tool_calls)
+    message = ChatResponseMessage(content=parts.content if parts.content or not tool_calls else None,
+                                  reasoning_content=_reasoning(parts, parser, body), tool_calls=tool_calls)
+    return ChatChoice(index=index, message=message,
+                      logprobs=chat_logprobs(choice.token_ids, choice.logprobs, num_top) if body.logprobs else None,
+                      finish_reason=_finish_reason(choice.finish_reason, parser),
+                      stop_reason=choice.stop_reason)
+
+
+def _reasoning(parts: ParsedDelta, parser: ChoiceParser, body: ChatCompletionRequest) -> str | None:
+    return parts.reasoning if parser.reasoned and body.include_reasoning else None
+
+
+def _finish_reason(finish_reason: str | None, parser: ChoiceParser) -> str | None:
+    """OpenAI's "tool_calls" when the answer ended by calling tools."""
+    return "tool_calls" if finish_reason == "stop" and parser.num_tool_calls else finish_reason
 
 
 async def _stream(body: ChatCompletionRequest, request_id: str, num_prompt_tokens: int, n: int,
-                  merged: AsyncIterator[tuple[int, RequestOutput]], state: ServerState) -> AsyncIterator[str]:
+                  merged: AsyncIterator[tuple[int, RequestOutput]], state: ServerState,
+                  new_parser: Callable[[], ChoiceParser]) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[ChatStreamChoice], **fields) -> str:
@@ -56,6 +88,7 @@ async def _stream(body: ChatCompletionRequest, request_id: str, num_prompt_token
                                              **fields))
 
     choices = [ChoiceState() for _ in range(n)]
+    parsers = [new_parser() for _ in range(n)]
     num_top = body.top_logprobs or 0
     try:
         # As OpenAI: each choice opens with the role, before any text.
@@ -66,13 +99,22 @@ async def _stream(body: ChatCompletionRequest, request_id: str, num_prompt_token
             if output.prompt_logprobs is not None:
                 prompt_logprobs = prompt_logprobs_field(output.prompt_logprobs)
             for delta in output.outputs:
-                choice = choices[delta.index]
+                choice, parser = choices[delta.index], parsers[delta.index]
                 if not has_news(choice, delta):
                     continue
                 choice.add(delta)
+                parts = parser.feed(delta.text)
+                if delta.finish_reason is not None:
+                    parts.extend(parser.finish())
                 logprobs = chat_logprobs(delta.token_ids, delta.logprobs or [], num_top) if body.logprobs else None
-                yield chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
-                                              logprobs=logprobs, finish_reason=delta.finish_reason,
+                if not (parts or delta.finish_reason or logprobs):
+                    continue   # text held back by a parser (a marker may be starting)
+                message = DeltaMessage(content=parts.content if parts.content or not (parts.reasoning or parts.tool_calls)
+                                       else None,
+                                       reasoning_content=(parts.reasoning or None) if body.include_reasoning else None,
+                                       tool_calls=parts.tool_calls or None)
+                yield chunk([ChatStreamChoice(index=delta.index, delta=message, logprobs=logprobs,
+                                              finish_reason=_finish_reason(delta.finish_reason, parser),
                                               stop_reason=delta.stop_reason)], prompt_logprobs=prompt_logprobs)
                 prompt_logprobs = None
         if body.include_usage:

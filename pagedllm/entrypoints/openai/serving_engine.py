@@ -16,9 +16,17 @@ from pagedllm.entrypoints.openai.errors import APIError, api_error_for, sampling
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import ChatMessage, UsageInfo
 from pagedllm.entrypoints.openai.streams import merge_streams
+from pagedllm.entrypoints.openai.tool_requests import ChatCompletionTool
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import Tokenizer
+
+
+# transformers' apply_chat_template parameters: chat_template_kwargs holds template variables only.
+_TEMPLATE_CALL_ARGUMENTS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 @dataclass
@@ -28,6 +36,10 @@ class ServerState:
     metrics: ServerMetrics
     system_fingerprint: str
     salt_by_tenant: bool = False   # API keys name tenants (--api-keys-file): salt each tenant's cache blocks
+    chat_template: str | None = None          # --chat-template's text, else the model's own
+    tool_call_parser: str | None = None       # --tool-call-parser
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None       # --reasoning-parser
 
     @property
     def model_name(self) -> str:
@@ -47,11 +59,21 @@ class ServerState:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{', '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
 
-    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """The conversation through the model's own chat template (rendered sandboxed by the tokenizer)."""
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                        tools: list[ChatCompletionTool] | None = None,
+                        chat_template_kwargs: dict | None = None) -> list[int]:
+        """The conversation through the chat template (rendered sandboxed by the tokenizer), which gets the
+        tools as `tools` (transformers' convention) and chat_template_kwargs as its own variables."""
         conversation = [message.as_template_message() for message in messages]
+        kwargs = chat_template_kwargs or {}
+        reserved = kwargs.keys() & _TEMPLATE_CALL_ARGUMENTS
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))} (arguments of the "
+                                "template call itself)", param="chat_template_kwargs")
+        tool_dicts = None if not tools else [tool.model_dump(exclude_none=True) for tool in tools]
         try:
-            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      chat_template=self.chat_template, tools=tool_dicts, **kwargs)
         except (ValueError, jinja2.TemplateError) as exc:   # no template, or it refused the conversation
             raise APIError(400, str(exc), param="messages") from exc
 
