@@ -12,6 +12,10 @@ float16, float8 e5m2, or int8 with a float32 scale per slot and kv head. Decode 
 reads every cached K/V byte once per step, so fewer bytes per token make it faster and let
 the same memory hold more tokens. New K/V are rounded (or quantized) as they are written;
 the kernels widen the elements as they read them, and the gathering path dequantizes.
+
+Where sequences share leading KV blocks (forks, beams, prefix-cache hits) the runner may hand a part
+of the step (its decodes, its prefill chunks) over with SharedPrefixGroups (model/cascade.py): the C++
+cascade kernel then reads each group's shared blocks once for all its query rows.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from pagedllm.model.cascade import SharedPrefixGroups
 from pagedllm.model.ops import _C
 
 
@@ -36,10 +41,18 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [chunks, max_blocks] int64, covering context and chunk
     block_size: int
     use_kernel: bool                    # the C++ kernels serve
+    # Sequences sharing prefix blocks, among the decodes and among the prefill chunks (kernel only).
+    decode_cascade: SharedPrefixGroups | None = None
+    prefill_cascade: SharedPrefixGroups | None = None
 
     @cached_property
     def decode_rows(self) -> torch.Tensor:
         return torch.arange(self.num_decode_tokens, device=self.decode_seq_lens.device)
+
+    @cached_property
+    def decode_query_starts(self) -> torch.Tensor:
+        """Decodes as chunks of one token each, as the cascade kernel takes sequences."""
+        return torch.arange(self.num_decode_tokens + 1, device=self.decode_seq_lens.device)
 
     @cached_property
     def decode_mask(self) -> torch.Tensor:
@@ -131,8 +144,20 @@ def _gather(k_cache: CacheTensor, v_cache: CacheTensor, block_table: torch.Tenso
             as_rows(v_cache, v_cache.data[block_table]))
 
 
+def _cascade_attention(out: torch.Tensor, q: torch.Tensor, k_cache: CacheTensor, v_cache: CacheTensor,
+                       block_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
+                       groups: SharedPrefixGroups, scale: float) -> None:
+    _C.cascade_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales, block_tables,
+                         query_starts, context_lens, groups.group_seqs, groups.group_starts, groups.shared_lens,
+                         scale)
+
+
 def _decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: CacheTensor, v_cache: CacheTensor,
                       meta: AttentionMetadata, scale: float) -> None:
+    if meta.decode_cascade is not None:
+        _cascade_attention(out, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_query_starts,
+                           meta.decode_seq_lens - 1, meta.decode_cascade, scale)
+        return
     if meta.use_kernel:   # q may be a view into qkv: the kernel reads it in place
         _C.paged_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
                            meta.decode_block_tables, meta.decode_rows, meta.decode_seq_lens, scale)
@@ -145,6 +170,10 @@ def _decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: CacheTensor, 
 def _prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        k_cache: CacheTensor, v_cache: CacheTensor, meta: AttentionMetadata,
                        scale: float) -> None:
+    if meta.prefill_cascade is not None:
+        _cascade_attention(out, q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_starts,
+                           meta.prefill_context_lens, meta.prefill_cascade, scale)
+        return
     if meta.use_kernel:
         _C.prefill_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
                              meta.prefill_block_tables, meta.prefill_query_starts, meta.prefill_context_lens, scale)
