@@ -63,6 +63,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             f"{_default(EngineConfig, 'enable_prefix_caching')}")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=_UNSET,
                        help=f"split long prompts across steps {_default(EngineConfig, 'enable_chunked_prefill')}")
+    group.add_argument("--enable-cascade-attention", action=argparse.BooleanOptionalAction, default=_UNSET,
+                       help="sequences that share leading KV blocks (parallel samples, beams, prefix-cache hits) "
+                            "read them once per step; CPU kernels only "
+                            f"{_default(EngineConfig, 'enable_cascade_attention')}")
     group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_UNSET,
                        help=f"order of the waiting queue {_default(EngineConfig, 'scheduling_policy')}")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=_UNSET,

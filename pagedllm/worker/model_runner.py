@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.model.attention import (AttentionMetadata, CacheTensor, has_scales, kernel_available, kv_cache_shapes,
                                       kv_scales_shape)
+from pagedllm.model.cascade import find_shared_prefixes
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
@@ -59,7 +60,8 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, ca
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype,
-                 device: torch.device, seed: int, max_model_len: int, max_num_seqs: int):
+                 device: torch.device, seed: int, max_model_len: int, max_num_seqs: int,
+                 enable_cascade_attention: bool = False):
         config = model.config
         self.model = model
         self.block_size = block_size
@@ -69,6 +71,7 @@ class ModelRunner:
                                             model.num_kv_heads)
         self.input_batch = InputBatch(max_model_len, block_size, device, capacity=max_num_seqs)
         self.use_kernel = kernel_available(device, config.head_dim)
+        self.use_cascade = enable_cascade_attention and self.use_kernel   # the cascade kernel is C++ only
         torch.manual_seed(seed)
 
     @torch.inference_mode()
@@ -110,6 +113,15 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
 
+    def _shared_prefixes(self, block_tables: np.ndarray, context: np.ndarray, num_decodes: int) -> dict:
+        """The cascade groups among the step's decodes and among its prefill chunks (none when switched off)."""
+        if not self.use_cascade:
+            return {}
+        return {"decode_cascade": find_shared_prefixes(block_tables[:num_decodes], context[:num_decodes],
+                                                       self.block_size),
+                "prefill_cascade": find_shared_prefixes(block_tables[num_decodes:], context[num_decodes:],
+                                                        self.block_size)}
+
     def _prepare(self, scheduler_output: SchedulerOutput):
         """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; and
         the batch rows that sample, in the order of the logits rows."""
@@ -142,6 +154,7 @@ class ModelRunner:
             prefill_block_tables=tables[num_decodes:],
             block_size=block_size,
             use_kernel=self.use_kernel,
+            **self._shared_prefixes(block_tables, context, num_decodes),
         )
         return (self._to_device(input_ids), self._to_device(positions), meta, self._to_device(logits_indices),
                 sampling_rows)

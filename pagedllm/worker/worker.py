@@ -61,7 +61,8 @@ class Worker:
         model = CausalLM(checkpoint.config, weights, args.dtype, self.device, args.max_model_len, self.group)
         del checkpoint, weights
         self.model_runner = ModelRunner(model, args.num_blocks, config.block_size, args.kv_cache_dtype,
-                                        self.device, config.seed, args.max_model_len, config.max_num_seqs)
+                                        self.device, config.seed, args.max_model_len, config.max_num_seqs,
+                                        config.enable_cascade_attention)
 
     def init_distributed(self) -> None:
         """Joins the tensor-parallel group, once every rank has built its model (so a rank that fails to
