@@ -19,6 +19,7 @@ cascade kernel then reads each group's shared blocks once for all its query rows
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -198,6 +199,16 @@ def _prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
             scale=scale, enable_gqa=True)[0].transpose(0, 1)
 
 
+# Labels of the attention ranges torch.profiler reports (`pagedllm bench throughput --profile-attention`).
+DECODE_RANGE, PREFILL_RANGE = "pagedllm::decode_attention", "pagedllm::prefill_attention"
+
+
+def _profiled(name: str):
+    """A labelled range while a profiler runs; nothing otherwise (a record_function costs microseconds)."""
+    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
+        else contextlib.nullcontext()
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: CacheTensor,
                     v_cache: CacheTensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] for the new tokens;
@@ -214,7 +225,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if num_tokens < q.shape[0]:
         out[num_tokens:] = 0
     if num_decodes:
-        _decode_attention(out[:num_decodes], q[:num_decodes], k_cache, v_cache, meta, scale)
+        with _profiled(DECODE_RANGE):
+            _decode_attention(out[:num_decodes], q[:num_decodes], k_cache, v_cache, meta, scale)
     if num_decodes < num_tokens:
-        _prefill_attention(out, q, k, v, k_cache, v_cache, meta, scale)
+        with _profiled(PREFILL_RANGE):
+            _prefill_attention(out, q, k, v, k_cache, v_cache, meta, scale)
     return out
