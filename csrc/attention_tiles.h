@@ -29,8 +29,17 @@
 
 namespace pagedllm {
 
-// Rows that share each loaded pair of K or V vectors (one accumulator register each).
-constexpr int64_t kRowBlock = 8;
+// Rows that share each loaded pair of K or V vectors (one accumulator register each): TileAttention's
+// RowBlock. 8 suits prefill tasks of 24 rows; a decode's few rows (one per query head of a kv head)
+// take 4, wasting less on padding rows; the many rows of a shared prefix take 16 where AVX-512's 32
+// registers hold them (each load then serves twice the rows; AVX2 has 16 registers of half the width).
+constexpr int kRowBlock = 8;
+constexpr int kFewRowBlock = 4;
+#if defined(__AVX512F__)
+constexpr int kManyRowBlock = 16;
+#else
+constexpr int kManyRowBlock = 8;
+#endif
 // Keys per tile (whole blocks; one block where blocks are bigger). Big tiles rescale the
 // running sums seldom: 24 rows x 512 keys ran at 190-210 GFLOP/s on 300-1200 token
 // prompts, 48 x 64 at 140-165 (bf16, 9 heads on 3 kv heads).
@@ -111,7 +120,7 @@ struct RowStates {
   int64_t at(int64_t token, int64_t head) const { return token * num_heads + head; }
 };
 
-template <typename cache_t, typename Pairs>
+template <typename cache_t, typename Pairs, int RowBlock = kRowBlock>
 class TileAttention {
   using Operand = typename Pairs::Operand;
 
@@ -125,12 +134,12 @@ class TileAttention {
 
   // Rows: count query tokens (token_at(i) gives the i-th) times the query heads of kv_head. Row r is
   // token r / group, head kv_head * group + r % group. Rows past the last (to fill the last block of
-  // kRowBlock) repeat it and are dropped.
+  // RowBlock) repeat it and are dropped.
   template <typename scalar_t, typename TokenAt>
   void load(const scalar_t* q, int64_t q_token_stride, int64_t kv_head, int64_t count, TokenAt&& token_at) {
     kv_head_ = kv_head;
     rows_ = count * group_;
-    padded_rows_ = (rows_ + kRowBlock - 1) / kRowBlock * kRowBlock;
+    padded_rows_ = (rows_ + RowBlock - 1) / RowBlock * RowBlock;
     s_.queries.resize(padded_rows_ * head_dim_);
     s_.scores.resize(padded_rows_ * score_stride_);
     s_.probs.resize(padded_rows_ * score_stride_);
@@ -210,20 +219,20 @@ class TileAttention {
       const int64_t slot = key % block_size;
       const int64_t width = std::min<int64_t>({kLanes, block_size - slot, key0 + count - key});
       const cache_t* keys = cache_.keys(table_[key / block_size], kv_head_) + slot;
-      for (int64_t r0 = 0; r0 < padded_rows_; r0 += kRowBlock) {
-        vfloat acc[kRowBlock] = {};
+      for (int64_t r0 = 0; r0 < padded_rows_; r0 += RowBlock) {
+        vfloat acc[RowBlock] = {};
         for (int64_t d = 0; d < head_dim_; d += 2) {
           const auto pair = Pairs::load(keys + d * block_size, keys + (d + 1) * block_size, width);
           const Operand* q = s_.queries.data() + r0 * head_dim_ + d;
-          for (int64_t r = 0; r < kRowBlock; ++r) acc[r] = Pairs::dot(acc[r], q + r * head_dim_, pair);
+          for (int64_t r = 0; r < RowBlock; ++r) acc[r] = Pairs::dot(acc[r], q + r * head_dim_, pair);
         }
         if constexpr (kScaled<cache_t>) {
           const float* scales = cache_.key_scales(table_[key / block_size], kv_head_) + slot;
           const vfloat scale = width == kLanes ? widen(scales) : widen_partial(scales, width);
-          for (int64_t r = 0; r < kRowBlock; ++r) acc[r] *= scale;
+          for (int64_t r = 0; r < RowBlock; ++r) acc[r] *= scale;
         }
         // Whole vectors: lanes past width are overwritten by the next keys or never read.
-        for (int64_t r = 0; r < kRowBlock; ++r)
+        for (int64_t r = 0; r < RowBlock; ++r)
           std::memcpy(s_.scores.data() + (r0 + r) * score_stride_ + key - key0, &acc[r], sizeof(vfloat));
       }
       key += width;
@@ -280,16 +289,16 @@ class TileAttention {
     rows[count] = zeros;
     if constexpr (kScaled<cache_t>) fold_value_scales(key0, count);
     for (int64_t c = 0; c < head_dim_; c += kLanes) {
-      for (int64_t r0 = 0; r0 < padded_rows_; r0 += kRowBlock) {
+      for (int64_t r0 = 0; r0 < padded_rows_; r0 += RowBlock) {
         float* acc_rows = s_.acc.data() + r0 * head_dim_ + c;
-        vfloat acc[kRowBlock];
-        for (int64_t r = 0; r < kRowBlock; ++r) acc[r] = widen(acc_rows + r * head_dim_);
+        vfloat acc[RowBlock];
+        for (int64_t r = 0; r < RowBlock; ++r) acc[r] = widen(acc_rows + r * head_dim_);
         const Operand* probs = s_.probs.data() + r0 * score_stride_;
         for (int64_t j = 0; j < count; j += 2) {
           const auto pair = Pairs::load(rows[j] + c, rows[j + 1] + c, kLanes);
-          for (int64_t r = 0; r < kRowBlock; ++r) acc[r] = Pairs::dot(acc[r], probs + r * score_stride_ + j, pair);
+          for (int64_t r = 0; r < RowBlock; ++r) acc[r] = Pairs::dot(acc[r], probs + r * score_stride_ + j, pair);
         }
-        for (int64_t r = 0; r < kRowBlock; ++r) narrow(acc[r], acc_rows + r * head_dim_);
+        for (int64_t r = 0; r < RowBlock; ++r) narrow(acc[r], acc_rows + r * head_dim_);
       }
     }
   }

@@ -106,7 +106,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
     const SharedTask& task = prefix_tasks[t];
     const int64_t* tokens = groups.tokens.data() + groups.token_starts[task.group] + task.first;
     const int64_t* table = tables + members[group_starts.data_ptr<int64_t>()[task.group]] * max_blocks;
-    TileAttention<cache_t, Pairs> tiles(cache, softmax_scale, group, num_heads, scratch);
+    TileAttention<cache_t, Pairs, kManyRowBlock> tiles(cache, softmax_scale, group, num_heads, scratch);
     tiles.load(queries, q_token_stride, task.kv_head, task.count,
                [&](int64_t i) { return QueryToken{tokens[i], kSeesAllKeys}; });
     tiles.walk(table, 0, shared[task.group]);
@@ -119,12 +119,17 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
     const ChunkTask& task = suffix_tasks[t];
     const int64_t start = starts[task.chunk] + task.first, position = contexts[task.chunk] + task.first;
     const int64_t prefix = groups.seq_shared[task.chunk];
-    TileAttention<cache_t, Pairs> tiles(cache, softmax_scale, group, num_heads, scratch);
-    tiles.load(queries, q_token_stride, task.kv_head, task.count,
-               [&](int64_t i) { return QueryToken{start + i, position + i}; });
-    tiles.walk(tables + task.chunk * max_blocks, prefix, task.keys);
-    if (prefix > 0) tiles.fold(states);
-    tiles.store(output);
+    auto attend_own_keys = [&](auto&& tiles) {
+      tiles.load(queries, q_token_stride, task.kv_head, task.count,
+                 [&](int64_t i) { return QueryToken{start + i, position + i}; });
+      tiles.walk(tables + task.chunk * max_blocks, prefix, task.keys);
+      if (prefix > 0) tiles.fold(states);
+      tiles.store(output);
+    };
+    if (task.count * group <= kFewRowBlock)   // a decode's rows
+      attend_own_keys(TileAttention<cache_t, Pairs, kFewRowBlock>(cache, softmax_scale, group, num_heads, scratch));
+    else
+      attend_own_keys(TileAttention<cache_t, Pairs>(cache, softmax_scale, group, num_heads, scratch));
   });
 }
 
