@@ -108,3 +108,25 @@ def test_enable_cascade_attention_must_be_a_bool():
     from pagedllm.config import EngineConfig
     with pytest.raises(ValueError, match="enable_cascade_attention must be True or False, got 'yes'"):
         EngineConfig(enable_cascade_attention="yes")
+
+
+def test_shared_prefix_workload_and_its_flags():
+    import argparse
+
+    from pagedllm.bench import throughput
+    from pagedllm.bench.workload import add_workload_arguments, workload_from_args
+
+    parser = argparse.ArgumentParser()
+    add_workload_arguments(parser)
+    args = parser.parse_args(["--dataset", "shared-prefix", "--num-prompts", "5", "--shared-prefix-len", "40",
+                              "--suffix-len", "3", "--output-len", "7"])
+    workload = workload_from_args(args, vocab_size=1000)
+    assert len(workload) == 5 and all(len(r.prompt_token_ids) == 43 and r.max_tokens == 7 for r in workload)
+    assert len({tuple(r.prompt_token_ids[:40]) for r in workload}) == 1
+    assert len({tuple(r.prompt_token_ids[40:]) for r in workload}) == 5
+    assert all(100 <= t < 1000 for r in workload for t in r.prompt_token_ids)
+    with pytest.raises(ValueError, match="--suffix-len must be >= 1, got 0"):
+        workload_from_args(parser.parse_args(["--dataset", "shared-prefix", "--suffix-len", "0"]))
+    assert throughput._cascade_values("off,on") == ["off", "on"]
+    with pytest.raises(ValueError, match="--cascade-attention takes comma-separated on/off values, got 'yes'"):
+        throughput._cascade_values("yes")
