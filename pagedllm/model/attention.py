@@ -56,6 +56,10 @@ class AttentionMetadata:
         return torch.arange(self.num_decode_tokens + 1, device=self.decode_seq_lens.device)
 
     @cached_property
+    def decode_context_lens(self) -> torch.Tensor:
+        return self.decode_seq_lens - 1
+
+    @cached_property
     def decode_mask(self) -> torch.Tensor:
         """[num_decodes, 1, 1, max_blocks * block_size] bool: which gathered slots are real."""
         slots = self.decode_block_tables.shape[1] * self.block_size
@@ -157,7 +161,7 @@ def _decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: CacheTensor, 
                       meta: AttentionMetadata, scale: float) -> None:
     if meta.decode_cascade is not None:
         _cascade_attention(out, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_query_starts,
-                           meta.decode_seq_lens - 1, meta.decode_cascade, scale)
+                           meta.decode_context_lens, meta.decode_cascade, scale)
         return
     if meta.use_kernel:   # q may be a view into qkv: the kernel reads it in place
         _C.paged_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
