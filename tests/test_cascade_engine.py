@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(attention._C is None, reason="C++ kernel not bui
 # another order (the cascade merges two partial softmaxes) may swap them.
 NEAR_TIE = 1e-4
 SYSTEM_PROMPT = ("You are a careful assistant for a lighthouse museum. Answer in one friendly paragraph, "
-                 "mention the keeper's logbook when it helps, and never invent dates. ") * 3
+                 "mention the keeper's logbook when it helps, and never invent dates. ") * 5
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def generate_both(engines, prompts, params):
 
 def test_parallel_samples_read_their_prompt_once_and_match(engines, cascade_calls):
     tokenizer = engines[0].get_tokenizer()
-    prompt = {"prompt_token_ids": tokenizer.encode("Tell me about the history of lighthouses. " * 12)}
+    prompt = {"prompt_token_ids": tokenizer.encode("Tell me about the history of lighthouses. " * 20)}
     assert len(prompt["prompt_token_ids"]) >= MIN_SHARED_TOKENS
     params = SamplingParams(n=4, temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     on, off = generate_both(engines, [prompt], params)
@@ -71,7 +71,8 @@ def test_parallel_samples_read_their_prompt_once_and_match(engines, cascade_call
 
 def test_beams_match(engines, cascade_calls):
     tokenizer = engines[0].get_tokenizer()
-    prompt = {"prompt_token_ids": tokenizer.encode("Write a long story about a lighthouse keeper. " * 8)}
+    prompt = {"prompt_token_ids": tokenizer.encode("Write a long story about a lighthouse keeper. " * 16)}
+    assert len(prompt["prompt_token_ids"]) >= MIN_SHARED_TOKENS
     params = BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True)
     on, off = (llm.beam_search([prompt], params)[0].sequences for llm in engines)
     assert [s.output_token_ids for s in on] == [s.output_token_ids for s in off]
@@ -86,6 +87,7 @@ def test_shared_system_prompt_matches(engines, cascade_calls):
     questions = ["When was the lighthouse built?", "Who kept the logbook?", "What colour is the lamp?",
                  "How tall is the tower?", "Can visitors climb it?", "Is there a fog horn?"]
     prompts = [{"prompt_token_ids": tokenizer.encode(SYSTEM_PROMPT + question)} for question in questions]
+    assert len(tokenizer.encode(SYSTEM_PROMPT)) >= MIN_SHARED_TOKENS + 16   # whole cached blocks past it
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
     warm = SamplingParams(temperature=0, max_tokens=1)
     for llm in engines:

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Below this many shared keys a group is left to the plain kernels: the cascade's second pass and
-# merge cost more than the reads it saves (measured, see README "Shared-prefix attention").
-MIN_SHARED_TOKENS = 64
+# Smaller groups are left to the plain kernels: the cascade's second pass and merge cost more than
+# the reads it saves (measured, see README "Shared-prefix (cascade) attention"): 8 sequences break
+# even at ~128 shared keys, 64 at ~64; pairs did not pay at any length up to 1024.
+MIN_SHARED_TOKENS = 128
+MIN_GROUP_SIZE = 4
 
 
 @dataclass(frozen=True)
@@ -34,18 +36,20 @@ class SharedPrefixGroups:
 
 
 def find_shared_prefixes(block_tables: np.ndarray, context_lens: np.ndarray, block_size: int,
-                         min_shared_tokens: int = MIN_SHARED_TOKENS) -> SharedPrefixGroups | None:
+                         min_shared_tokens: int = MIN_SHARED_TOKENS,
+                         min_group_size: int = MIN_GROUP_SIZE) -> SharedPrefixGroups | None:
     """block_tables: [seqs, blocks] int64, each row valid over its sequence's blocks; context_lens: [seqs],
     the keys cached before each sequence's first query row. Sequences are grouped by their first block
-    id; a group of two or more sharing at least min_shared_tokens keys is kept. None when none is."""
-    if len(context_lens) < 2 or block_tables.shape[1] == 0:
+    id; a group of at least min_group_size (>= 2) sharing at least min_shared_tokens keys is kept.
+    None when none is."""
+    if len(context_lens) < min_group_size or block_tables.shape[1] == 0:
         return None
     order = np.argsort(block_tables[:, 0], kind="stable")
     first_blocks = block_tables[order, 0]
     bounds = np.concatenate(([0], np.flatnonzero(first_blocks[1:] != first_blocks[:-1]) + 1, [len(order)]))
     members, starts, shared_lens = [], [0], []
     for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        if end - begin < 2:
+        if end - begin < min_group_size:
             continue
         group = order[begin:end]
         tables = block_tables[group]
