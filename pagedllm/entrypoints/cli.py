@@ -12,7 +12,8 @@ import itertools
 import logging
 import sys
 
-from pagedllm.bench import accuracy, dashboard_cost, kernels, latency, load, memory, scheduling, serving, sweep, throughput
+from pagedllm.bench import (accuracy, cascade, dashboard_cost, kernels, latency, load, memory, scheduling, serving,
+                            sweep, throughput)
 from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
                              SCHEDULING_POLICIES, EngineConfig)
@@ -221,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("scheduling", scheduling, "scheduler + KV bookkeeping time per step"),
         ("accuracy", accuracy, "bfloat16 against float32 greedy tokens, or KV cache dtypes teacher-forced"),
         ("kernels", kernels, "quantized linear kernels against the float matmul, per row count"),
+        ("cascade", cascade, "the shared-prefix attention kernel against the plain decode kernel, per group size"),
         ("load", load, "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),
         ("reliability", reliability, "load, soak, faults, fuzzing and security checks against real servers"),
     )
