@@ -51,8 +51,9 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # Sequences sharing leading KV blocks read them once per step (CPU kernels; model/cascade.py).
-    enable_cascade_attention: bool = True
+    # Sequences sharing leading KV blocks read them once per step (CPU kernels; model/cascade.py). Off by
+    # default until it measures faster end to end (README "Shared-prefix (cascade) attention").
+    enable_cascade_attention: bool = False
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1   # ranks splitting each layer; the KV cache memory is per rank
     data_parallel_size: int = 1

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default=None)
-    parser.add_argument("--cascade-attention", default="on",
+    parser.add_argument("--cascade-attention", default="off",
                         help="comma-separated on/off values (e.g. off,on): pagedllm runs once per value with "
                              "enable_cascade_attention set so, side by side")
     parser.add_argument("--profile-attention", action="store_true",
