@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> None:
         if "decode_attention_s" in other and other["decode_attention_ms_per_step"]:
             print(f"  decode attention per step: {ours['decode_attention_ms_per_step']} -> "
                   f"{other['decode_attention_ms_per_step']} ms, "
-                  f"{ours['decode_attention_ms_per_step'] / other['decode_attention_ms_per_step']:.2f}x less time")
+                  f"a {ours['decode_attention_ms_per_step'] / other['decode_attention_ms_per_step']:.2f}x speed-up")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)
