@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_features", &cpu_features, "Instruction sets of this CPU that kernel variants need");
   m.def("paged_attention", &paged_attention, "Paged attention over KV blocks, decode tokens (CPU)");
   m.def("prefill_attention", &prefill_attention, "Paged causal attention for prefill chunks (CPU)");
+  m.def("cascade_attention", &cascade_attention, "Paged attention reading shared prefix blocks once per group (CPU)");
   m.def("write_kv", &write_kv, "Store new K/V rows at their cache slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "Residual add, then RMSNorm (CPU)");

@@ -25,6 +25,16 @@ void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Ten
                        std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
                        at::Tensor block_tables, at::Tensor query_starts, at::Tensor context_lens, double scale);
 
+// Shared-prefix attention, sequences shaped as prefill_attention's chunks (a decode is a chunk of one
+// token): group g is the sequences group_seqs[group_starts[g] : group_starts[g + 1]], whose block tables
+// agree on the blocks holding their first shared_lens[g] keys (<= every member's context_lens); its
+// query rows read those once, together, then each sequence its keys after them. Sequences in no group
+// attend to all their keys. The result equals prefill_attention's.
+void cascade_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                       std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
+                       at::Tensor block_tables, at::Tensor query_starts, at::Tensor context_lens,
+                       at::Tensor group_seqs, at::Tensor group_starts, at::Tensor shared_lens, double scale);
+
 // k, v: [tokens, kv_heads, head_dim] (rows may be strided) stored at flat slots of the caches, in
 // their dtype (rounded to nearest even; int8 quantized per slot and kv head, see paged_cache.h).
 void write_kv(at::Tensor k_cache, at::Tensor v_cache, std::optional<at::Tensor> k_scales,

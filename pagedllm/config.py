@@ -53,6 +53,9 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Sequences sharing leading KV blocks read them once per step (CPU kernels; model/cascade.py). Off by
+    # default until it measures faster end to end (README "Shared-prefix (cascade) attention").
+    enable_cascade_attention: bool = False
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1   # ranks splitting each layer; the KV cache memory is per rank
     data_parallel_size: int = 1
@@ -82,7 +85,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_cascade_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -14,7 +14,7 @@ from pagedllm.model import kernels
 pytestmark = pytest.mark.skipif(kernels.kernels is None, reason="C++ kernels not built")
 
 # The tests that compare every compiled kernel with its PyTorch reference.
-KERNEL_TESTS = ["tests/test_layer_ops.py", "tests/test_attention.py",
+KERNEL_TESTS = ["tests/test_layer_ops.py", "tests/test_attention.py", "tests/test_cascade_attention.py",
                 "tests/test_sampling.py::test_logits_summary_kernel_matches_logsumexp_and_argmax",
                 "tests/test_quantization.py::test_repack_is_exact_against_gguf",
                 "tests/test_quantization.py::test_quantized_linear_against_float_reference",

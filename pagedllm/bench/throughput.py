@@ -4,10 +4,13 @@ Every request runs to exactly its max_tokens (ignore_eos), so both backends do t
 same work. `--backend hf` runs transformers' `generate` with static batches (left
 padding; only each request's own tokens are counted), in the same process, which is
 the brief's baseline; `--backend both` measures the two side by side in one run.
+`--cascade-attention off,on` runs pagedllm with shared-prefix attention off and on, side by
+side, and `--profile-attention` times the attention layers of each run with torch.profiler.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -28,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default=None)
+    parser.add_argument("--cascade-attention", default="off",
+                        help="comma-separated on/off values (e.g. off,on): pagedllm runs once per value with "
+                             "enable_cascade_attention set so, side by side")
+    parser.add_argument("--profile-attention", action="store_true",
+                        help="run pagedllm under torch.profiler and report the time its decode and prefill "
+                             "attention took (the profiler costs the run a little speed, alike on every run)")
     parser.add_argument("--hf-max-batch-size", type=int, default=16)
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--trace", metavar="FILE", default=None,
@@ -35,21 +44,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "as FILE.json and a PNG strip FILE.png")
 
 
-def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantization: str) -> dict:
+CASCADE_VALUES = {"on": True, "off": False}
+
+
+def _cascade_values(text: str) -> list[str]:
+    values = text.split(",")
+    if not values or any(value not in CASCADE_VALUES for value in values):
+        raise ValueError(f"--cascade-attention takes comma-separated on/off values, got {text!r}")
+    return values
+
+
+def _attention_profiler():
+    import torch
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+
+def _attention_times(profile, num_layers: int) -> dict:
+    """Seconds in the attention ranges the model labels, and decode attention per step (a step with
+    decodes runs the decode range once per layer)."""
+    from pagedllm.model.attention import DECODE_RANGE, PREFILL_RANGE
+
+    totals = {event.key: (event.cpu_time_total / 1e6, event.count) for event in profile.key_averages()
+              if event.key in (DECODE_RANGE, PREFILL_RANGE)}
+    decode_s, decode_calls = totals.get(DECODE_RANGE, (0.0, 0))
+    decode_steps = decode_calls // num_layers
+    return {"decode_attention_s": round(decode_s, 3), "decode_steps": decode_steps,
+            "decode_attention_ms_per_step": round(1e3 * decode_s / max(decode_steps, 1), 3),
+            "prefill_attention_s": round(totals.get(PREFILL_RANGE, (0.0, 0))[0], 3)}
+
+
+def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantization: str, cascade: str) -> dict:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, quantization=quantization, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory)
+              kv_cache_memory=args.kv_cache_memory, enable_cascade_attention=CASCADE_VALUES[cascade])
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
     trace = None
     if args.trace:
         trace = KVTrace(llm.llm_engine.kv_manager)
         llm.llm_engine.step_listeners.append(trace)
+    profiler = _attention_profiler() if args.profile_attention else contextlib.nullcontext()
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    with profiler as profile:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - started
+    engine = llm.llm_engine
+    attention_times = _attention_times(profile, engine.model_config.num_hidden_layers) if profile else {}
     if trace is not None:
         llm.llm_engine.step_listeners.remove(trace)
         name = f"{len(workload)} requests, quantization={quantization}"
@@ -57,14 +99,14 @@ def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantiz
             print(f"wrote {written}")
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.stats()
-    engine = llm.llm_engine
     rate = measure_matmul_rate(engine.model_config, engine.dtype)
     floor = workload_flops(engine.model_config, workload) / rate
-    return _figures(f"pagedllm (quantization={quantization})", workload, generated, elapsed,
+    return _figures(f"pagedllm (quantization={quantization}, cascade={cascade})", workload, generated, elapsed,
                     dtype=str(engine.dtype).removeprefix("torch."),
                     weights_mib=round(engine.runner.model.weight_bytes() / 2**20, 1),
                     preemptions=stats.num_preemptions, matmul_gflops=round(rate / 1e9, 1),
-                    compute_floor_s=round(floor, 2), floor_fraction=round(floor / elapsed, 3))
+                    compute_floor_s=round(floor, 2), floor_fraction=round(floor / elapsed, 3),
+                    cascade_attention=cascade, **attention_times)
 
 
 def run_hf(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:
@@ -114,9 +156,11 @@ def _figures(backend: str, workload: list[BenchRequest], generated: int, elapsed
 
 def run(args: argparse.Namespace) -> None:
     workload = workload_from_args(args)
+    cascades = _cascade_values(args.cascade_attention)
     results = []
     if args.backend in ("pagedllm", "both"):
-        results.extend(run_pagedllm(args, workload, quantization) for quantization in args.quantization.split(","))
+        results.extend(run_pagedllm(args, workload, quantization, cascade)
+                       for quantization in args.quantization.split(",") for cascade in cascades)
     if args.backend in ("hf", "both"):
         results.append(run_hf(args, workload))
     print(f"{len(workload)} requests, {results[0]['prompt_tokens']} prompt + "
@@ -131,9 +175,18 @@ def run(args: argparse.Namespace) -> None:
         print(f"compute floor: the workload's model matmuls at {ours['matmul_gflops']} GFLOP/s "
               f"({ours['dtype']}, measured in this run) take {ours['compute_floor_s']} s; "
               f"pagedllm's wall time is {ours['floor_fraction']:.0%} efficient against it")
+    for r in results:
+        if "decode_attention_s" in r:
+            print(f"{r['backend']}: decode attention {r['decode_attention_ms_per_step']} ms per step over "
+                  f"{r['decode_steps']} steps ({r['decode_attention_s']} s), prefill attention "
+                  f"{r['prefill_attention_s']} s (torch.profiler)")
     for other in results[1:]:
         print(f"{other['backend']} against {ours['backend']}, output tok/s: "
               f"{other['output_tokens_per_s'] / ours['output_tokens_per_s']:.2f}x")
+        if "decode_attention_s" in other and other["decode_attention_ms_per_step"]:
+            print(f"  decode attention per step: {ours['decode_attention_ms_per_step']} -> "
+                  f"{other['decode_attention_ms_per_step']} ms, "
+                  f"a {ours['decode_attention_ms_per_step'] / other['decode_attention_ms_per_step']:.2f}x speed-up")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)

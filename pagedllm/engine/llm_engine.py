@@ -136,11 +136,11 @@ class LLMEngine:
         self.last_step_stats: StepStats | None = None
         # Called on the engine thread with each step's StepStats (the dashboard subscribes while a page is open).
         self.step_listeners: list[Callable[[StepStats], None]] = []
-        logger.info("model %s (%s) on %s, dtype %s, attention backend %s, CPU kernels %s; KV cache: %s, %d blocks "
-                    "of %d tokens = %d tokens",
+        logger.info("model %s (%s) on %s, dtype %s, attention backend %s, CPU kernels %s, cascade attention %s; "
+                    "KV cache: %s, %d blocks of %d tokens = %d tokens",
                     config.model or "bundled SmolLM2-135M-Instruct", self.model_config.architecture,
                     self.device, str(self.dtype).removeprefix("torch."), self.runner.attention_backend.name,
-                    kernels.variant or "not built",
+                    kernels.variant or "not built", "on" if self.runner.use_cascade else "off",
                     str(self.kv_cache_dtype).removeprefix("torch."), num_blocks, config.block_size,
                     num_blocks * config.block_size)
         logger.info("weights (quantization=%s): %s", config.quantization, model.weight_summary())

@@ -12,8 +12,8 @@ import itertools
 import logging
 import sys
 
-from pagedllm.bench import (accuracy, dashboard_cost, kernels, latency, load, logit_controls, memory, scheduling,
-                            serving, structured_outputs, sweep, throughput)
+from pagedllm.bench import (accuracy, cascade, dashboard_cost, kernels, latency, load, logit_controls, memory,
+                            scheduling, serving, structured_outputs, sweep, throughput)
 from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import (ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES,
                              QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig)
@@ -68,6 +68,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             f"{_default(EngineConfig, 'enable_prefix_caching')}")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=_UNSET,
                        help=f"split long prompts across steps {_default(EngineConfig, 'enable_chunked_prefill')}")
+    group.add_argument("--enable-cascade-attention", action=argparse.BooleanOptionalAction, default=_UNSET,
+                       help="sequences that share leading KV blocks (parallel samples, beams, prefix-cache hits) "
+                            "read them once per step; CPU kernels only "
+                            f"{_default(EngineConfig, 'enable_cascade_attention')}")
     group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_UNSET,
                        help=f"order of the waiting queue {_default(EngineConfig, 'scheduling_policy')}")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=_UNSET,
@@ -233,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("structured", structured_outputs, "decode step time with structured outputs against without, at batch 64"),
         ("accuracy", accuracy, "bfloat16 against float32 greedy tokens, or KV cache dtypes teacher-forced"),
         ("kernels", kernels, "quantized linear kernels against the float matmul, per row count"),
+        ("cascade", cascade, "the shared-prefix attention kernel against the plain decode kernel, per group size"),
         ("load", load, "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),
         ("logit-controls", logit_controls, "cost of logit_bias / allowed_token_ids / bad_words and prompt_logprobs"),
         ("reliability", reliability, "load, soak, faults, fuzzing and security checks against real servers"),

@@ -13,9 +13,14 @@ float16, float8 e5m2, or int8 with a float32 scale per slot and kv head. Decode 
 reads every cached K/V byte once per step, so fewer bytes per token make it faster and let
 the same memory hold more tokens. New K/V are rounded (or quantized) as they are written;
 the kernels widen the elements as they read them, and the gathering path dequantizes.
+
+Where sequences share leading KV blocks (forks, beams, prefix-cache hits) the runner may hand a part
+of the step (its decodes, its prefill chunks) over with SharedPrefixGroups (model/cascade.py): the C++
+cascade kernel then reads each group's shared blocks once for all its query rows.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from pagedllm.model.cascade import SharedPrefixGroups
 from pagedllm.model.ops import _C
 
 if TYPE_CHECKING:   # attention_backends builds on this module
@@ -50,10 +56,22 @@ class AttentionMetadata:
     max_query_len: int = 0
     max_seq_len: int = 0
     backend: AttentionBackend | None = None   # the engine's, chosen once (attention_backends.py): the model calls it
+    # Sequences sharing prefix blocks, among the decodes and among the prefill chunks (kernel only).
+    decode_cascade: SharedPrefixGroups | None = None
+    prefill_cascade: SharedPrefixGroups | None = None
 
     @cached_property
     def decode_rows(self) -> torch.Tensor:
         return torch.arange(self.num_decode_tokens, device=self.decode_seq_lens.device)
+
+    @cached_property
+    def decode_query_starts(self) -> torch.Tensor:
+        """Decodes as chunks of one token each, as the cascade kernel takes sequences."""
+        return torch.arange(self.num_decode_tokens + 1, device=self.decode_seq_lens.device)
+
+    @cached_property
+    def decode_context_lens(self) -> torch.Tensor:
+        return self.decode_seq_lens - 1
 
     @cached_property
     def decode_mask(self) -> torch.Tensor:
@@ -145,8 +163,20 @@ def _gather(k_cache: CacheTensor, v_cache: CacheTensor, block_table: torch.Tenso
             as_rows(v_cache, v_cache.data[block_table]))
 
 
+def _cascade_attention(out: torch.Tensor, q: torch.Tensor, k_cache: CacheTensor, v_cache: CacheTensor,
+                       block_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
+                       groups: SharedPrefixGroups, scale: float) -> None:
+    _C.cascade_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales, block_tables,
+                         query_starts, context_lens, groups.group_seqs, groups.group_starts, groups.shared_lens,
+                         scale)
+
+
 def _decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: CacheTensor, v_cache: CacheTensor,
                       meta: AttentionMetadata, scale: float) -> None:
+    if meta.decode_cascade is not None:
+        _cascade_attention(out, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_query_starts,
+                           meta.decode_context_lens, meta.decode_cascade, scale)
+        return
     if meta.use_kernel:   # q may be a view into qkv: the kernel reads it in place
         _C.paged_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
                            meta.decode_block_tables, meta.decode_rows, meta.decode_seq_lens, scale)
@@ -159,6 +189,10 @@ def _decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: CacheTensor, 
 def _prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        k_cache: CacheTensor, v_cache: CacheTensor, meta: AttentionMetadata,
                        scale: float) -> None:
+    if meta.prefill_cascade is not None:
+        _cascade_attention(out, q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_starts,
+                           meta.prefill_context_lens, meta.prefill_cascade, scale)
+        return
     if meta.use_kernel:
         _C.prefill_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
                              meta.prefill_block_tables, meta.prefill_query_starts, meta.prefill_context_lens, scale)
@@ -183,6 +217,16 @@ def _prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
             scale=scale, enable_gqa=True)[0].transpose(0, 1)
 
 
+# Labels of the attention ranges torch.profiler reports (`pagedllm bench throughput --profile-attention`).
+DECODE_RANGE, PREFILL_RANGE = "pagedllm::decode_attention", "pagedllm::prefill_attention"
+
+
+def _profiled(name: str):
+    """A labelled range while a profiler runs; nothing otherwise (a record_function costs microseconds)."""
+    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
+        else contextlib.nullcontext()
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: CacheTensor,
                     v_cache: CacheTensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] for the new tokens;
@@ -199,7 +243,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if num_tokens < q.shape[0]:
         out[num_tokens:] = 0
     if num_decodes:
-        _decode_attention(out[:num_decodes], q[:num_decodes], k_cache, v_cache, meta, scale)
+        with _profiled(DECODE_RANGE):
+            _decode_attention(out[:num_decodes], q[:num_decodes], k_cache, v_cache, meta, scale)
     if num_decodes < num_tokens:
-        _prefill_attention(out, q, k, v, k_cache, v_cache, meta, scale)
+        with _profiled(PREFILL_RANGE):
+            _prefill_attention(out, q, k, v, k_cache, v_cache, meta, scale)
     return out

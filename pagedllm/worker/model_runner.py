@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.model.attention import AttentionMetadata, CacheTensor, has_scales, kv_cache_shapes, kv_scales_shape
 from pagedllm.model.attention_backends import select_attention_backend
+from pagedllm.model.cascade import find_shared_prefixes
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
@@ -63,7 +64,8 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, ca
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int | None, block_size: int, kv_cache_dtype: torch.dtype,
                  device: torch.device, seed: int, max_model_len: int, max_num_seqs: int,
-                 attention_backend: str = "auto", dtype: torch.dtype = torch.float32):
+                 attention_backend: str = "auto", dtype: torch.dtype = torch.float32,
+                 enable_cascade_attention: bool = False):
         """num_blocks None: the caches are allocated later (allocate_kv_caches), once a profile run has
         measured what the model leaves free. attention_backend: an EngineConfig value, resolved here once."""
         config = model.config
@@ -79,6 +81,8 @@ class ModelRunner:
             self.allocate_kv_caches(num_blocks)
         self.input_batch = InputBatch(max_model_len, block_size, device, capacity=max_num_seqs)
         self.staging = HostStaging(device)
+        # The cascade kernel is C++ only.
+        self.use_cascade = enable_cascade_attention and self.attention_backend.uses_cpu_kernels
         torch.manual_seed(seed)
 
     def allocate_kv_caches(self, num_blocks: int) -> None:
@@ -167,6 +171,15 @@ class ModelRunner:
             for cache in layer:
                 cache.copy_blocks(sources, destinations)
 
+    def _shared_prefixes(self, block_tables: np.ndarray, context: np.ndarray, num_decodes: int) -> dict:
+        """The cascade groups among the step's decodes and among its prefill chunks (none when switched off)."""
+        if not self.use_cascade:
+            return {}
+        return {"decode_cascade": find_shared_prefixes(block_tables[:num_decodes], context[:num_decodes],
+                                                       self.block_size),
+                "prefill_cascade": find_shared_prefixes(block_tables[num_decodes:], context[num_decodes:],
+                                                        self.block_size)}
+
     def _prepare(self, scheduler_output: SchedulerOutput):
         """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; the
         batch rows that sample, in the order of the logits rows; and the rows prompt logprobs add after them."""
@@ -218,5 +231,6 @@ class ModelRunner:
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
             backend=self.attention_backend,
+            **self._shared_prefixes(block_tables, context, num_decodes),
         )
         return meta, positions, token_row

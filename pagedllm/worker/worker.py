@@ -63,7 +63,8 @@ class Worker:
         del checkpoint, weights
         self.model_runner = ModelRunner(model, args.num_blocks, config.block_size, args.kv_cache_dtype,
                                         self.device, config.seed, args.max_model_len, config.max_num_seqs,
-                                        attention_backend=config.attention_backend, dtype=args.dtype)
+                                        attention_backend=config.attention_backend, dtype=args.dtype,
+                                        enable_cascade_attention=config.enable_cascade_attention)
 
     def init_distributed(self) -> None:
         """Joins the tensor-parallel group, once every rank has built its model (so a rank that fails to

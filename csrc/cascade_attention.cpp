@@ -1,0 +1,163 @@
+// Cascade (shared-prefix) attention for the CPU. Sequences whose block tables start with the same
+// block ids (parallel samples, beams, requests that hit the prefix cache for one system prompt)
+// hold their common prefix's K/V once, in the same physical blocks; paged attention would read
+// those blocks once per sequence. Here each group's query rows (its sequences' query tokens x the
+// query heads of a kv head) attend to the shared blocks together, as one prefill-shaped tile walk
+// (attention_tiles.h) that reads each shared K/V element once per task of up to kSharedTaskRows
+// rows; then each sequence attends to its own keys after the prefix, causally, as a prefill chunk
+// does, and the two partial softmaxes are merged through their log-sum-exps. A sequence may have
+// several query rows (a prefill chunk, speculative decoding's verification rows) or one (a decode).
+#include "ops.h"
+#include "attention_tiles.h"
+
+namespace {
+
+using namespace pagedllm;
+
+// Rows per task of the shared pass: each task reads the shared K/V of one kv head once, so more rows
+// read less, up to where a task's scores ([rows][tile keys] floats) stop fitting in a core's L2 cache.
+constexpr int64_t kSharedTaskRows = 96;
+
+// Query tokens [first, first + count) of a group's token list, one kv head.
+struct SharedTask {
+  int64_t group, kv_head, first, count;
+};
+
+// The groups as the kernel walks them: each sequence's shared length (0 outside every group), each
+// group's query tokens in order, and where each group's tokens start.
+struct Groups {
+  std::vector<int64_t> seq_shared, tokens, token_starts;
+};
+
+Groups read_groups(const int64_t* members, const int64_t* group_starts, const int64_t* shared_lens, int64_t num_groups,
+                   const int64_t* query_starts, const int64_t* context_lens, int64_t num_seqs, const int64_t* tables,
+                   int64_t max_blocks, int64_t block_size) {
+  Groups groups{std::vector<int64_t>(num_seqs, 0), {}, {0}};
+  std::vector<bool> grouped(num_seqs, false);
+  TORCH_CHECK(group_starts[0] == 0, "cascade_attention: group_starts must start at 0");
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int64_t shared = shared_lens[g];
+    TORCH_CHECK(group_starts[g] < group_starts[g + 1], "cascade_attention: every group needs a sequence");
+    TORCH_CHECK(shared >= 0 && shared <= max_blocks * block_size,
+                "cascade_attention: shared_lens must be within the block tables");
+    const int64_t* first_table = tables + members[group_starts[g]] * max_blocks;
+    const int64_t shared_blocks = (shared + block_size - 1) / block_size;
+    for (int64_t i = group_starts[g]; i < group_starts[g + 1]; ++i) {
+      const int64_t seq = members[i];
+      TORCH_CHECK(seq >= 0 && seq < num_seqs && !grouped[seq], "cascade_attention: group_seqs must name each "
+                  "sequence at most once, got ", seq, " for ", num_seqs, " sequences");
+      TORCH_CHECK(shared <= context_lens[seq], "cascade_attention: a group's shared length (", shared,
+                  ") must not pass any member's cached context (", context_lens[seq], ")");
+      TORCH_CHECK(std::equal(first_table, first_table + shared_blocks, tables + seq * max_blocks),
+                  "cascade_attention: a group's block tables must agree on the shared blocks");
+      grouped[seq] = true;
+      groups.seq_shared[seq] = shared;
+      for (int64_t token = query_starts[seq]; token < query_starts[seq + 1]; ++token) groups.tokens.push_back(token);
+    }
+    groups.token_starts.push_back(static_cast<int64_t>(groups.tokens.size()));
+  }
+  return groups;
+}
+
+// The shared pass's tasks: each group's tokens cut in equal pieces of up to kSharedTaskRows rows, and
+// in at least enough pieces to give every thread two tasks (groups of few tokens read little anyway).
+std::vector<SharedTask> shared_tasks(const Groups& groups, const int64_t* shared_lens, int64_t num_groups,
+                                     int64_t group, int64_t num_kv_heads) {
+  const int64_t for_threads = (2 * at::get_num_threads() + num_kv_heads - 1) / num_kv_heads;
+  std::vector<SharedTask> tasks;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int64_t count = groups.token_starts[g + 1] - groups.token_starts[g];
+    if (shared_lens[g] == 0) continue;
+    const int64_t by_rows = (count * group + kSharedTaskRows - 1) / kSharedTaskRows;
+    const int64_t pieces = std::min(count, std::max(by_rows, for_threads));
+    const int64_t per_piece = (count + pieces - 1) / pieces;
+    for (int64_t first = 0; first < count; first += per_piece)
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+        tasks.push_back({g, kv_head, first, std::min(per_piece, count - first)});
+  }
+  return tasks;
+}
+
+template <typename scalar_t, typename cache_t>
+void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t>& cache,
+            const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& context_lens,
+            const at::Tensor& group_seqs, const at::Tensor& group_starts, const at::Tensor& shared_lens,
+            double scale) {
+  using Pairs = typename PairsFor<scalar_t, cache_t>::type;
+  using Scratch = TileScratch<typename Pairs::Operand>;
+  const int64_t num_kv_heads = cache.num_kv_heads, num_heads = q.size(1), group = num_heads / num_kv_heads;
+  const int64_t head_dim = cache.head_dim, max_blocks = block_tables.size(1), q_token_stride = q.stride(0);
+  const int64_t num_seqs = context_lens.size(0), num_groups = shared_lens.size(0);
+  const int64_t *tables = block_tables.data_ptr<int64_t>(), *starts = query_starts.data_ptr<int64_t>(),
+                *contexts = context_lens.data_ptr<int64_t>(), *shared = shared_lens.data_ptr<int64_t>(),
+                *members = group_seqs.data_ptr<int64_t>();
+  const Groups groups = read_groups(members, group_starts.data_ptr<int64_t>(), shared, num_groups, starts, contexts,
+                                    num_seqs, tables, max_blocks, cache.block_size);
+  const scalar_t* queries = q.data_ptr<scalar_t>();
+  scalar_t* output = out.data_ptr<scalar_t>();
+  const float softmax_scale = static_cast<float>(scale);
+
+  // Pass 1: each group's rows against its shared blocks (those of its first member's table).
+  const int64_t num_rows = q.size(0) * num_heads;
+  std::vector<float> acc(num_rows * head_dim), peak(num_rows), total(num_rows);
+  const RowStates states{acc.data(), peak.data(), total.data(), num_heads, head_dim};
+  const std::vector<SharedTask> prefix_tasks = shared_tasks(groups, shared, num_groups, group, num_kv_heads);
+  for_each_task<Scratch>(static_cast<int64_t>(prefix_tasks.size()), [&](int64_t t, Scratch& scratch) {
+    const SharedTask& task = prefix_tasks[t];
+    const int64_t* tokens = groups.tokens.data() + groups.token_starts[task.group] + task.first;
+    const int64_t* table = tables + members[group_starts.data_ptr<int64_t>()[task.group]] * max_blocks;
+    TileAttention<cache_t, Pairs, kManyRowBlock> tiles(cache, softmax_scale, group, num_heads, scratch);
+    tiles.load(queries, q_token_stride, task.kv_head, task.count,
+               [&](int64_t i) { return QueryToken{tokens[i], kSeesAllKeys}; });
+    tiles.walk(table, 0, shared[task.group]);
+    tiles.save(states);
+  });
+
+  // Pass 2: each sequence against its own keys after the shared ones, merged with pass 1's state.
+  const std::vector<ChunkTask> suffix_tasks = chunk_tasks(starts, contexts, num_seqs, group, num_kv_heads);
+  for_each_task<Scratch>(static_cast<int64_t>(suffix_tasks.size()), [&](int64_t t, Scratch& scratch) {
+    const ChunkTask& task = suffix_tasks[t];
+    const int64_t start = starts[task.chunk] + task.first, position = contexts[task.chunk] + task.first;
+    const int64_t prefix = groups.seq_shared[task.chunk];
+    auto attend_own_keys = [&](auto&& tiles) {
+      tiles.load(queries, q_token_stride, task.kv_head, task.count,
+                 [&](int64_t i) { return QueryToken{start + i, position + i}; });
+      tiles.walk(tables + task.chunk * max_blocks, prefix, task.keys);
+      if (prefix > 0) tiles.fold(states);
+      tiles.store(output);
+    };
+    if (task.count * group <= kFewRowBlock)   // a decode's rows
+      attend_own_keys(TileAttention<cache_t, Pairs, kFewRowBlock>(cache, softmax_scale, group, num_heads, scratch));
+    else
+      attend_own_keys(TileAttention<cache_t, Pairs>(cache, softmax_scale, group, num_heads, scratch));
+  });
+}
+
+}  // namespace
+
+void cascade_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, OptionalTensor k_scales,
+                       OptionalTensor v_scales, at::Tensor block_tables, at::Tensor query_starts,
+                       at::Tensor context_lens, at::Tensor group_seqs, at::Tensor group_starts,
+                       at::Tensor shared_lens, double scale) {
+  check_caches(k_cache, v_cache, k_scales, v_scales, "cascade_attention");
+  for (const at::Tensor& t : {block_tables, query_starts, context_lens, group_seqs, group_starts, shared_lens})
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kLong,
+                "cascade_attention: index tensors must be contiguous int64");
+  TORCH_CHECK(out.is_contiguous(), "cascade_attention: out must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "cascade_attention: each token's heads must be dense");
+  TORCH_CHECK(query_starts.size(0) == context_lens.size(0) + 1 && block_tables.size(0) == context_lens.size(0),
+              "cascade_attention: one block-table row and context length per sequence, sequence starts plus the end");
+  TORCH_CHECK(group_starts.size(0) == shared_lens.size(0) + 1 &&
+              group_starts[-1].item<int64_t>() == group_seqs.size(0),
+              "cascade_attention: group_starts must hold each group's first index into group_seqs, plus the end");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "cascade_attention: heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 256,
+              "cascade_attention: head_dim must be a multiple of 16, at most 256");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "cascade_attention", [&] {
+    dispatch_cache_type<scalar_t>(k_cache.scalar_type(), "cascade_attention", [&](auto element) {
+      using cache_t = decltype(element);
+      attend<scalar_t>(out, q, paged_cache<cache_t>(k_cache, v_cache, k_scales, v_scales), block_tables,
+                       query_starts, context_lens, group_seqs, group_starts, shared_lens, scale);
+    });
+  });
+}
