@@ -2,23 +2,29 @@
 
 The runner keeps the running requests in a persistent InputBatch, changed by what each step says
 changed; it never sees the scheduler's request objects.
+
+A speculating request's proposals (the scheduler's n-gram ones, or the draft model's, made here first)
+are written after its last token, so it computes 1 + k rows as a short chunk after its cached context;
+logits come back for all of them and the rejection sampler keeps the accepted prefix and one more token.
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagedllm.model.attention import (AttentionMetadata, CacheTensor, has_scales, kernel_available, kv_cache_shapes,
-                                      kv_scales_shape)
+from pagedllm.model.attention import CacheTensor, has_scales, kernel_available, kv_cache_shapes, kv_scales_shape
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
+from pagedllm.spec_decode.rejection_sampler import Proposal, verify
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.sampler import SamplingBatch, sample
+from pagedllm.worker.sampler import SamplerOutput, SamplingBatch, choose, sample, summarise
+from pagedllm.worker.step_layout import build_layout, to_device
 
 
 SCALE_BYTES = 4   # one float32 scale per slot and kv head, for the caches that have them
@@ -57,9 +63,27 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, ca
     return [(new_cache(k_shape), new_cache(v_shape)) for _ in range(config.num_hidden_layers)]
 
 
+def copy_blocks(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_copies: list[tuple[int, int]],
+                device: torch.device) -> None:
+    """Copies whole blocks (source, destination) in every layer's caches: copy on write."""
+    sources, destinations = (torch.tensor(ids, device=device) for ids in zip(*block_copies))
+    for layer in kv_caches:
+        for cache in layer:
+            cache.copy_blocks(sources, destinations)
+
+
+@dataclass
+class SpecRows:
+    """The step's speculating requests: their batch rows, proposals, and the draft's distributions."""
+    rows: np.ndarray
+    token_ids: list[list[int]]
+    draft_probs: list[torch.Tensor | None]
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype,
-                 device: torch.device, seed: int, max_model_len: int, max_num_seqs: int):
+                 device: torch.device, seed: int, max_model_len: int, max_num_seqs: int, drafter=None):
+        """drafter: a DraftModelProposer (pagedllm/spec_decode/draft_model.py) for draft-model speculation."""
         config = model.config
         self.model = model
         self.block_size = block_size
@@ -69,6 +93,7 @@ class ModelRunner:
                                             model.num_kv_heads)
         self.input_batch = InputBatch(max_model_len, block_size, device, capacity=max_num_seqs)
         self.use_kernel = kernel_available(device, config.head_dim)
+        self.drafter = drafter
         torch.manual_seed(seed)
 
     @torch.inference_mode()
@@ -77,71 +102,109 @@ class ModelRunner:
         started = time.perf_counter()
         batch = self.input_batch
         batch.update(scheduler_output)
+        if self.drafter is not None:
+            self.drafter.update(scheduler_output)
         if scheduler_output.block_copies:
-            self._copy_blocks(scheduler_output.block_copies)
+            copy_blocks(self.kv_caches, scheduler_output.block_copies, self.device)
         if not scheduler_output.num_scheduled_tokens:   # a step that only drops finished or preempted requests
             return ModelRunnerOutput([], [], [], prepare_seconds=time.perf_counter() - started)
-        input_ids, positions, meta, logits_indices, sampling_rows = self._prepare(scheduler_output)
+        drafting_started = time.perf_counter()
+        spec = self._propose(scheduler_output) if scheduler_output.num_spec_tokens else None
+        drafting_seconds = time.perf_counter() - drafting_started   # the draft model's passes: model time
+        input_ids, positions, meta, logits_indices, sampling_rows = self._prepare(scheduler_output, spec)
         prepared = time.perf_counter()
+        prepare_seconds = prepared - started - drafting_seconds
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
-        if logits is None or not len(sampling_rows):   # tensor-parallel ranks > 0 get no logits: rank 0 samples
-            return ModelRunnerOutput([], [], [], prepare_seconds=prepared - started)
+        if logits is None or not len(logits_indices):   # tensor-parallel ranks > 0 get no logits: rank 0 samples
+            return ModelRunnerOutput([], [], [], prepare_seconds=prepare_seconds)
         sampling = SamplingBatch.build(batch.sampling, sampling_rows, batch.token_ids,
                                        batch.num_prompt_tokens[sampling_rows], batch.num_tokens[sampling_rows],
                                        self.vocab_size, self.device)
-        samples = sample(logits, sampling)
+        req_ids = [batch.req_ids[row] for row in sampling_rows.tolist()]
+        if spec is None:
+            samples = sample(logits, sampling)
+        else:
+            samples = self._verify(logits, sampling, spec, req_ids)
         top_ids = samples.top_logprob_ids
         return ModelRunnerOutput(
-            req_ids=[batch.req_ids[row] for row in sampling_rows.tolist()],
+            req_ids=req_ids,
             sampled_token_ids=samples.token_ids.tolist(),
             logprobs=samples.logprobs.tolist(),
             top_logprob_ids=None if top_ids is None else top_ids.tolist(),
             top_logprobs=None if top_ids is None else samples.top_logprobs.tolist(),
             token_ranks=None if top_ids is None else samples.token_ranks.tolist(),
-            prepare_seconds=prepared - started,
+            prepare_seconds=prepare_seconds,
         )
 
-    def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
-        sources, destinations = (torch.tensor(ids, device=self.device) for ids in zip(*block_copies))
-        for layer in self.kv_caches:
-            for cache in layer:
-                cache.copy_blocks(sources, destinations)
+    def _propose(self, scheduler_output: SchedulerOutput) -> SpecRows:
+        """The speculating requests' proposals (the scheduler's, or the draft model's), written after each
+        one's last token in the batch, where the step's input ids are read from."""
+        batch = self.input_batch
+        num_spec_tokens, given = scheduler_output.num_spec_tokens, scheduler_output.spec_token_ids
+        rows = np.fromiter(map(batch.row_of.__getitem__, num_spec_tokens), np.int64, len(num_spec_tokens))
+        token_ids: list[list[int]] = [given.get(request_id) for request_id in num_spec_tokens]
+        draft_probs: list[torch.Tensor | None] = [None] * len(rows)
+        to_draft = [index for index, tokens in enumerate(token_ids) if tokens is None]
+        if to_draft:
+            if self.drafter is None:
+                raise RuntimeError("the step asks for draft-model proposals but no draft model is loaded")
+            counts = np.fromiter((num_spec_tokens[batch.req_ids[rows[index]]] for index in to_draft), np.int64)
+            drafted, probs = self.drafter.propose(batch, rows[to_draft], counts)
+            for index, tokens, row_probs in zip(to_draft, drafted, probs):
+                token_ids[index], draft_probs[index] = tokens, row_probs
+        for row, tokens in zip(rows.tolist(), token_ids):
+            start = batch.num_tokens[row]
+            batch.token_ids[row, start:start + len(tokens)] = tokens
+        return SpecRows(rows, token_ids, draft_probs)
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
+    def _verify(self, logits: torch.Tensor, sampling: SamplingBatch, spec: SpecRows, req_ids: list[str]
+                ) -> SamplerOutput:
+        """Samples the plain rows (the first len(req_ids) logits rows) and verifies the speculating ones
+        (1 + k rows each, after them); appends each speculating request's id to req_ids once per token it
+        gets. Returns the tokens of both, in that order, with their logprobs."""
+        batch = self.input_batch
+        num_plain = len(req_ids)
+        plain_ids, _ = choose(logits[:num_plain], sampling) if num_plain else (logits.new_empty(0, dtype=torch.int64),
+                                                                             None)
+        counts = np.fromiter(map(len, spec.token_ids), np.int64, len(spec.rows)) + 1
+        rows = np.repeat(spec.rows, counts)
+        offsets = np.cumsum(counts) - counts
+        num_tokens = batch.num_tokens[rows] + np.arange(len(rows)) - np.repeat(offsets, counts)
+        verifying = SamplingBatch.build(batch.sampling, rows, batch.token_ids, batch.num_prompt_tokens[rows],
+                                        num_tokens, self.vocab_size, self.device)
+        columns = batch.sampling
+        proposals = [Proposal(int(first), tokens, probs, bool(columns.greedy[row]),
+                              columns.generators[row] if columns.seeded[row] else None)
+                     for first, tokens, probs, row in zip(offsets.tolist(), spec.token_ids, spec.draft_probs,
+                                                          spec.rows.tolist())]
+        verify_logits = logits[num_plain:]
+        tokens, used_rows = verify(verify_logits, verifying, proposals)
+        for row, request_tokens in zip(spec.rows.tolist(), tokens):
+            req_ids.extend([batch.req_ids[row]] * len(request_tokens))
+        token_ids = torch.cat([plain_ids, torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64,
+                                                       device=self.device)])
+        tops = [top for top in (sampling.num_top_logprobs if num_plain else None, verifying.num_top_logprobs)
+                if top is not None]
+        return summarise(torch.cat([logits[:num_plain], verify_logits[used_rows]]), token_ids,
+                         max(tops) if tops else None)
 
-    def _prepare(self, scheduler_output: SchedulerOutput):
-        """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; and
-        the batch rows that sample, in the order of the logits rows."""
-        batch, block_size = self.input_batch, self.block_size
+    def _prepare(self, scheduler_output: SchedulerOutput, spec: SpecRows | None):
+        """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; the
+        batch rows that sample, in the order of the logits rows; after them, every speculating request's
+        1 + k rows."""
+        batch = self.input_batch
         rows, num_new = batch.step_rows(scheduler_output)
         context = batch.num_computed_tokens[rows]
-        row_ends = np.cumsum(num_new)
-        row_starts = row_ends - num_new
-        num_tokens = int(row_ends[-1])
-        token_row = np.repeat(np.arange(len(rows)), num_new)
-        positions = np.arange(num_tokens) - row_starts[token_row] + context[token_row]
-
         max_blocks = int(batch.num_blocks[rows].max())
-        block_tables = batch.block_table[rows, :max_blocks]
-        slot_mapping = block_tables[token_row, positions // block_size] * block_size + positions % block_size
-        input_ids = batch.token_ids[rows[token_row], positions].astype(np.int64)
+        layout = build_layout(batch.block_table[rows, :max_blocks], context, num_new, self.block_size,
+                              self.device, self.use_kernel)
+        input_ids = batch.token_ids[rows[layout.token_row], layout.positions].astype(np.int64)
         sampling_rows, logits_indices = batch.sampling_rows(rows, num_new, scheduler_output)
-
-        num_decodes = int((num_new == 1).sum())
-        seq_lens = context + num_new
-        decode_blocks = -(-int(seq_lens[:num_decodes].max()) // block_size) if num_decodes else 0
-        tables = self._to_device(block_tables)
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            num_decode_tokens=num_decodes,
-            decode_block_tables=tables[:num_decodes, :decode_blocks].contiguous(),
-            decode_seq_lens=self._to_device(seq_lens[:num_decodes]),
-            prefill_query_starts=self._to_device(np.append(row_starts[num_decodes:], num_tokens)),
-            prefill_context_lens=self._to_device(context[num_decodes:]),
-            prefill_block_tables=tables[num_decodes:],
-            block_size=block_size,
-            use_kernel=self.use_kernel,
-        )
-        return (self._to_device(input_ids), self._to_device(positions), meta, self._to_device(logits_indices),
-                sampling_rows)
+        if spec is not None:
+            index_of = {row: index for index, row in enumerate(rows.tolist())}
+            ends = layout.row_ends[[index_of[row] for row in spec.rows.tolist()]]
+            lengths = num_new[[index_of[row] for row in spec.rows.tolist()]]
+            logits_indices = np.concatenate([logits_indices, *(np.arange(end - length, end)
+                                                               for end, length in zip(ends, lengths))])
+        return (to_device(input_ids, self.device), to_device(layout.positions, self.device), layout.meta,
+                to_device(logits_indices, self.device), sampling_rows)

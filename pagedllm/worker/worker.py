@@ -17,9 +17,11 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import (SINGLE_PROCESS, TensorParallelGroup,
                                                  destroy_tensor_parallel_group, init_tensor_parallel_group)
+from pagedllm.model.attention import kernel_available
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.loader import Checkpoint, load_checkpoint
 from pagedllm.model.tensor_parallel import weight_shards
+from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -61,7 +63,18 @@ class Worker:
         model = CausalLM(checkpoint.config, weights, args.dtype, self.device, args.max_model_len, self.group)
         del checkpoint, weights
         self.model_runner = ModelRunner(model, args.num_blocks, config.block_size, args.kv_cache_dtype,
-                                        self.device, config.seed, args.max_model_len, config.max_num_seqs)
+                                        self.device, config.seed, args.max_model_len, config.max_num_seqs,
+                                        self._drafter(args))
+
+    def _drafter(self, args: WorkerArgs) -> DraftModelProposer | None:
+        """The draft model and its KV pool, for draft_model speculation (tensor parallel size 1 only)."""
+        spec = args.engine_config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        checkpoint = load_checkpoint(spec.model, spec.quantization)
+        model = CausalLM(checkpoint.config, checkpoint.weights, args.dtype, self.device, args.max_model_len)
+        return DraftModelProposer(model, args.num_blocks, args.engine_config.block_size, args.kv_cache_dtype,
+                                  self.device, kernel_available(self.device, checkpoint.config.head_dim))
 
     def init_distributed(self) -> None:
         """Joins the tensor-parallel group, once every rank has built its model (so a rank that fails to
