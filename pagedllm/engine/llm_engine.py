@@ -362,4 +362,5 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(kv_cache=self.kv_manager.usage(), num_running=len(self.scheduler.running),
                            num_waiting=len(self.scheduler.waiting),
-                           num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step_stats)
+                           num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step_stats,
+                           spec_decoding=spec.snapshot() if (spec := self.scheduler.spec_decoding_stats) else None)

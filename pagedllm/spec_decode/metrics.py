@@ -33,6 +33,20 @@ class SpecDecodingStats:
         """Tokens a verification yields on average: the accepted proposals plus the target's own token."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    @classmethod
+    def combined(cls, stats: list[SpecDecodingStats]) -> SpecDecodingStats | None:
+        """Several engines' counters summed (data-parallel replicas); None when none speculates."""
+        if not stats:
+            return None
+        total = cls(stats[0].num_spec_tokens)
+        for part in stats:
+            total.num_drafts += part.num_drafts
+            total.num_draft_tokens += part.num_draft_tokens
+            total.num_accepted_tokens += part.num_accepted_tokens
+            total.num_accepted_tokens_per_pos = [a + b for a, b in zip(total.num_accepted_tokens_per_pos,
+                                                                      part.num_accepted_tokens_per_pos)]
+        return total
+
     def snapshot(self) -> SpecDecodingStats:
         return SpecDecodingStats(self.num_spec_tokens, self.num_drafts, self.num_draft_tokens,
                                  self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos))
