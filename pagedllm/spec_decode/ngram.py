@@ -8,8 +8,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
-    """Up to num_tokens ids that followed the latest earlier occurrence of the sequence's last n tokens,
-    for the longest n in [min_n, max_n] that occurs; [] when none does."""
+    """Up to num_tokens ids that followed the first earlier occurrence of the sequence's last n tokens, for
+    the longest n in [min_n, max_n] that occurs; [] when none does. The first occurrence (as transformers'
+    prompt lookup) leaves the most tokens after it: in a loop, the latest one is the loop's last turn."""
     length = len(token_ids)
     if length < min_n + 1:
         return []
@@ -19,6 +20,6 @@ def propose_ngram(token_ids: list[int], min_n: int, max_n: int, num_tokens: int)
         windows = sliding_window_view(tokens[:length - 1], n)
         matches = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
         if len(matches):
-            start = int(matches[-1]) + n
+            start = int(matches[0]) + n
             return tokens[start:start + num_tokens].tolist()
     return []
