@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -49,15 +50,26 @@ def _assert_no_blocks_held(llm: LLM) -> None:
     assert all(block.ref_count == 0 for block in pool.blocks)
 
 
+def _perturbed_copy(model_dir, folder, std: float):
+    """The model with noise added to every weight: a draft that agrees with it often but not always."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * std)
+    model.save_pretrained(folder)
+    for file in model_dir.iterdir():
+        if not (folder / file.name).exists():   # the tokenizer's files
+            shutil.copy(file, folder / file.name)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def tiny_models(make_tiny_model_dir, tmp_path_factory):
-    """A tiny random Llama (the target) and another with other weights and the same vocabulary (a draft
-    that agrees with it only sometimes, so both acceptance and rejection happen)."""
+    """A tiny random Llama (the target) and a perturbed copy of it as the draft (same vocabulary), so that
+    both acceptance and rejection happen."""
     target = make_tiny_model_dir(tmp_path_factory.mktemp("target"), "llama")
-    torch.manual_seed(1)
-    draft_dir = tmp_path_factory.mktemp("draft")
-    draft = make_tiny_model_dir(draft_dir, "llama", num_hidden_layers=1)
-    return target, draft
+    return target, _perturbed_copy(target, tmp_path_factory.mktemp("draft"), std=0.05)
 
 
 # ---- the p/q rule, by hand ----
@@ -310,8 +322,7 @@ def test_sampling_with_speculation_keeps_the_targets_distribution(make_tiny_mode
     test at significance 0.001 per comparison."""
     vocab = 12
     target = make_tiny_model_dir(tmp_path / "t", "llama", vocab_size=vocab, bos_token_id=1, eos_token_id=2)
-    draft = make_tiny_model_dir(tmp_path / "d", "llama", vocab_size=vocab, bos_token_id=1, eos_token_id=2,
-                                num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    draft = _perturbed_copy(target, tmp_path / "d", std=0.2)
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     second, third = _exact_distributions(target, prompt, vocab)
     num_samples = 3000
