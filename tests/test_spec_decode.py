@@ -273,6 +273,19 @@ def test_penalties_min_tokens_stop_strings_and_logprobs_apply_to_every_accepted_
         _assert_no_blocks_held(llm)
 
 
+def test_parallel_samples_speculate_on_shared_blocks(tiny_models):
+    """n = 2 greedy samples share their prompt's blocks (copy on write) and speculate from there."""
+    target, draft = tiny_models
+    params = SamplingParams(n=2, temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in REPEATING_PROMPTS]
+    reference = LLM(str(target), dtype="float32", kv_cache_memory="8MiB").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(target), dtype="float32", kv_cache_memory="8MiB", speculative_config=_draft_config(draft))
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in reference]
+    assert llm.stats().spec_decoding.num_accepted_tokens > 0
+    _assert_no_blocks_held(llm)
+
+
 def test_abort_mid_speculation_frees_every_block(tiny_models):
     target, draft = tiny_models
     for speculative_config in (NGRAM, _draft_config(draft)):
@@ -354,7 +367,7 @@ def test_bundled_model_float32_greedy_is_token_identical(bundled_gguf_path):
         "Rewrite this sentence word for word: The quick brown fox jumps over the lazy dog near the river bank.",
         "What is the capital of France?",
     ]
-    params = SamplingParams(temperature=0, max_tokens=48)
+    params = SamplingParams(temperature=0, max_tokens=40)
     common = dict(dtype="float32", quantization="none", kv_cache_memory="64MiB")
     messages = [[{"role": "user", "content": text}] for text in conversations]
 

@@ -85,13 +85,14 @@ def run(args: argparse.Namespace) -> None:
 def measure(llm, args: argparse.Namespace, batch_size: int, dataset: str = "random"
             ) -> tuple[list[float], list[float], float, float | None]:
     """Prefill times of the batch, every decode step's time over the measured iterations, decode tokens/s
-    (every token after each request's first, over the decode steps' time), and the mean acceptance length
-    of the measured iterations (None without speculation)."""
+    (every token after each request's first over the iteration's decode time; the median iteration, so a
+    stall on a shared machine moves it less), and the mean acceptance length of the measured iterations
+    (None without speculation)."""
     from pagedllm import SamplingParams
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    prefills, decodes = [], []
+    prefills, decodes, rates = [], [], []
     spec_before = None
     for iteration in range(args.num_iters_warmup + args.num_iters):
         if dataset == "copy":
@@ -113,7 +114,8 @@ def measure(llm, args: argparse.Namespace, batch_size: int, dataset: str = "rand
         if iteration >= args.num_iters_warmup:
             prefills.append(step_times[0])
             decodes.extend(step_times[1:])
-    tokens_per_second = args.num_iters * batch_size * (args.output_len - 1) / sum(decodes)
+            rates.append(batch_size * (args.output_len - 1) / sum(step_times[1:]))
+    tokens_per_second = statistics.median(rates)
     spec_after = engine.stats().spec_decoding
     acceptance = None
     if spec_after is not None:
