@@ -2,8 +2,10 @@
 p/q rule against hand-computed cases, KV rollback counts, scheduling, metrics and configuration."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -16,10 +18,13 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.stats import EngineStats
 from pagedllm.entrypoints.cli import parse_args
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.stats_logger import log_stats_periodically
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.metrics import SpecDecodingStats
 from pagedllm.spec_decode.ngram import propose_ngram
 from pagedllm.spec_decode.planner import SpeculationPlanner
 from pagedllm.spec_decode.rejection_sampler import accept
@@ -402,3 +407,33 @@ def test_prometheus_exposes_vllms_spec_decode_counters(tiny_models):
     for position, count in enumerate(spec.num_accepted_tokens_per_pos):
         assert value("pagedllm:spec_decode_num_accepted_tokens_per_pos_total",
                      {**labels, "position": str(position)}) == count
+
+
+def test_periodic_log_line_gives_the_intervals_mean_acceptance_length(caplog):
+    spec = SpecDecodingStats(4)
+    kv_usage = KVCacheManager(8, 16).usage()
+
+    class FakeState:
+        class metrics:
+            generated = 0.0
+
+            @classmethod
+            def token_totals(cls):
+                cls.generated += 10
+                return 0.0, cls.generated
+
+        @staticmethod
+        async def engine_stats():
+            spec.observe(4, 3)   # each interval: one draft of 4, 3 accepted
+            return EngineStats(kv_usage, 1, 0, 0, None, spec.snapshot())
+
+    async def run():
+        task = asyncio.create_task(log_stats_periodically(FakeState, interval=0))
+        while not any("SpecDecoding" in record.message for record in caplog.records):
+            await asyncio.sleep(0)
+        task.cancel()
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(run())
+    line = next(record.message for record in caplog.records if "SpecDecoding" in record.message)
+    assert "Mean acceptance length: 4.00" in line and "Draft acceptance rate: 75.0%" in line
