@@ -23,7 +23,7 @@ from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
 from pagedllm.spec_decode.rejection_sampler import Proposal, verify
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.sampler import SamplerOutput, SamplingBatch, choose, sample, summarise
+from pagedllm.worker.sampler import SamplerOutput, SamplingBatch, choose_tokens, sample, summarise
 from pagedllm.worker.step_layout import build_layout, to_device
 
 
@@ -164,8 +164,8 @@ class ModelRunner:
         gets. Returns the tokens of both, in that order, with their logprobs."""
         batch = self.input_batch
         num_plain = len(req_ids)
-        plain_ids, _ = choose(logits[:num_plain], sampling) if num_plain else (logits.new_empty(0, dtype=torch.int64),
-                                                                             None)
+        plain_ids = (choose_tokens(logits[:num_plain], sampling)[0] if num_plain
+                     else torch.empty(0, dtype=torch.int64, device=self.device))
         counts = np.fromiter(map(len, spec.token_ids), np.int64, len(spec.rows)) + 1
         rows = np.repeat(spec.rows, counts)
         offsets = np.cumsum(counts) - counts

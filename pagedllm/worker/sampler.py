@@ -205,11 +205,11 @@ def penalised_logits(raw_logits: torch.Tensor, batch: SamplingBatch) -> torch.Te
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """One token per row of logits [num_seqs, vocab], with logprobs of the raw (unprocessed) distribution."""
     raw_logits = logits.float()
-    token_ids, log_normaliser = choose(raw_logits, batch)
+    token_ids, log_normaliser = choose_tokens(raw_logits, batch)
     return summarise(raw_logits, token_ids, batch.num_top_logprobs, log_normaliser)
 
 
-def choose(raw_logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_tokens(raw_logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """One token id per row of float32 raw logits, and the rows' log normalisers (logsumexp)."""
     plain_greedy = batch.all_greedy and not changes_logits(batch)
     log_normaliser, raw_best = _normaliser_and_argmax(raw_logits, need_argmax=plain_greedy)
