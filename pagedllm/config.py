@@ -5,6 +5,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from pagedllm.spec_decode.config import SpeculativeConfig
+
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -61,6 +63,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None   # None: ray when data_parallel_size > 1, else mp
     attention_backend: str = "auto"   # auto: PAGEDLLM_ATTENTION_BACKEND if set, else the device's default
+    speculative_config: SpeculativeConfig | dict | None = None   # a dict in vLLM's shape becomes a SpeculativeConfig
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -100,6 +103,11 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         self._check_data_parallel()
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+            if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size 1 only, "
+                                 f"got tensor_parallel_size {self.tensor_parallel_size}")
 
     def _check_data_parallel(self) -> None:
         """Resolves distributed_executor_backend and refuses combinations that cannot run."""

@@ -52,6 +52,11 @@ class SchedulerOutput:
     # grammar_request_ids[i] may sample in this step; None when no sampling row has a grammar.
     grammar_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: request id -> proposal rows it verifies in this step (counted in
+    # num_scheduled_tokens, after its one decode row), and the proposals the scheduler made (ngram). A
+    # request in num_spec_tokens but not in spec_token_ids takes its proposals from the worker's draft model.
+    num_spec_tokens: dict[str, int] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -66,7 +71,10 @@ class PromptLogprobs:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """What one step sampled, row for row; the top-k fields are None when no row asked for logprobs."""
+    """What one step sampled, one row per token; the top-k fields are None when no row asked for logprobs.
+
+    A speculating request has 1 + (accepted proposals) consecutive rows, in sequence order: the accepted
+    proposals, then the target's own token (the correction at the first rejection, or the bonus token)."""
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[float]                       # of the sampled token, under the raw distribution

@@ -212,7 +212,8 @@ def test_pool_rejects_double_free():
 
 
 class KVManagerMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / free / cache-hit / evict sequences keep the books right."""
+    """Random allocate / append / speculate (with rollback or abort) / fork / free / cache-hit / evict
+    sequences keep the books right."""
 
     BLOCK_SIZE = 4
 
@@ -243,6 +244,31 @@ class KVManagerMachine(RuleBasedStateMachine):
         if self.manager.allocate_slots(name, len(tokens) + 1, len(tokens)):
             tokens.append(token)
             self.manager.cache_full_blocks(name, tokens, len(tokens))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), num_spec=st.integers(1, 6), tokens=st.lists(st.integers(0, 3), min_size=7, max_size=7),
+          abort=st.booleans())
+    def speculate(self, data, num_spec, tokens, abort):
+        """A speculative step: slots for the decode token and num_spec proposals, then the decode token and
+        the accepted proposals kept and the rest rolled back; or the request aborted mid-speculation."""
+        name = data.draw(st.sampled_from(sorted(self.tokens)))
+        held = self.tokens[name]
+        if not self.manager.allocate_slots(name, len(held) + 1 + num_spec, len(held)):
+            return
+        assert len(self.manager.block_tables[name]) == math.ceil((len(held) + 1 + num_spec) / self.BLOCK_SIZE)
+        if abort:
+            self.manager.free(name)
+            del self.tokens[name]
+            return
+        num_accepted = data.draw(st.integers(0, num_spec))
+        free_before = self.manager.pool.num_free_blocks
+        blocks_before = len(self.manager.block_tables[name])
+        held.extend(tokens[:1 + num_accepted])
+        self.manager.rollback(name, len(held))
+        kept = math.ceil(len(held) / self.BLOCK_SIZE)
+        # Blocks of rejected tokens only were taken for this step alone: every one is free again at once.
+        assert self.manager.pool.num_free_blocks == free_before + blocks_before - kept
+        self.manager.cache_full_blocks(name, held, len(held))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

@@ -1,22 +1,28 @@
 """`pagedllm bench latency`: batches of fixed input/output length, timed over several iterations.
 
-Reports the prefill time of the batch and the per-token decode time (p50/p99 over
-every decode step of every measured iteration), for each batch size and quantization asked
-for, side by side in one run.
+Reports the prefill time of the batch, the per-step decode time (p50/p99 over every decode step of every
+measured iteration) and decode tokens/s (tokens over the decode time), for each batch size, quantization
+and speculative config asked for, side by side in one run. The random workload has nothing to copy; the
+copy workload (`--dataset copy`) asks the model to quote code back, edit or summarise a text, where
+speculation pays. With speculation, the mean acceptance length (tokens per verification) is reported too.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
+from pagedllm.bench.copy_workload import copy_heavy_workload
 from pagedllm.bench.scheduling import percentile
 from pagedllm.bench.workload import random_workload
+
+DATASETS = ("random", "copy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="default: the bundled model")
     parser.add_argument("--batch-size", default="8", help="comma-separated for a sweep, e.g. 1,4,16,64")
-    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=128, help="random dataset: prompt tokens")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--num-iters-warmup", type=int, default=1)
@@ -26,44 +32,80 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--speculative-config", action="append", default=None, metavar="JSON",
+                        help="a speculative_config as JSON, or 'none'; repeat the flag to measure several side by "
+                             "side (default: none)")
+    parser.add_argument("--dataset", default="random",
+                        help=f"comma-separated among {', '.join(DATASETS)}: random token prompts of --input-len, "
+                             "or copy-heavy chat prompts (quote code, edit, summarise)")
+
+
+def _speculative_configs(values: list[str] | None) -> list[dict | None]:
+    configs = []
+    for value in values or ["none"]:
+        config = None if value == "none" else json.loads(value)
+        if config is not None and not isinstance(config, dict):
+            raise ValueError(f"--speculative-config must be a JSON object or 'none', got {value!r}")
+        configs.append(config)
+    return configs
 
 
 def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM
 
     batch_sizes = [int(size) for size in args.batch_size.split(",")]
-    print(f"input {args.input_len}, output {args.output_len}, KV cache {args.kv_cache_dtype}, "
+    datasets = args.dataset.split(",")
+    if not set(datasets) <= set(DATASETS):
+        raise ValueError(f"--dataset must be among {', '.join(DATASETS)}, got {args.dataset!r}")
+    print(f"input {args.input_len} (random), output {args.output_len}, KV cache {args.kv_cache_dtype}, "
           f"tensor parallel {args.tensor_parallel_size}, {args.num_iters} iterations")
-    print("| quantization | dtype | batch | prefill ms p50 | p99 | decode step ms p50 | p99 | decode tok/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| quantization | dtype | speculative | dataset | batch | prefill ms p50 | p99 | decode step ms p50 | p99 "
+          "| decode tok/s | mean acceptance length |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for quantization in args.quantization.split(","):
-        llm = LLM(args.model, dtype=args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
-                  block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
-                  enable_prefix_caching=False, max_num_seqs=max(batch_sizes),
-                  max_num_batched_tokens=max(2048, max(batch_sizes) * args.input_len))
-        for batch_size in batch_sizes:
-            prefills, decodes = measure(llm, args, batch_size)
-            decode = statistics.median(decodes)
-            print(f"| {quantization} | {str(llm.llm_engine.dtype).removeprefix('torch.')} | {batch_size} "
-                  f"| {statistics.median(prefills) * 1e3:.1f} | {percentile(prefills, 0.99) * 1e3:.1f} "
-                  f"| {decode * 1e3:.1f} | {percentile(decodes, 0.99) * 1e3:.1f} | {batch_size / decode:.1f} |")
-        llm.llm_engine.shutdown()
-        del llm
+        for speculative_config in _speculative_configs(args.speculative_config):
+            llm = LLM(args.model, dtype=args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
+                      block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
+                      enable_prefix_caching=False, max_num_seqs=max(batch_sizes),
+                      max_num_batched_tokens=max(2048, max(batch_sizes) * args.input_len),
+                      speculative_config=speculative_config)
+            label = "none" if speculative_config is None else json.dumps(speculative_config)
+            for dataset in datasets:
+                for batch_size in batch_sizes:
+                    prefills, decodes, tokens_per_second, acceptance = measure(llm, args, batch_size, dataset)
+                    print(f"| {quantization} | {str(llm.llm_engine.dtype).removeprefix('torch.')} | {label} "
+                          f"| {dataset} | {batch_size} | {statistics.median(prefills) * 1e3:.1f} "
+                          f"| {percentile(prefills, 0.99) * 1e3:.1f} | {statistics.median(decodes) * 1e3:.1f} "
+                          f"| {percentile(decodes, 0.99) * 1e3:.1f} | {tokens_per_second:.1f} "
+                          f"| {'-' if acceptance is None else f'{acceptance:.2f}'} |")
+            llm.llm_engine.shutdown()
+            del llm
 
 
-def measure(llm, args: argparse.Namespace, batch_size: int) -> tuple[list[float], list[float]]:
-    """Prefill times of the batch and every decode step's time, over the measured iterations."""
+def measure(llm, args: argparse.Namespace, batch_size: int, dataset: str = "random"
+            ) -> tuple[list[float], list[float], float, float | None]:
+    """Prefill times of the batch, every decode step's time over the measured iterations, decode tokens/s
+    (every token after each request's first over the iteration's decode time; the median iteration, so a
+    stall on a shared machine moves it less), and the mean acceptance length of the measured iterations
+    (None without speculation)."""
     from pagedllm import SamplingParams
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    prefills, decodes = [], []
+    prefills, decodes, rates = [], [], []
+    spec_before = None
     for iteration in range(args.num_iters_warmup + args.num_iters):
-        workload = random_workload(num=batch_size, in_min=args.input_len, in_max=args.input_len,
-                                   vocab=engine.model_config.vocab_size, seed=iteration)
+        if dataset == "copy":
+            workload = copy_heavy_workload(engine.tokenizer, batch_size, args.output_len,
+                                           seed=iteration * 1000 + batch_size)
+        else:
+            workload = random_workload(num=batch_size, in_min=args.input_len, in_max=args.input_len,
+                                       vocab=engine.model_config.vocab_size, seed=iteration)
         for index, item in enumerate(workload):
-            engine.add_request(f"{batch_size}-{iteration}-{index}", {"prompt_token_ids": item.prompt_token_ids},
-                               params)
+            engine.add_request(f"{dataset}-{batch_size}-{iteration}-{index}",
+                               {"prompt_token_ids": item.prompt_token_ids}, params)
+        if iteration == args.num_iters_warmup:
+            spec_before = engine.stats().spec_decoding
         step_times = []
         while engine.has_unfinished_requests():
             engine.step()
@@ -72,4 +114,12 @@ def measure(llm, args: argparse.Namespace, batch_size: int) -> tuple[list[float]
         if iteration >= args.num_iters_warmup:
             prefills.append(step_times[0])
             decodes.extend(step_times[1:])
-    return prefills, decodes
+            rates.append(batch_size * (args.output_len - 1) / sum(step_times[1:]))
+    tokens_per_second = statistics.median(rates)
+    spec_after = engine.stats().spec_decoding
+    acceptance = None
+    if spec_after is not None:
+        drafts = spec_after.num_drafts - spec_before.num_drafts
+        accepted = spec_after.num_accepted_tokens - spec_before.num_accepted_tokens
+        acceptance = 1 + accepted / drafts if drafts else 1.0
+    return prefills, decodes, tokens_per_second, acceptance

@@ -36,6 +36,7 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.metrics import SpecDecodingStats
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,8 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
                           num_preemptions=sum(s.num_preemptions for s in steps)) if steps else None
     return EngineStats(kv_cache=KVCacheUsage(block_size=kv[0].block_size, **summed),
                        num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
-                       num_preemptions=sum(s.num_preemptions for s in stats), last_step=last_step)
+                       num_preemptions=sum(s.num_preemptions for s in stats), last_step=last_step,
+                       spec_decoding=SpecDecodingStats.combined([s.spec_decoding for s in stats if s.spec_decoding]))
 
 
 @dataclass(eq=False)

@@ -20,9 +20,11 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stats import EngineStats, StepStats
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.model import kernels
+from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.planner import SpeculationPlanner
 from pagedllm.step import ModelRunnerOutput, PromptLogprobs
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import kv_bytes_per_block
@@ -127,8 +129,10 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)
+        speculation = SpeculationPlanner(config.speculative_config) if config.speculative_config else None
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, token_budget,
-                                   config.enable_chunked_prefill, config.scheduling_policy, self.structured_output)
+                                   config.enable_chunked_prefill, config.scheduling_policy, self.structured_output,
+                                   speculation)
         self.parents: dict[str, ParentRequest | BeamSearchParent] = {}
         self.children: dict[str, ChildState] = {}   # plain and parallel samples (not beams) by request id
         self.parent_of: dict[str, str] = {}
@@ -144,6 +148,8 @@ class LLMEngine:
                     str(self.kv_cache_dtype).removeprefix("torch."), num_blocks, config.block_size,
                     num_blocks * config.block_size)
         logger.info("weights (quantization=%s): %s", config.quantization, model.weight_summary())
+        if config.speculative_config is not None:
+            logger.info("speculative decoding: %s", config.speculative_config)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -162,6 +168,17 @@ class LLMEngine:
                              f"({self.max_model_len}) when enable_chunked_prefill is False")
         return budget or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
 
+    def _check_draft_model(self) -> ModelConfig | None:
+        """The draft model's config for draft_model speculation; it must share the target's vocabulary."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        draft = load_checkpoint(spec.model, spec.quantization).config
+        if draft.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"speculative_config.model must have the target's vocabulary ({self.model_config.vocab_size} "
+                             f"tokens, the same tokenizer), got a draft model with {draft.vocab_size}")
+        return draft
+
     def _profiled_kv_cache_budget(self, token_budget: int) -> int:
         """Runs the largest step on every rank and sizes the KV cache from rank 0's device by what it showed."""
         num_tokens = min(token_budget, self.max_model_len)
@@ -178,6 +195,9 @@ class LLMEngine:
     def _num_kv_blocks(self, budget: int) -> int:
         per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype,
                                        self.config.tensor_parallel_size)   # per rank, as kv_cache_memory
+        draft = self._check_draft_model()
+        if draft is not None:   # the draft's KV pool has as many blocks, under the same ids, in the same budget
+            per_block += kv_bytes_per_block(draft, self.config.block_size, self.kv_cache_dtype)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block; one block of "
@@ -338,13 +358,21 @@ class LLMEngine:
         for request in failed:
             parent_id = self.parent_of[request.request_id]
             progressed[parent_id] = self.parents[parent_id]
+        ended_here: set[str] = set()   # finished by a stop string or an error at a token of this step
         for request, row in sampled:
+            if request.request_id in ended_here:
+                # A speculative step gave it more tokens than it keeps: drop those after the end.
+                request.all_token_ids.pop()
+                request.cumulative_logprob -= runner_output.logprobs[row]
+                continue
             try:
-                self._process_token(request, runner_output, row)
+                if self._process_token(request, runner_output, row):
+                    ended_here.add(request.request_id)
             except Exception as exc:  # one request's failure must not take the batch down
                 logger.exception("request %s failed", request.request_id)
                 request.error = f"{type(exc).__name__}: {exc}"
                 self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+                ended_here.add(request.request_id)
             parent_id = self.parent_of[request.request_id]
             progressed[parent_id] = self.parents[parent_id]
         for parent in [parent for parent in self.beam_searches if parent.finished]:
@@ -355,7 +383,8 @@ class LLMEngine:
                 self._forget(parent)
         return outputs
 
-    def _process_token(self, request: Request, runner_output: ModelRunnerOutput, row: int) -> None:
+    def _process_token(self, request: Request, runner_output: ModelRunnerOutput, row: int) -> bool:
+        """Takes in one appended token; True when it completed a stop string, which ends the request."""
         child = self.children[request.request_id]
         token_id = runner_output.sampled_token_ids[row]
         top = None
@@ -367,6 +396,8 @@ class LLMEngine:
         if stop_string is not None:   # ends the request even if max_tokens did in the same token
             request.stop_reason = stop_string
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            return True
+        return False
 
     def _store_prompt_logprobs(self, chunks: dict[str, PromptLogprobs]) -> None:
         """Hands each request's share of the step's prompt logprobs to its user request, as Logprob entries."""
@@ -407,4 +438,5 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(kv_cache=self.kv_manager.usage(), num_running=len(self.scheduler.running),
                            num_waiting=len(self.scheduler.waiting),
-                           num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step_stats)
+                           num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step_stats,
+                           spec_decoding=spec.snapshot() if (spec := self.scheduler.spec_decoding_stats) else None)

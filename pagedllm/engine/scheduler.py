@@ -26,6 +26,11 @@ Structured outputs: a request with a grammar (`Request.grammar`) is admitted onl
 compiled (others run meanwhile); each step carries the bitmask of the rows that sample under a grammar
 (filled by the `structured_output` manager the engine passes in), and `update_from_output` advances
 their matchers. With no such request, none of this runs.
+
+With speculation (a SpeculationPlanner), a decoding request may take 1 + k rows: its next token and k
+proposals, all counted in the token budget and given slots. After the step it keeps the KV of the
+tokens it accepted only: `KVCacheManager.rollback` gives back the rejected slots, and blocks are cached
+up to the verified tokens.
 """
 from __future__ import annotations
 
@@ -33,12 +38,15 @@ import bisect
 
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.spec_decode.metrics import SpecDecodingStats
+from pagedllm.spec_decode.planner import SpeculationPlanner
 from pagedllm.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, policy: str = "fcfs", structured_output=None):
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs", structured_output=None,
+                 speculation: SpeculationPlanner | None = None):
         self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -56,6 +64,9 @@ class Scheduler:
         self.structured_output = structured_output   # a StructuredOutputManager, or None
         self._num_grammar_requests = 0   # of self.requests
         self.failed_requests: list[Request] = []   # failed before running (grammar did not compile)
+        self.speculation = speculation
+        self.spec_decoding_stats = (SpecDecodingStats(speculation.config.num_speculative_tokens)
+                                    if speculation is not None else None)
 
     def _order_key(self, request: Request) -> tuple:
         if self.policy == "priority":
@@ -88,6 +99,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         running, add = self.running, scheduled.append
         allocate = self.kv_manager.allocate_slots
+        speculates = self.speculation is not None and self.speculation.enabled_for(len(running))
         index = 0
         while index < len(running) and budget > 0:   # the hot loop: ~1 us per request (bench scheduling)
             request = running[index]
@@ -96,7 +108,10 @@ class Scheduler:
             if num_new == 0:  # waits for siblings (beam search) before it gets a new token
                 index += 1
                 continue
-            if num_new > budget:
+            # A request under a grammar does not speculate: its bitmask covers one row per step.
+            if num_new == 1 and speculates and request.grammar is None and self._speculate(request, budget, out):
+                num_new += out.num_spec_tokens[request.request_id]
+            elif num_new > budget:
                 num_new = budget
             if not allocate(request.request_id, computed + num_new, computed) and not self._preempt_until_fits(
                     request, num_new, out):
@@ -110,6 +125,18 @@ class Scheduler:
             self._park_idle_for_waiting(budget, scheduled, out)
         self._describe(scheduled, out)
         return out
+
+    def _speculate(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
+        """Plans the request's proposal rows and takes their slots; False (nothing changed) when it gets
+        none, or the pool has no free block for them: speculation never preempts anyone."""
+        num_spec, proposals = self.speculation.plan(request, budget)
+        computed = request.num_computed_tokens
+        if not num_spec or not self.kv_manager.allocate_slots(request.request_id, computed + 1 + num_spec, computed):
+            return False
+        out.num_spec_tokens[request.request_id] = num_spec
+        if proposals is not None:
+            out.spec_token_ids[request.request_id] = proposals
+        return True
 
     def _describe(self, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> None:
         """Fills the step's plain data: new requests whole, running ones by what changed since their last step."""
@@ -268,7 +295,10 @@ class Scheduler:
         """
         requests, kv = self.requests, self.kv_manager
         cache_full_blocks, block_size = kv.cache_full_blocks, kv.block_size
+        speculated = scheduler_output.num_spec_tokens
         for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            if request_id in speculated:   # advanced by the tokens it accepts, below
+                continue
             request = requests[request_id]
             request.num_computed_tokens = computed = request.num_computed_tokens + num_new
             if num_new > 1 or computed % block_size == 0:   # a decode fills a block only at a block boundary
@@ -277,7 +307,9 @@ class Scheduler:
         searches = []
         token_ids, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
         for row, request_id in enumerate(runner_output.req_ids):
-            request = requests[request_id]
+            request = requests.get(request_id)
+            if request is None:   # a token stop ended it at an earlier row of this step (speculation)
+                continue
             search = request.beam_search
             if search is not None:
                 search.add_candidates(request, runner_output.top_logprob_ids[row], runner_output.top_logprobs[row])
@@ -295,7 +327,28 @@ class Scheduler:
                 self.finish(request, status)
         for search in searches:
             search.advance_if_ready(self)
+        if speculated:
+            self._keep_verified(scheduler_output, runner_output)
         return sampled
+
+    def _keep_verified(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """After a speculative step: each request's KV now holds its decode token and the proposals it
+        accepted (one row each but the last, the target's own token, which has no KV yet); the slots of
+        rejected proposals go back, and blocks that became full and verified are cached."""
+        num_rows: dict[str, int] = {}
+        for request_id in runner_output.req_ids:
+            num_rows[request_id] = num_rows.get(request_id, 0) + 1
+        kv, stats = self.kv_manager, self.spec_decoding_stats
+        for request_id, num_spec in scheduler_output.num_spec_tokens.items():
+            num_accepted = num_rows[request_id] - 1
+            stats.observe(num_spec, num_accepted)
+            request = self.requests.get(request_id)
+            if request is None:   # finished in this step
+                continue
+            request.num_computed_tokens += 1 + num_accepted
+            kv.rollback(request_id, request.num_computed_tokens)
+            kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+            request.worker_num_blocks = min(request.worker_num_blocks, len(kv.get_block_table(request_id)))
 
     def fork(self, source: Request, target: Request) -> None:
         """Starts `target` from `source`'s tokens. A running source shares its KV with it (every block, copy on

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.kv.manager import KVCacheUsage
+from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass(frozen=True)
@@ -25,3 +26,4 @@ class EngineStats:
     num_waiting: int
     num_preemptions: int        # since the engine started
     last_step: StepStats | None
+    spec_decoding: SpecDecodingStats | None = None   # acceptance counters since start, with speculation on

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import logging
 import sys
 
@@ -25,6 +26,17 @@ _UNSET = argparse.SUPPRESS
 
 def _default(settings: type, name: str) -> str:
     return f"(default: {getattr(settings, name)})"
+
+
+def json_mapping(text: str) -> dict:
+    """A JSON object flag value, such as --speculative-config '{"method": "ngram", ...}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +99,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="ray: the engine replicas are Ray actors (joining a cluster started with `ray start`, "
                             "or a local one); mp: one engine in this process "
                             "(default: ray when --data-parallel-size > 1, else mp)")
+    group.add_argument("--speculative-config", type=json_mapping, default=_UNSET, metavar="JSON",
+                       help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+                            '"model": PATH, "num_speculative_tokens": 4}\'; optional "disable_by_batch_size": N, and '
+                            'for a draft model "quantization" (default: off)')
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -171,6 +171,20 @@ class KVCacheManager:
             self.pool.cache(table[index], hashes[index], self._block_key(request_id, token_ids, index, hashes))
         self._num_cached_blocks[request_id] = num_full
 
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Shrinks the request's table to cover num_tokens (the verified ones) after a speculative step
+        took slots for proposals: slots of rejected tokens are given up, and a block that held only
+        rejected tokens goes back to the pool at once. Such blocks were taken for the step, so none is
+        cached; full blocks are cached only up to the verified tokens (cache_full_blocks)."""
+        table = self.block_tables[request_id]
+        keep = blocks_needed(num_tokens, self.block_size)
+        if keep < len(table):
+            dropped = table[keep:]
+            del table[keep:]
+            del self._block_ids[request_id][keep:]
+            self.pool.free(dropped[::-1])
+        self.num_tokens[request_id] = min(self.num_tokens[request_id], num_tokens)
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Gives the child the parent's table: every block shared, one more reference each."""
         table = list(self.block_tables[parent_id])

@@ -2,11 +2,16 @@
 
 The runner keeps the running requests in a persistent InputBatch, changed by what each step says
 changed; it never sees the scheduler's request objects.
+
+A speculating request's proposals (the scheduler's n-gram ones, or the draft model's, made here first)
+are written after its last token, so it computes 1 + k rows as a short chunk after its cached context;
+logits come back for all of them and the rejection sampler keeps the accepted prefix and one more token.
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,12 +22,13 @@ from pagedllm.model.cascade import find_shared_prefixes
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
+from pagedllm.spec_decode.rejection_sampler import Proposal, verify
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.host_staging import HostStaging, fetch
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
-from pagedllm.worker.sampler import SamplingBatch, sample
+from pagedllm.worker.sampler import SamplerOutput, SamplingBatch, choose_tokens, sample, summarise
 
 
 SCALE_BYTES = 4   # one float32 scale per slot and kv head, for the caches that have them
@@ -61,13 +67,30 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, ca
     return [(new_cache(k_shape), new_cache(v_shape)) for _ in range(config.num_hidden_layers)]
 
 
+def copy_blocks(kv_caches: list[tuple[CacheTensor, CacheTensor]], sources: torch.Tensor,
+                destinations: torch.Tensor) -> None:
+    """Copies whole blocks (sources[i] to destinations[i]) in every layer's caches: copy on write."""
+    for layer in kv_caches:
+        for cache in layer:
+            cache.copy_blocks(sources, destinations)
+
+
+@dataclass
+class SpecRows:
+    """The step's speculating requests: their batch rows, proposals, and the draft's distributions."""
+    rows: np.ndarray
+    token_ids: list[list[int]]
+    draft_probs: list[torch.Tensor | None]
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int | None, block_size: int, kv_cache_dtype: torch.dtype,
                  device: torch.device, seed: int, max_model_len: int, max_num_seqs: int,
                  attention_backend: str = "auto", dtype: torch.dtype = torch.float32,
-                 enable_cascade_attention: bool = False):
+                 enable_cascade_attention: bool = False, drafter=None):
         """num_blocks None: the caches are allocated later (allocate_kv_caches), once a profile run has
-        measured what the model leaves free. attention_backend: an EngineConfig value, resolved here once."""
+        measured what the model leaves free. attention_backend: an EngineConfig value, resolved here once.
+        drafter: a DraftModelProposer (pagedllm/spec_decode/draft_model.py) for draft-model speculation."""
         config = model.config
         self.model = model
         self.block_size = block_size
@@ -83,6 +106,7 @@ class ModelRunner:
         self.staging = HostStaging(device)
         # The cascade kernel is C++ only.
         self.use_cascade = enable_cascade_attention and self.attention_backend.uses_cpu_kernels
+        self.drafter = drafter
         torch.manual_seed(seed)
 
     def allocate_kv_caches(self, num_blocks: int) -> None:
@@ -121,28 +145,35 @@ class ModelRunner:
         started = time.perf_counter()
         batch = self.input_batch
         batch.update(scheduler_output)
+        if self.drafter is not None:
+            self.drafter.update(scheduler_output)
         if scheduler_output.block_copies:
             self._copy_blocks(scheduler_output.block_copies)
         if not scheduler_output.num_scheduled_tokens:   # a step that only drops finished or preempted requests
             return ModelRunnerOutput([], [], [], prepare_seconds=time.perf_counter() - started)
-        input_ids, positions, meta, logits_indices, sampling_rows, prompt_plan = self._prepare(scheduler_output)
+        drafting_started = time.perf_counter()
+        spec = self._propose(scheduler_output) if scheduler_output.num_spec_tokens else None
+        drafting_seconds = time.perf_counter() - drafting_started   # the draft model's passes: model time
+        input_ids, positions, meta, logits_indices, sampling_rows, prompt_plan = self._prepare(scheduler_output, spec)
         prepared = time.perf_counter()
+        prepare_seconds = prepared - started - drafting_seconds
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
         if logits is None:   # tensor-parallel ranks > 0 get no logits: rank 0 samples
-            return ModelRunnerOutput([], [], [], prepare_seconds=prepared - started)
+            return ModelRunnerOutput([], [], [], prepare_seconds=prepare_seconds)
         prompt_logprobs = None
-        if prompt_plan is not None:   # their rows come after the sampling rows
-            prompt_logprobs = compute_prompt_logprobs(logits[len(sampling_rows):], prompt_plan)
-            logits = logits[:len(sampling_rows)]
-        if not len(sampling_rows):
-            return ModelRunnerOutput([], [], [], prepare_seconds=prepared - started, prompt_logprobs=prompt_logprobs)
+        if prompt_plan is not None:   # their rows come last
+            num_token_rows = len(logits) - len(prompt_plan.token_indices)
+            prompt_logprobs = compute_prompt_logprobs(logits[num_token_rows:], prompt_plan)
+            logits = logits[:num_token_rows]
+        if not len(logits):
+            return ModelRunnerOutput([], [], [], prepare_seconds=prepare_seconds, prompt_logprobs=prompt_logprobs)
         req_ids = [batch.req_ids[row] for row in sampling_rows.tolist()]
-        if scheduler_output.grammar_bitmask is not None:
+        if scheduler_output.grammar_bitmask is not None:   # requests under a grammar never speculate
             logits = self._apply_grammar_bitmask(logits, req_ids, scheduler_output)
         sampling = SamplingBatch.build(batch.sampling, sampling_rows, batch.token_ids,
                                        batch.num_prompt_tokens[sampling_rows], batch.num_tokens[sampling_rows],
                                        self.vocab_size, self.device)
-        samples = sample(logits, sampling)
+        samples = sample(logits, sampling) if spec is None else self._verify(logits, sampling, spec, req_ids)
         token_ids, logprobs, top_ids, top_logprobs, ranks = fetch(
             [samples.token_ids, samples.logprobs, samples.top_logprob_ids, samples.top_logprobs, samples.token_ranks])
         return ModelRunnerOutput(
@@ -152,7 +183,7 @@ class ModelRunner:
             top_logprob_ids=top_ids,
             top_logprobs=top_logprobs,
             token_ranks=ranks,
-            prepare_seconds=prepared - started,
+            prepare_seconds=prepare_seconds,
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -165,11 +196,64 @@ class ModelRunner:
         return apply_grammar_bitmask(logits, scheduler_output.grammar_bitmask, rows)
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        """Copy on write, in the draft model's KV pool too (it is indexed by the same block ids)."""
         sources, destinations = (self.staging.to_device(name, np.array(ids))
                                  for name, ids in zip(("copy_sources", "copy_destinations"), zip(*block_copies)))
-        for layer in self.kv_caches:
-            for cache in layer:
-                cache.copy_blocks(sources, destinations)
+        copy_blocks(self.kv_caches, sources, destinations)
+        if self.drafter is not None:
+            copy_blocks(self.drafter.kv_caches, sources, destinations)
+
+    def _propose(self, scheduler_output: SchedulerOutput) -> SpecRows:
+        """The speculating requests' proposals (the scheduler's, or the draft model's, made here first),
+        written after each one's last token in the batch, where the step's input ids are read from."""
+        batch = self.input_batch
+        num_spec_tokens, given = scheduler_output.num_spec_tokens, scheduler_output.spec_token_ids
+        rows = np.fromiter(map(batch.row_of.__getitem__, num_spec_tokens), np.int64, len(num_spec_tokens))
+        token_ids: list[list[int]] = [given.get(request_id) for request_id in num_spec_tokens]
+        draft_probs: list[torch.Tensor | None] = [None] * len(rows)
+        to_draft = [index for index, tokens in enumerate(token_ids) if tokens is None]
+        if to_draft:
+            if self.drafter is None:
+                raise RuntimeError("the step asks for draft-model proposals but no draft model is loaded")
+            counts = np.fromiter((num_spec_tokens[batch.req_ids[rows[index]]] for index in to_draft), np.int64)
+            drafted, probs = self.drafter.propose(batch, rows[to_draft], counts, self.attention_metadata)
+            for index, tokens, row_probs in zip(to_draft, drafted, probs):
+                token_ids[index], draft_probs[index] = tokens, row_probs
+        for row, tokens in zip(rows.tolist(), token_ids):
+            start = batch.num_tokens[row]
+            batch.token_ids[row, start:start + len(tokens)] = tokens
+        return SpecRows(rows, token_ids, draft_probs)
+
+    def _verify(self, logits: torch.Tensor, sampling: SamplingBatch, spec: SpecRows, req_ids: list[str]
+                ) -> SamplerOutput:
+        """Samples the plain rows (the first len(req_ids) logits rows) and verifies the speculating ones
+        (1 + k rows each, after them); appends each speculating request's id to req_ids once per token it
+        gets. Returns the tokens of both, in that order, with their logprobs."""
+        batch = self.input_batch
+        num_plain = len(req_ids)
+        plain_ids = (choose_tokens(logits[:num_plain], sampling)[0] if num_plain
+                     else torch.empty(0, dtype=torch.int64, device=self.device))
+        counts = np.fromiter(map(len, spec.token_ids), np.int64, len(spec.rows)) + 1
+        rows = np.repeat(spec.rows, counts)
+        offsets = np.cumsum(counts) - counts
+        num_tokens = batch.num_tokens[rows] + np.arange(len(rows)) - np.repeat(offsets, counts)
+        verifying = SamplingBatch.build(batch.sampling, rows, batch.token_ids, batch.num_prompt_tokens[rows],
+                                        num_tokens, self.vocab_size, self.device)
+        columns = batch.sampling
+        proposals = [Proposal(int(first), tokens, probs, bool(columns.greedy[row]),
+                              columns.generators[row] if columns.seeded[row] else None)
+                     for first, tokens, probs, row in zip(offsets.tolist(), spec.token_ids, spec.draft_probs,
+                                                          spec.rows.tolist())]
+        verify_logits = logits[num_plain:]
+        tokens, used_rows = verify(verify_logits, verifying, proposals)
+        for row, request_tokens in zip(spec.rows.tolist(), tokens):
+            req_ids.extend([batch.req_ids[row]] * len(request_tokens))
+        token_ids = torch.cat([plain_ids, torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64,
+                                                       device=self.device)])
+        tops = [top for top in (sampling.num_top_logprobs if num_plain else None, verifying.num_top_logprobs)
+                if top is not None]
+        return summarise(torch.cat([logits[:num_plain], verify_logits[used_rows]]), token_ids,
+                         max(tops) if tops else None)
 
     def _shared_prefixes(self, block_tables: np.ndarray, context: np.ndarray, num_decodes: int) -> dict:
         """The cascade groups among the step's decodes and among its prefill chunks (none when switched off)."""
@@ -180,9 +264,10 @@ class ModelRunner:
                 "prefill_cascade": find_shared_prefixes(block_tables[num_decodes:], context[num_decodes:],
                                                         self.block_size)}
 
-    def _prepare(self, scheduler_output: SchedulerOutput):
+    def _prepare(self, scheduler_output: SchedulerOutput, spec: SpecRows | None):
         """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; the
-        batch rows that sample, in the order of the logits rows; and the rows prompt logprobs add after them."""
+        batch rows that sample, in the order of the logits rows; after them every speculating request's
+        1 + k rows; and last the rows prompt logprobs add."""
         batch, staging = self.input_batch, self.staging
         rows, num_new = batch.step_rows(scheduler_output)
         max_blocks = int(batch.num_blocks[rows].max())
@@ -190,6 +275,12 @@ class ModelRunner:
                                                              batch.num_computed_tokens[rows], num_new)
         input_ids = batch.token_ids[rows[token_row], positions].astype(np.int64)
         sampling_rows, logits_indices = batch.sampling_rows(rows, num_new, scheduler_output)
+        if spec is not None:
+            index_of = {row: index for index, row in enumerate(rows.tolist())}
+            spec_index = [index_of[row] for row in spec.rows.tolist()]
+            ends, lengths = np.cumsum(num_new)[spec_index], num_new[spec_index]
+            logits_indices = np.concatenate([logits_indices, *(np.arange(end - length, end)
+                                                               for end, length in zip(ends, lengths))])
         prompt_plan = PromptLogprobsPlan.for_step(batch.sampling.num_prompt_logprobs, batch.req_ids, rows, num_new,
                                                   batch.num_computed_tokens, batch.num_prompt_tokens, batch.token_ids)
         if prompt_plan is not None:

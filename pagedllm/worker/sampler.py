@@ -149,23 +149,22 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     logits.scatter_(1, order, sorted_logits)
 
 
-def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """argmax(probs / q), q ~ Exp(1): a draw from probs in which a seeded row depends on its generator alone."""
+def draw(probs: torch.Tensor, seeded_rows: list[tuple[int, torch.Generator]]) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1): a draw from probs (normalised or not; overwritten) in which a seeded
+    row depends on its generator alone."""
     q = torch.empty_like(probs)
-    if len(batch.seeded_rows) < probs.shape[0]:
+    if len(seeded_rows) < probs.shape[0]:
         q.exponential_()
-    for row, generator in batch.seeded_rows:
+    for row, generator in seeded_rows:
         q[row].exponential_(generator=generator)
     # q == 0 would turn a zero probability into 0/0 = nan, which argmax would pick.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return probs.div_(q).argmax(dim=-1)
 
 
-def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Token ids from penalised logits: argmax on greedy rows, a truncated-distribution draw elsewhere."""
-    if batch.all_greedy:
-        return logits.argmax(dim=-1)
-    greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
+def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution a non-greedy row samples from, from its penalised logits (changed in place):
+    temperature, then top-k / top-p, min-p, softmax."""
     logits /= batch.temperatures
     if batch.top_k is not None or batch.top_p is not None:
         _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
@@ -173,7 +172,15 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # p < min_p * p_max  <=>  logit < max_logit + log(min_p): no softmax needed.
         threshold = logits.amax(dim=-1, keepdim=True) + batch.log_min_p
         logits.masked_fill_(logits < threshold, -math.inf)
-    sampled = _draw(logits.softmax(dim=-1), batch)
+    return logits.softmax(dim=-1)
+
+
+def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Token ids from penalised logits: argmax on greedy rows, a truncated-distribution draw elsewhere."""
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
+    greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
+    sampled = draw(probabilities(logits, batch), batch.seeded_rows)
     return sampled if greedy_ids is None else torch.where(batch.greedy, greedy_ids, sampled)
 
 
@@ -190,27 +197,49 @@ def _normaliser_and_argmax(raw_logits: torch.Tensor, need_argmax: bool
     return log_normaliser, raw_logits.argmax(dim=-1) if need_argmax else None
 
 
+def changes_logits(batch: SamplingBatch) -> bool:
+    """Whether some row's logits are changed before choosing (logit controls, min_tokens, penalties)."""
+    return (batch.min_tokens_rows is not None or batch.seen_tokens is not None or batch.output_counts is not None
+            or batch.logit_controls is not None)
+
+
+def penalised_logits(raw_logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """A copy of the raw logits with the logit controls, min_tokens' bans and the penalties applied (vLLM's
+    order): what greedy rows take the argmax of, and sampled rows' distributions start from."""
+    logits = raw_logits.clone()
+    if batch.logit_controls is not None:
+        batch.logit_controls.apply(logits)
+    if batch.min_tokens_rows is not None:
+        logits[batch.min_tokens_rows, batch.min_tokens_ids] = -math.inf
+    _apply_penalties(logits, batch)
+    return logits
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """One token per row of logits [num_seqs, vocab], with logprobs of the raw (unprocessed) distribution."""
     raw_logits = logits.float()
-    changes_logits = (batch.min_tokens_rows is not None or batch.seen_tokens is not None
-                      or batch.output_counts is not None or batch.logit_controls is not None)
-    plain_greedy = batch.all_greedy and not changes_logits
+    token_ids, log_normaliser = choose_tokens(raw_logits, batch)
+    return summarise(raw_logits, token_ids, batch.num_top_logprobs, log_normaliser)
+
+
+def choose_tokens(raw_logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token id per row of float32 raw logits, and the rows' log normalisers (logsumexp)."""
+    plain_greedy = batch.all_greedy and not changes_logits(batch)
     log_normaliser, raw_best = _normaliser_and_argmax(raw_logits, need_argmax=plain_greedy)
-    if plain_greedy:
-        token_ids = raw_best
-    else:
-        logits = raw_logits.clone()
-        if batch.logit_controls is not None:
-            batch.logit_controls.apply(logits)
-        if batch.min_tokens_rows is not None:
-            logits[batch.min_tokens_rows, batch.min_tokens_ids] = -math.inf
-        _apply_penalties(logits, batch)
-        token_ids = _choose(logits, batch)
+    token_ids = raw_best if plain_greedy else _choose(penalised_logits(raw_logits, batch), batch)
+    return token_ids, log_normaliser
+
+
+def summarise(raw_logits: torch.Tensor, token_ids: torch.Tensor, num_top_logprobs: int | None,
+              log_normaliser: torch.Tensor | None = None) -> SamplerOutput:
+    """The chosen tokens with their logprobs under the raw distribution of each row of float32 raw_logits,
+    and where num_top_logprobs is not None the most likely tokens and the chosen one's rank."""
+    if log_normaliser is None:
+        log_normaliser, _ = _normaliser_and_argmax(raw_logits, need_argmax=False)
     token_logits = raw_logits.gather(1, token_ids.unsqueeze(1))
     top_ids = top_values = ranks = None
-    if batch.num_top_logprobs is not None:
-        top_values, top_ids = raw_logits.topk(batch.num_top_logprobs, dim=-1)
+    if num_top_logprobs is not None:
+        top_values, top_ids = raw_logits.topk(num_top_logprobs, dim=-1)
         top_values -= log_normaliser
         ranks = (raw_logits > token_logits).sum(dim=-1) + 1
     return SamplerOutput(

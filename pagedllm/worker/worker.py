@@ -20,6 +20,7 @@ from pagedllm.distributed.parallel_state import (SINGLE_PROCESS, TensorParallelG
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.loader import Checkpoint, load_checkpoint
 from pagedllm.model.tensor_parallel import weight_shards
+from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -64,7 +65,21 @@ class Worker:
         self.model_runner = ModelRunner(model, args.num_blocks, config.block_size, args.kv_cache_dtype,
                                         self.device, config.seed, args.max_model_len, config.max_num_seqs,
                                         attention_backend=config.attention_backend, dtype=args.dtype,
-                                        enable_cascade_attention=config.enable_cascade_attention)
+                                        enable_cascade_attention=config.enable_cascade_attention,
+                                        drafter=self._drafter(args))
+
+    def _drafter(self, args: WorkerArgs) -> DraftModelProposer | None:
+        """The draft model and its KV pool, for draft_model speculation (tensor parallel size 1 only)."""
+        spec = args.engine_config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        if args.num_blocks is None:
+            raise ValueError("draft_model speculation needs kv_cache_memory set: the KV pool is not sized by a "
+                             "profile run when a draft model shares it")
+        checkpoint = load_checkpoint(spec.model, spec.quantization)
+        model = CausalLM(checkpoint.config, checkpoint.weights, args.dtype, self.device, args.max_model_len)
+        return DraftModelProposer(model, args.num_blocks, args.engine_config.block_size, args.kv_cache_dtype,
+                                  self.device)
 
     def init_distributed(self) -> None:
         """Joins the tensor-parallel group, once every rank has built its model (so a rank that fails to

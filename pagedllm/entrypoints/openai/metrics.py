@@ -1,7 +1,8 @@
 """Prometheus metrics for /metrics, with vLLM's names under a `pagedllm:` prefix.
 
 Request figures (tokens, latencies, finished requests) are counted here as outputs stream
-past; engine figures (queues, KV-cache usage, prefix-cache lookups, preemptions) are read
+past; engine figures (queues, KV-cache usage, prefix-cache lookups, preemptions, speculative-decoding
+acceptance) are read
 from a fresh EngineStats at each scrape, so they never drift from the engine's own state.
 Each app has its own CollectorRegistry, so several servers can live in one process.
 """
@@ -53,6 +54,23 @@ class _EngineCollector:
             family = kind(PREFIX + name, text, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        if stats.spec_decoding is not None:
+            yield from self._spec_decoding(stats.spec_decoding)
+
+    def _spec_decoding(self, spec):
+        """vLLM's speculative-decoding counters; acceptance per position carries a `position` label."""
+        for name, text, value in (
+                ("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+                ("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens)):
+            family = CounterMetricFamily(PREFIX + name, text, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", labels=["model_name", "position"])
+        for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+            family.add_metric([self.model_name, str(position)], value)
+        yield family
 
 
 class ServerMetrics:

@@ -1,4 +1,5 @@
-"""A log line every few seconds while the server is busy: throughput, queues, KV cache, prefix cache."""
+"""A log line every few seconds while the server is busy: throughput, queues, KV cache, prefix cache, and
+with speculative decoding the interval's mean acceptance length and acceptance rate."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ async def log_stats_periodically(state: ServerState, interval: float = STATS_INT
     last_time = time.monotonic()
     last_prompt, last_generation = state.metrics.token_totals()
     last_queries = last_hits = 0
+    last_drafts = last_draft_tokens = last_accepted = 0
     while True:
         await asyncio.sleep(interval)
         stats = await state.engine_stats()
@@ -31,4 +33,14 @@ async def log_stats_periodically(state: ServerState, interval: float = STATS_INT
                         (prompt - last_prompt) / elapsed, (generation - last_generation) / elapsed,
                         stats.num_running, stats.num_waiting, 100 * stats.kv_cache.usage,
                         100 * (hits - last_hits) / (queries - last_queries) if queries > last_queries else 0.0)
+        spec = stats.spec_decoding
+        if spec is not None and busy and spec.num_drafts > last_drafts:
+            drafts, accepted = spec.num_drafts - last_drafts, spec.num_accepted_tokens - last_accepted
+            logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d tokens, "
+                        "Draft acceptance rate: %.1f%%", 1 + accepted / drafts, accepted,
+                        spec.num_draft_tokens - last_draft_tokens,
+                        100 * accepted / (spec.num_draft_tokens - last_draft_tokens))
+        if spec is not None:
+            last_drafts, last_draft_tokens, last_accepted = (spec.num_drafts, spec.num_draft_tokens,
+                                                             spec.num_accepted_tokens)
         last_time, last_prompt, last_generation, last_queries, last_hits = now, prompt, generation, queries, hits
