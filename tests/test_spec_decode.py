@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import json
 import logging
+import re
 import shutil
 
 import numpy as np
@@ -437,3 +438,26 @@ def test_periodic_log_line_gives_the_intervals_mean_acceptance_length(caplog):
         asyncio.run(run())
     line = next(record.message for record in caplog.records if "SpecDecoding" in record.message)
     assert "Mean acceptance length: 4.00" in line and "Draft acceptance rate: 75.0%" in line
+
+
+def test_a_request_under_a_grammar_does_not_speculate_beside_one_that_does():
+    """The grammar's bitmask covers one row per step, so a constrained request decodes one token at a time
+    while a plain one in the same batch speculates; each gives what it gives alone without speculation."""
+    from pagedllm import StructuredOutputsParams
+
+    common = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=24,
+                                 structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"))
+    prompts = ["one two three four one two three four one two three four one two",
+               "The phone number is"]
+    reference = LLM(**common).generate(prompts, [plain, constrained], use_tqdm=False)
+    llm = LLM(speculative_config=NGRAM, **common)
+    alone = llm.generate(prompts[1:], [constrained], use_tqdm=False)
+    assert llm.stats().spec_decoding.num_drafts == 0
+    together = llm.generate(prompts, [plain, constrained], use_tqdm=False)
+    assert llm.stats().spec_decoding.num_drafts > 0
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", together[1].outputs[0].text)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in reference]
+    assert alone[0].outputs[0].token_ids == reference[1].outputs[0].token_ids
+    _assert_no_blocks_held(llm)
