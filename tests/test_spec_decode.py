@@ -428,11 +428,26 @@ def test_periodic_log_line_gives_the_intervals_mean_acceptance_length(caplog):
             spec.observe(4, 3)   # each interval: one draft of 4, 3 accepted
             return EngineStats(kv_usage, 1, 0, 0, None, spec.snapshot())
 
+    class SpecDecodingLine(logging.Handler):
+        """Sets `logged` when the speculative-decoding line is emitted (on the loop's thread)."""
+        def __init__(self, logged: asyncio.Event):
+            super().__init__()
+            self.logged = logged
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if "SpecDecoding" in record.getMessage():
+                self.logged.set()
+
     async def run():
+        handler = SpecDecodingLine(asyncio.Event())
+        stats_logger = logging.getLogger("pagedllm.entrypoints.openai.stats_logger")
+        stats_logger.addHandler(handler)
         task = asyncio.create_task(log_stats_periodically(FakeState, interval=0))
-        while not any("SpecDecoding" in record.message for record in caplog.records):
-            await asyncio.sleep(0)
-        task.cancel()
+        try:
+            await asyncio.wait_for(handler.logged.wait(), 120)   # a bound for a broken logger, not a timing
+        finally:
+            task.cancel()
+            stats_logger.removeHandler(handler)
 
     with caplog.at_level(logging.INFO):
         asyncio.run(run())
