@@ -6,6 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -18,6 +19,8 @@ if not torch.cuda.is_available():
 
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
+from pagedllm.bench.reliability.server import ServerProcess  # noqa: E402
+from pagedllm.model import kernels  # noqa: E402
 from pagedllm.model.loader import bundled_model_path  # noqa: E402
 from pagedllm.tokenizer import load_tokenizer_from_gguf  # noqa: E402
 
@@ -50,6 +53,22 @@ TINY_ARCHS = {
     # head_dim differs from hidden_size // num_attention_heads, as in real Qwen3 models.
     "qwen3": (Qwen3Config, {"head_dim": 32}),
 }
+
+
+def pytest_sessionstart(session):
+    """Where setup.py builds the C++ kernels, a missing build fails the run instead of skipping every kernel test."""
+    if kernels.BUILD_REQUIRED and kernels.kernels is None:
+        pytest.exit("pagedllm's C++ kernels are not built on this x86-64 machine: run "
+                    "`python setup.py build_ext --inplace` (or `pip install -e .`)", returncode=1)
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `kernels` need the C++ build: they skip only where it is optional (not x86-64)."""
+    if kernels.kernels is None:
+        skip = pytest.mark.skip(reason=f"C++ kernels not built ({kernels.platform.machine()}: optional there)")
+        for item in items:
+            if item.get_closest_marker("kernels"):
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -88,6 +107,43 @@ def make_tiny_model_dir(hf_tokenizer_dir):
         return folder
 
     return make
+
+
+CLIENT_TIMEOUT = 300   # seconds: a request that never answers fails its test instead of hanging the suite
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory):
+    """The module's own `pagedllm serve` on loopback, started with its SERVER_FLAGS (and --api-key
+    SERVER_API_KEY where it sets one; the fault-injection launcher where SERVER_FAULT_INJECTION is true),
+    stopped when the module ends."""
+    module = request.module
+    process = ServerProcess(tmp_path_factory.mktemp(module.__name__.rpartition(".")[2]) / "server.log",
+                            *module.SERVER_FLAGS, api_key=getattr(module, "SERVER_API_KEY", None),
+                            fault_injection=getattr(module, "SERVER_FAULT_INJECTION", False))
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on the module's server."""
+    return server.openai_client(CLIENT_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """Raw HTTP to the module's server, with its API key."""
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=CLIENT_TIMEOUT) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def llm(request):
+    """The module's offline LLM, built with its LLM_SETTINGS."""
+    from pagedllm import LLM
+
+    return LLM(**request.module.LLM_SETTINGS)
 
 
 @pytest.fixture

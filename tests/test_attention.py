@@ -5,14 +5,11 @@ import torch.nn.functional as F
 
 from pagedllm.model import attention
 from pagedllm.model.attention import AttentionMetadata, CacheTensor, paged_attention
+from tests.attention_reference import (DTYPE_PAIRS, caches_of, causal_reference, dequantize, noise_cache,
+                                       reference_quantize, tolerance)
 
-pytestmark = pytest.mark.skipif(attention._C is None, reason="C++ kernel not built")
+pytestmark = pytest.mark.kernels
 
-# (model dtype, KV cache dtype) pairs the engine can make: kv_cache_dtype "auto" is the model dtype.
-DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
-               (torch.float32, torch.float8_e5m2), (torch.float32, torch.int8),
-               (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float16),
-               (torch.bfloat16, torch.float8_e5m2), (torch.bfloat16, torch.int8)]
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2, torch.int8]
 
 
@@ -21,39 +18,6 @@ def layouts(block_sizes):
     8 and 24, which between them take the whole-vector and the partial-vector paths of each read."""
     return [(dtype, cache_dtype, block_size) for dtype, cache_dtype in DTYPE_PAIRS for block_size in block_sizes
             if dtype == cache_dtype or block_size in (8, 24)]
-
-
-def tolerance(dtype):
-    """The reference attends over the very values the cache holds (dequantized), so a cache dtype adds
-    no error of its own. float32 queries: the same float arithmetic in another order, int8 scales
-    applied to a dot product rather than to each of its terms (a few float roundings, ~1e-7 relative,
-    on outputs of size ~1). bfloat16 queries: the output is rounded to bfloat16 (2^-9 relative), and
-    over a bfloat16 cache the probabilities are too (each 2^-9 relative, so at most 2^-9 * max |v|,
-    ~1e-2 for standard normal values): 2e-2 leaves a margin."""
-    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-
-
-def reference_quantize(rows, cache_dtype):
-    """What a cache of cache_dtype should hold for rows [..., head_dim]: torch's own rounding for the
-    float dtypes; for int8, round(x / scale) with scale = absmax / 127 per row (zeros, scale 0, for a
-    zero row). Returns the elements and the scales (None but for int8)."""
-    if cache_dtype != torch.int8:
-        return rows.to(cache_dtype), None
-    scales = rows.float().abs().amax(-1) / 127
-    return torch.nan_to_num(torch.round(rows.float() / scales[..., None])).to(torch.int8), scales
-
-
-def dequantize(elements, scales):
-    return elements.float() if scales is None else elements.float() * scales[..., None]
-
-
-def noise_cache(shape, scales_shape, cache_dtype, generator):
-    """A cache whose every slot holds noise, scales included, as unwritten slots may."""
-    elements = torch.randn(shape, generator=generator)
-    if cache_dtype != torch.int8:
-        return CacheTensor(elements.to(cache_dtype))
-    scales = torch.rand(scales_shape, generator=generator)
-    return CacheTensor((elements * 40).clamp(-127, 127).to(torch.int8), scales)
 
 
 def scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype, generator, cache_dtype=None):
@@ -83,11 +47,6 @@ def scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype, generator, 
         held_keys.append(dequantize(k, k_scales))
         held_values.append(dequantize(v, v_scales))
     return k_cache, v_cache, tables, held_keys, held_values
-
-
-def caches_of(k_cache, v_cache):
-    """The kernels' cache arguments."""
-    return k_cache.data, v_cache.data, k_cache.scales, v_cache.scales
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,block_size", layouts([8, 16, 24, 64]))
@@ -162,11 +121,8 @@ def test_kernel_and_pytorch_paths_agree_inside_paged_attention(cache_dtype):
         assert torch.equal(changed, written)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("dtype, cache_dtype", DTYPE_PAIRS)
 def test_write_kv_stores_what_the_reference_quantization_gives(dtype, cache_dtype):
-    if cache_dtype == torch.float32 and dtype != torch.float32:
-        pytest.skip("a float32 cache serves float32 models only")
     generator = torch.Generator().manual_seed(2)
     k_shape, v_shape = attention.kv_cache_shapes(6, 16, 3, 64)
     scales_shape = attention.kv_scales_shape(6, 16, 3)
@@ -201,15 +157,6 @@ def test_write_kv_stores_what_the_reference_quantization_gives(dtype, cache_dtyp
     if cache_dtype == torch.int8:
         assert k_cache.scales[2, 1, 8] == 0 and not k_cache.data[2, 1, :, 8].any()   # slot 40: the zero row
         assert k_cache.data.abs().max() == 127   # each row's largest element takes the whole range
-
-
-def causal_reference(q, keys, values, context_len, scale):
-    """q: [chunk, heads, head_dim] at positions context_len..; keys/values: [context + chunk, kv_heads, head_dim]."""
-    positions = torch.arange(context_len, context_len + q.shape[0])
-    mask = torch.arange(keys.shape[0])[None, :] <= positions[:, None]
-    return F.scaled_dot_product_attention(q.float().transpose(0, 1), keys.float().transpose(0, 1),
-                                          values.float().transpose(0, 1), attn_mask=mask, scale=scale,
-                                          enable_gqa=True).transpose(0, 1)
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,block_size", layouts([8, 16, 24, 64, 128]))

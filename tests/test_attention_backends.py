@@ -16,7 +16,6 @@ from pagedllm.worker.host_staging import HostStaging, fetch
 
 CPU = torch.device("cpu")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_cpu_kernels = pytest.mark.skipif(attention_backends._C is None, reason="C++ kernels not built")
 
 
 def select(requested, device=CPU, head_dim=64, cache_dtype=torch.float32):
@@ -30,7 +29,7 @@ def test_config_names_the_backends_the_selection_knows():
     assert parse_args(["generate", "hi", "--attention-backend", "torch"]).attention_backend == "torch"
 
 
-@needs_cpu_kernels
+@pytest.mark.kernels
 def test_auto_takes_the_cpu_kernels_on_cpu_and_the_reference_where_they_cannot_serve(monkeypatch):
     monkeypatch.delenv(FORCE_VARIABLE, raising=False)
     assert select("auto").name == "cpu" and select("auto").uses_cpu_kernels

@@ -6,10 +6,10 @@ import torch
 
 from pagedllm.model import attention
 from pagedllm.model.cascade import SharedPrefixGroups, find_shared_prefixes
-from tests.test_attention import (DTYPE_PAIRS, caches_of, causal_reference, dequantize, noise_cache,
-                                  reference_quantize, tolerance)
+from tests.attention_reference import (DTYPE_PAIRS, caches_of, causal_reference, dequantize, noise_cache,
+                                       reference_quantize, tolerance)
 
-kernel = pytest.mark.skipif(attention._C is None, reason="C++ kernel not built")
+pytestmark = pytest.mark.kernels
 
 
 def shared_cache(groups, block_size, kv_heads, head_dim, dtype, cache_dtype, generator):
@@ -99,7 +99,6 @@ def decodes(contexts):
     return [(context, 1) for context in contexts]
 
 
-@kernel
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 @pytest.mark.parametrize("members", [1, 2, 40], ids=["group-of-1", "group-of-2", "group-of-40"])
@@ -112,7 +111,6 @@ def test_decodes_sharing_whole_blocks(block_size, heads, kv_heads, head_dim, mem
         assert found.shared_lens.tolist() == [common * block_size]
 
 
-@kernel
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_decodes_sharing_a_prefix_that_ends_mid_block(block_size):
     """The tables agree on one block more than the shortest context covers: the prefix ends mid-block,
@@ -124,7 +122,6 @@ def test_decodes_sharing_a_prefix_that_ends_mid_block(block_size):
     assert found.shared_lens.tolist() == [shortest]
 
 
-@kernel
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_mixed_batch_of_groups_and_lone_sequences(block_size):
     """Two groups, sequences that share nothing, and a pair that shares one block only (left to the plain
@@ -138,7 +135,6 @@ def test_mixed_batch_of_groups_and_lone_sequences(block_size):
     assert sorted(zip(sizes, found.shared_lens.tolist())) == [(2, 8 * block_size), (3, 5 * block_size)]
 
 
-@kernel
 def test_forks_and_beams():
     """A beam-search-like tree: 4 beams share a prompt's 6 blocks; two of them share 2 more blocks
     (the search takes the prefix common to the whole group: 6 blocks); a fork of 3 parallel samples
@@ -162,7 +158,6 @@ def test_forks_and_beams():
         torch.testing.assert_close(out[i:i + 1], expected, atol=1e-5, rtol=1e-5)
 
 
-@kernel
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_several_query_rows_per_sequence(block_size):
     """Prefill chunks after a shared cached prefix, and 1 + k verification rows as speculative decoding
@@ -174,7 +169,6 @@ def test_several_query_rows_per_sequence(block_size):
     assert sorted(found.shared_lens.tolist()) == [2 * block_size, 640]
 
 
-@kernel
 @pytest.mark.parametrize("dtype,cache_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("block_size", [16, 24])
 def test_every_kv_cache_dtype(dtype, cache_dtype, block_size):
@@ -182,7 +176,6 @@ def test_every_kv_cache_dtype(dtype, cache_dtype, block_size):
     assert_matches(groups, block_size, dtype=dtype, cache_dtype=cache_dtype)
 
 
-@kernel
 def test_kernel_refuses_groups_whose_tables_or_lengths_disagree():
     generator = torch.Generator().manual_seed(1)
     k_cache, v_cache, tables, _, _ = shared_cache([(2, decodes([40, 40]))], 16, 1, 16, torch.float32,

@@ -7,7 +7,7 @@ from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.model import attention
 from pagedllm.model.cascade import MIN_SHARED_TOKENS
 
-pytestmark = pytest.mark.skipif(attention._C is None, reason="C++ kernel not built")
+pytestmark = pytest.mark.kernels
 
 # Two tokens whose log-probabilities are closer than this are a true near-tie: float32 sums taken in
 # another order (the cascade merges two partial softmaxes) may swap them.

@@ -1,5 +1,8 @@
 """The offline API on the bundled model: shapes, order, sampling semantics, errors."""
+import logging
+
 import pytest
+import torch
 
 from pagedllm import LLM, RequestOutput, SamplingParams
 
@@ -7,10 +10,8 @@ PROMPTS = ["Tell me a story about a robot.", "What is 2 + 2?", "Name a colour.",
            "Write a limerick about a cat who learned to code in Python."]
 
 
-@pytest.fixture(scope="module")
-def llm():
-    # float32: the exact path, so results cannot depend on batch composition through rounding.
-    return LLM(dtype="float32", kv_cache_memory="256MiB")
+# float32: the exact path, so results cannot depend on batch composition through rounding.
+LLM_SETTINGS = dict(dtype="float32", kv_cache_memory="256MiB")
 
 
 def test_outputs_come_back_in_input_order_with_vllm_fields(llm):
@@ -132,3 +133,37 @@ def test_bad_input_names_the_problem(llm):
     with pytest.raises(ValueError, match="2 entries for 4 prompts"):
         llm.generate(PROMPTS, [SamplingParams()] * 2, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_the_engine_seed_fixes_unseeded_sampling(make_tiny_model_dir, tmp_path):
+    """LLM(seed=...) seeds the requests that bring no seed of their own: the same engine seed draws the same
+    samples, another one others."""
+    folder = str(make_tiny_model_dir(tmp_path, "llama"))
+    prompts = [{"prompt_token_ids": [5, 17, 42, 9]}, {"prompt_token_ids": [100, 3, 77]}]
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def sample(seed):
+        llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", seed=seed)
+        return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+    first = sample(1)
+    assert sample(1) == first and sample(2) != first
+
+
+def test_unknown_llm_arguments_are_a_type_error_naming_them():
+    with pytest.raises(TypeError, match=r"unknown LLM argument\(s\): gpu_layers, temprature"):
+        LLM(temprature=0.5, gpu_layers=10)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_an_explicit_dtype_runs_the_model_and_cache_in_it(dtype, caplog):
+    """dtype=bfloat16/float16 on the float path: the layers' weights and the KV cache hold that dtype, the
+    start-up log says so, and the model still knows the capital of France."""
+    with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
+        llm = LLM(dtype=dtype, quantization="none", kv_cache_memory="64MiB")
+    runner = llm.llm_engine.runner
+    assert runner.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    assert runner.kv_caches[0][0].data.dtype == getattr(torch, dtype)
+    assert f"KV cache: {dtype}, " in caplog.text
+    answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in answer, answer

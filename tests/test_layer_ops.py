@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from pagedllm.model import attention, ops
 from pagedllm.model.rope import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(ops._C is None, reason="C++ kernels not built")
+pytestmark = pytest.mark.kernels
 # float32: the same arithmetic up to summation order; bfloat16: one rounding of the output apart.
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 DTYPES = [torch.float32, torch.bfloat16]

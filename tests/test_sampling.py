@@ -314,7 +314,7 @@ def test_seeded_rows_ignore_the_rest_of_the_batch():
     assert run_seeded(8, step_logits, [], 0) != alone
 
 
-@pytest.mark.skipif(sampler._C is None, reason="C++ kernels not built")
+@pytest.mark.kernels
 @pytest.mark.parametrize("vocab", [16, 49152, 1003])
 def test_logits_summary_kernel_matches_logsumexp_and_argmax(vocab):
     generator = torch.Generator().manual_seed(vocab)

@@ -7,60 +7,35 @@ from __future__ import annotations
 
 import json
 
-import httpx
-import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.reliability.server import ServerProcess
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.request_fields import POLICIES, NoOp, Refused, check_undeclared_fields
 from pagedllm.entrypoints.openai.errors import APIError
 
 MODEL = "smollm2"
-FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--served-model-name", MODEL)
+SERVER_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--served-model-name", MODEL)
+LLM_SETTINGS = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)   # the offline reference
 PROMPT = "The lighthouse keeper climbed the stairs"
 TOLERANCE = 1e-4
 CHAT = [{"role": "user", "content": "Say hello."}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    process = ServerProcess(tmp_path_factory.mktemp("fields-server") / "server.log", *FLAGS)
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as http:
-        yield http
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
-
-
-def offline_prompt_logprobs(offline: LLM, prompt_ids: list[int], k: int):
+def offline_prompt_logprobs(llm: LLM, prompt_ids: list[int], k: int):
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k)
-    return offline.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0].prompt_logprobs
+    return llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0].prompt_logprobs
 
 
 # ---------------------------------------------------------------- echo + logprobs, prompt_logprobs
 
 @pytest.mark.parametrize("max_tokens", [0, 1, 4])
-def test_echo_with_logprobs_gives_the_prompts_logprobs_first(client, offline, max_tokens):
-    prompt_ids = offline.get_tokenizer().encode(PROMPT)
+def test_echo_with_logprobs_gives_the_prompts_logprobs_first(client, llm, max_tokens):
+    prompt_ids = llm.get_tokenizer().encode(PROMPT)
     choice = client.completions.create(model=MODEL, prompt=prompt_ids, echo=True, logprobs=2, max_tokens=max_tokens,
                                        temperature=0).choices[0]
     logprobs = choice.logprobs
-    expected = offline_prompt_logprobs(offline, prompt_ids, 2)
+    expected = offline_prompt_logprobs(llm, prompt_ids, 2)
     assert len(logprobs.tokens) == len(prompt_ids) + max_tokens
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     for position in range(1, len(prompt_ids)):
@@ -96,9 +71,9 @@ def test_echo_only_usage_counts_no_completion_tokens(http):
         "max_tokens"   # without echo, max_tokens 0 asks for nothing
 
 
-def test_prompt_logprobs_extra_has_vllms_shape(http, offline):
-    prompt_ids = offline.get_tokenizer().encode(PROMPT)
-    expected = offline_prompt_logprobs(offline, prompt_ids, 1)
+def test_prompt_logprobs_extra_has_vllms_shape(http, llm):
+    prompt_ids = llm.get_tokenizer().encode(PROMPT)
+    expected = offline_prompt_logprobs(llm, prompt_ids, 1)
     completion = http.post("/v1/completions", json={"prompt": prompt_ids, "max_tokens": 2, "prompt_logprobs": 1})
     chat = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 0})
     served = completion.json()["choices"][0]["prompt_logprobs"]
@@ -221,3 +196,128 @@ def test_declaring_a_field_is_all_it_takes_to_honour_it():
     check_undeclared_fields(WithPrediction.model_validate(body))
     check_undeclared_fields(CompletionRequest.model_validate({"prompt": "x", "user": "u"}))
     assert all(isinstance(rule, (NoOp, Refused)) for policy in POLICIES.values() for rule in policy.values())
+
+
+# ---------------------------------------------------------------- /v1/completions: refused and no-op fields
+
+# vLLM's /v1/completions extras this server does not implement, each of which would change the answer.
+REFUSED_COMPLETION_FIELDS = {"truncate_prompt_tokens": 8, "add_special_tokens": False,
+                             "return_tokens_as_token_ids": True, "logits_processors": ["x"], "priority": 1}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_COMPLETION_FIELDS))
+def test_refused_completion_fields_are_400s_naming_them(http, name):
+    response = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2,
+                                                  name: REFUSED_COMPLETION_FIELDS[name]})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == name and name in response.json()["error"]["message"]
+
+
+def test_completion_no_op_fields_change_nothing_and_their_other_values_are_refused(http):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    no_ops = {"user": "u-1", "safety_identifier": "s", "prompt_cache_key": "k", "metadata": {"a": "b"},
+              "store": False, "service_tier": "default", "guided_decoding_backend": "xgrammar"}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    with_no_ops = http.post("/v1/completions", json={**body, **no_ops})
+    assert with_no_ops.status_code == 200 and with_no_ops.json()["choices"][0]["text"] == plain != ""
+    for name, value in (("store", True), ("service_tier", "flex"), ("guided_decoding_backend", "outlines")):
+        response = http.post("/v1/completions", json={**body, name: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == name
+
+
+# ---------------------------------------------------------------- sampling fields, each with its effect
+
+def greedy_completion(http, prompt=PROMPT, **fields) -> dict:
+    response = http.post("/v1/completions", json={"prompt": prompt, "temperature": 0, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def token_ids(llm, text: str) -> list[int]:
+    return llm.get_tokenizer().encode(text, add_special_tokens=False)
+
+
+def test_best_of_returns_the_candidate_with_the_highest_cumulative_logprob(http, llm):
+    """The server's one answer out of best_of=4 seeded samples is, of the four samples the offline engine
+    draws for the same seed, the one whose token log-probabilities sum highest (summed here)."""
+    fields = dict(max_tokens=8, temperature=1.0, seed=11)
+    candidates = llm.generate(PROMPT, SamplingParams(n=4, best_of=4, logprobs=0, **fields),
+                              use_tqdm=False)[0].outputs
+    sums = [sum(step[token].logprob for step, token in zip(c.logprobs, c.token_ids)) for c in candidates]
+    assert len(set(c.text for c in candidates)) > 1, "the samples do not differ: the choice would prove nothing"
+    best = candidates[max(range(4), key=sums.__getitem__)].text
+    answer = http.post("/v1/completions", json={"prompt": PROMPT, "n": 1, "best_of": 4, **fields}).json()
+    assert [choice["text"] for choice in answer["choices"]] == [best]
+
+
+def test_stop_token_ids_stop_at_that_token(http, llm):
+    whole = greedy_completion(http, max_tokens=12, ignore_eos=True)["text"]
+    ids = token_ids(llm, whole)
+    stop_id = ids[4]
+    cut = ids.index(stop_id)   # its first occurrence
+    choice = greedy_completion(http, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id])
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop_id
+    assert choice["text"] == llm.get_tokenizer().decode(ids[:cut])   # the stop token's text is left out
+
+
+def test_min_tokens_holds_back_eos_until_then(client, llm):
+    """A chat answer that ends early (EOS after k tokens) runs to at least min_tokens = k + 5 with it."""
+    natural = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=64, temperature=0)
+    k = natural.usage.completion_tokens
+    assert natural.choices[0].finish_reason == "stop" and k < 40, "the answer must end by EOS, well short"
+    longer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=64, temperature=0,
+                                            extra_body={"min_tokens": k + 5})
+    assert longer.usage.completion_tokens >= k + 5
+    assert longer.choices[0].message.content.startswith(natural.choices[0].message.content)
+
+
+def test_include_stop_str_in_output(http):
+    whole = greedy_completion(http, max_tokens=12, ignore_eos=True)["text"]
+    stop = whole.split()[2]
+    kept = greedy_completion(http, max_tokens=12, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    assert kept["text"] == whole[:whole.index(stop) + len(stop)] and kept["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("skip_special_tokens, spaces_between_special_tokens", [
+    (True, True), (False, True), (False, False)])
+def test_special_tokens_in_the_text(http, llm, skip_special_tokens, spaces_between_special_tokens):
+    """Three forced <|im_start|> tokens (logit_bias +100), then a plain word: skipped, or spelled out,
+    with spaces between adjacent special tokens or without, as vLLM's detokenizer does."""
+    special = llm.get_tokenizer().convert_tokens_to_ids("<|im_start|>")
+    choice = greedy_completion(http, max_tokens=3, logit_bias={str(special): 100}, ignore_eos=True,
+                               skip_special_tokens=skip_special_tokens,
+                               spaces_between_special_tokens=spaces_between_special_tokens)
+    expected = ("" if skip_special_tokens else
+                (" " if spaces_between_special_tokens else "").join(["<|im_start|>"] * 3))
+    assert choice["text"] == expected
+
+
+def test_top_k_one_and_min_p_one_are_greedy(http):
+    greedy = greedy_completion(http, max_tokens=10, ignore_eos=True)["text"]
+    for fields in ({"top_k": 1}, {"min_p": 1.0}):
+        sampled = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "ignore_eos": True,
+                                                     "temperature": 1.5, "seed": 3, **fields}).json()
+        assert sampled["choices"][0]["text"] == greedy, fields
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_penalties_move_the_greedy_choice_as_their_formula_says(client, penalty):
+    """Greedy with a penalty against the plain greedy run's top-20 log-probabilities, penalised here by the
+    OpenAI formula (presence: minus p once a token has been generated; frequency: minus p per time): the
+    two runs share a prefix, and where they first part the penalised run picks the top of the hand-penalised
+    list. A repetitive prompt makes them part."""
+    kwargs = dict(model=MODEL, prompt="1, 2, 1, 2, 1, 2, 1, 2,", max_tokens=16, temperature=0, logprobs=20,
+                  extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].logprobs
+    penalised = client.completions.create(**kwargs, **{penalty: 1.5}).choices[0].logprobs.tokens
+    generated: list[str] = []
+    for position, (token, top) in enumerate(zip(plain.tokens, plain.top_logprobs)):
+        def adjusted(candidate):
+            count = generated.count(candidate)
+            return top[candidate] - 1.5 * (min(count, 1) if penalty == "presence_penalty" else count)
+        expected = max(top, key=adjusted)
+        assert penalised[position] == expected, (position, penalised, plain.tokens)
+        if expected != token:
+            return   # the runs part here: what follows has other contexts
+        generated.append(token)
+    pytest.fail(f"the {penalty} never changed the greedy choice: the test proved nothing")

@@ -3,12 +3,16 @@
 setup.py builds csrc/ once per instruction set on x86-64 (pagedllm._C for any CPU, _C_avx2,
 _C_avx512, _C_avx512bf16). The choice is made once, at import, from the features the CPU
 reports (`_C.cpu_features()`); the engine logs it. PAGEDLLM_ISA=<name> forces a variant (tests use
-it to check each one). `kernels` is None where nothing was built: the PyTorch formulas serve.
+it to check each one). `kernels` is None where nothing was built: the PyTorch formulas serve. A variant
+that was built but does not import is an error, never a quiet fallback. On x86-64 the build is part of the
+install (BUILD_REQUIRED): the tests fail there without it.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import platform
 from types import ModuleType
 
 # Best first: each variant's name, as setup.py builds it, and the CPU features it needs.
@@ -21,28 +25,27 @@ VARIANTS: dict[str, frozenset[str]] = {
     "generic": frozenset(),
 }
 FORCE_VARIABLE = "PAGEDLLM_ISA"
+BUILD_REQUIRED = platform.machine() in ("x86_64", "AMD64")   # setup.py builds every variant there
 
 
 def module_name(variant: str) -> str:
     return "pagedllm._C" if variant == "generic" else f"pagedllm._C_{variant}"
 
 
+def _import_if_built(variant: str) -> ModuleType | None:
+    """The variant's module, None if it was not built; a built one that fails to import raises."""
+    name = module_name(variant)
+    return importlib.import_module(name) if importlib.util.find_spec(name) is not None else None
+
+
 def supported_variants() -> list[str]:
     """The variants this CPU can run and this build holds, best first (empty without a build)."""
-    try:
-        generic = importlib.import_module(module_name("generic"))
-    except ImportError:
+    generic = _import_if_built("generic")
+    if generic is None:
         return []
     features = set(generic.cpu_features())
-    found = []
-    for variant, needs in VARIANTS.items():
-        if needs <= features:
-            try:
-                importlib.import_module(module_name(variant))
-            except ImportError:   # not built here (not x86-64)
-                continue
-            found.append(variant)
-    return found
+    return [variant for variant, needs in VARIANTS.items()
+            if needs <= features and _import_if_built(variant) is not None]
 
 
 def load(variant: str) -> ModuleType:
