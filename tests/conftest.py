@@ -1,8 +1,11 @@
-"""Shared fixtures: the bundled GGUF model, a saved copy of its tokenizer, and tiny random HF checkpoints."""
+"""Shared fixtures: the bundled GGUF model and its transformers reference, a saved copy of its tokenizer, tiny
+random HF checkpoints, a module's server (with clients) and offline LLM; and the rule that the C++ kernels
+are required where they are built."""
 
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -65,7 +68,7 @@ def pytest_sessionstart(session):
 def pytest_collection_modifyitems(items):
     """Tests marked `kernels` need the C++ build: they skip only where it is optional (not x86-64)."""
     if kernels.kernels is None:
-        skip = pytest.mark.skip(reason=f"C++ kernels not built ({kernels.platform.machine()}: optional there)")
+        skip = pytest.mark.skip(reason=f"C++ kernels not built ({platform.machine()}: optional there)")
         for item in items:
             if item.get_closest_marker("kernels"):
                 item.add_marker(skip)
@@ -74,6 +77,14 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def bundled_gguf_path() -> Path:
     return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def bundled_reference(bundled_gguf_path):
+    """transformers' own model of the bundled GGUF, in float32 on its weights as gguf dequantizes them: the
+    independent reference for the bundled model."""
+    return AutoModelForCausalLM.from_pretrained(bundled_gguf_path.parent, gguf_file=bundled_gguf_path.name,
+                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

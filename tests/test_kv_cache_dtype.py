@@ -5,7 +5,6 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.accuracy import sequence_logprobs
@@ -13,6 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import parse_args
 from pagedllm.model.attention import CacheTensor
 from pagedllm.worker.model_runner import allocate_kv_caches
+from tests.kv_cache_reference import RoundingCache
 
 PROMPTS = ["Tell me a story about a robot.", "What is 2 + 2?", "Name a colour.",
            "Write a limerick about a cat who learned to code in Python.", "Explain why the sky is blue.",
@@ -63,34 +63,6 @@ def test_each_kv_cache_dtype_generates_in_a_pool_sized_for_it(kv_cache_dtype, au
         assert [completions[0] for completions in pairs] == [completions[1] for completions in pairs]
 
 
-def round_like_the_cache(states: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
-    """K/V [..., head_dim] as a cache of that dtype gives them back, written out from its definition: a
-    cast (round to nearest even); for int8 a symmetric scale per token and kv head, absmax / 127."""
-    if kv_cache_dtype != "int8":
-        return states.to(getattr(torch, TORCH_NAMES[kv_cache_dtype])).float()
-    scale = states.abs().amax(-1, keepdim=True) / 127
-    return torch.where(scale > 0, torch.round(states / scale.clamp_min(1e-30)).clamp(-127, 127) * scale, 0.0)
-
-
-class RoundingCache(DynamicCache):
-    """transformers' cache, storing each new K/V row rounded as our KV cache dtype stores it: attention then
-    reads rounded K/V for every position, its own included, as our kernels read the cache."""
-
-    def __init__(self, kv_cache_dtype: str):
-        super().__init__()
-        self.kv_cache_dtype = kv_cache_dtype
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        rounded = (round_like_the_cache(states, self.kv_cache_dtype) for states in (key_states, value_states))
-        return super().update(*rounded, layer_idx, *args, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def reference_model(bundled_gguf_path):
-    return AutoModelForCausalLM.from_pretrained(bundled_gguf_path.parent, gguf_file=bundled_gguf_path.name,
-                                                dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def teacher_forced_sequences(auto_llm, auto_tokens):
     """Each chat prompt followed by the float model's greedy answer: the sequences every run is scored on."""
@@ -101,7 +73,7 @@ def teacher_forced_sequences(auto_llm, auto_tokens):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16", "fp8_e5m2", "int8"])
-def test_each_kv_cache_dtype_rounds_as_its_definition_says(kv_cache_dtype, auto_llm, reference_model,
+def test_each_kv_cache_dtype_rounds_as_its_definition_says(kv_cache_dtype, auto_llm, bundled_reference,
                                                              teacher_forced_sequences):
     """Teacher-forced log-probabilities of the next token, our float32 model over a cache of the dtype,
     against transformers' float32 model whose cache rounds K/V by the dtype's definition. The rounding moves
@@ -118,8 +90,8 @@ def test_each_kv_cache_dtype_rounds_as_its_definition_says(kv_cache_dtype, auto_
         ours = sequence_logprobs(runner, sequence, caches)[:-1]
         with torch.no_grad():
             ids = torch.tensor([sequence])
-            rounded = reference_model(ids, past_key_values=RoundingCache(kv_cache_dtype)).logits[0, :-1]
-            exact = reference_model(ids, use_cache=False).logits[0, :-1]
+            rounded = bundled_reference(ids, past_key_values=RoundingCache(kv_cache_dtype)).logits[0, :-1]
+            exact = bundled_reference(ids, use_cache=False).logits[0, :-1]
         next_tokens = torch.tensor(sequence[1:])
         picked = [rows.log_softmax(-1).gather(-1, next_tokens[:, None]) for rows in (ours, rounded, exact)]
         ours_to_rounded += float((picked[0] - picked[1]).abs().sum())

@@ -49,12 +49,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=Tru
 
 
 @pytest.fixture(scope="module")
-def bundled_reference(bundled_gguf_path):
-    return AutoModelForCausalLM.from_pretrained(bundled_gguf_path.parent, gguf_file=bundled_gguf_path.name,
-                                                dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def bundled_llm():
     return LLM(dtype="float32", quantization="none", kv_cache_memory="256MiB")   # the float path, exact
 

@@ -3,10 +3,8 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.model.loader import bundled_model_path
 from pagedllm.worker.model_runner import kv_bytes_per_block
 
 
@@ -145,12 +143,10 @@ def test_stats_are_derived_from_the_pool(tiny_dir):
 # (ignore_eos here, eos_token_id=None there), so every beam runs to max_tokens, all finished
 # beams have the same length, and length_penalty / early_stopping cannot reorder them.
 @pytest.fixture(scope="module")
-def bundled():
+def bundled(bundled_reference):
     llm = LLM(dtype="float32", quantization="none", kv_cache_memory="128MiB")   # the float path: exact
-    path = bundled_model_path()
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    reference.generation_config.eos_token_id = None
-    return llm, reference
+    bundled_reference.generation_config.eos_token_id = None
+    return llm, bundled_reference
 
 
 @pytest.mark.parametrize("width", [2, 4])

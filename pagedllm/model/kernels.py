@@ -15,6 +15,8 @@ import os
 import platform
 from types import ModuleType
 
+import torch  # noqa: F401  (loads libtorch, which the compiled variants link against)
+
 # Best first: each variant's name, as setup.py builds it, and the CPU features it needs.
 VARIANTS: dict[str, frozenset[str]] = {
     "avx512bf16": frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
