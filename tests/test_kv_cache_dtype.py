@@ -67,8 +67,7 @@ def test_each_kv_cache_dtype_generates_in_a_pool_sized_for_it(kv_cache_dtype, au
 def teacher_forced_sequences(auto_llm, auto_tokens):
     """Each chat prompt followed by the float model's greedy answer: the sequences every run is scored on."""
     tokenizer = auto_llm.get_tokenizer()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                             add_generation_prompt=True) for prompt in PROMPTS]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) for prompt in PROMPTS]
     return [list(prompt) + tokens for prompt, tokens in zip(prompts, auto_tokens)]
 
 
