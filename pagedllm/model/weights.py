@@ -105,14 +105,18 @@ class CheckpointWeights(Mapping):
         return len(self.formats)
 
 
-def check_weight_shapes(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig) -> list[str]:
+def check_weight_shapes(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig,
+                        expected: Mapping[str, tuple[int, ...]] | None = None,
+                        unused: Callable[[str], bool] = lambda name: False) -> list[str]:
     """The names of the tensors the model reads; ValueError if one is missing, mis-shaped, or a stray
-    tensor would be silently ignored (e.g. a bias the config does not declare)."""
-    expected = expected_weight_shapes(config)
+    tensor would be silently ignored (e.g. a bias the config does not declare). expected: the model's own
+    names and shapes (default: the decoder's); unused: names a checkpoint may carry that the model leaves."""
+    expected = expected_weight_shapes(config) if expected is None else expected
     missing = [name for name in expected if name not in shapes]
     if missing:
         raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {_first_names(missing)}")
-    unexpected = [name for name in shapes if name not in expected and not _is_redundant(name, config)]
+    unexpected = [name for name in shapes
+                  if name not in expected and not _is_redundant(name, config) and not unused(name)]
     if unexpected:
         raise ValueError(
             f"Checkpoint has {len(unexpected)} weight(s) the model does not use: {_first_names(unexpected)}"
@@ -123,8 +127,11 @@ def check_weight_shapes(shapes: Mapping[str, tuple[int, ...]], config: ModelConf
     return list(expected)
 
 
-def load_safetensors_weights(folder: Path, config: ModelConfig) -> CheckpointWeights:
-    """model.safetensors, or every shard model.safetensors.index.json names, in their stored dtypes."""
+def load_safetensors_weights(folder: Path, config: ModelConfig,
+                             expected: Mapping[str, tuple[int, ...]] | None = None,
+                             unused: Callable[[str], bool] = lambda name: False) -> CheckpointWeights:
+    """model.safetensors, or every shard model.safetensors.index.json names, in their stored dtypes;
+    expected and unused as check_weight_shapes takes them."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -141,7 +148,7 @@ def load_safetensors_weights(folder: Path, config: ModelConfig) -> CheckpointWei
                 handles[name], shapes[name], formats[name] = handle, tuple(part.get_shape()), part.get_dtype()
         except safetensors.SafetensorError as exc:
             raise ValueError(f"{folder / file} is not a readable safetensors file: {exc}") from exc
-    names = check_weight_shapes(shapes, config)
+    names = check_weight_shapes(shapes, config, expected, unused)
 
     def read(name: str, shard: Shard | None) -> torch.Tensor:
         if shard is None:

@@ -129,15 +129,20 @@ class ModelRunner:
                             for t in (cache.data, cache.scales) if t is not None)
         meta, positions, _ = self.attention_metadata(np.arange(num_blocks)[None], np.zeros(1, np.int64),
                                                      np.array([num_tokens]))
-        logits_indices = torch.full((num_seqs,), num_tokens - 1, device=self.device)
-        logits = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
-                            self.staging.to_device("positions", positions), scratch, meta, logits_indices)
-        if logits is not None:   # the sampler's own buffers: a softmax and a sort over the vocabulary per row
-            logits.softmax(-1).sort(dim=-1)
+        self._profile_forward(num_tokens, num_seqs, self.staging.to_device("positions", positions), scratch, meta)
         if not on_cuda:
             return 0
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - scratch_bytes
+
+    def _profile_forward(self, num_tokens: int, num_seqs: int, positions: torch.Tensor,
+                         kv_caches: list[tuple[CacheTensor, CacheTensor]], meta: AttentionMetadata) -> None:
+        """The profile run's forward pass: one prompt of num_tokens, then logits and sampling for num_seqs rows."""
+        logits_indices = torch.full((num_seqs,), num_tokens - 1, device=self.device)
+        logits = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions, kv_caches,
+                            meta, logits_indices)
+        if logits is not None:   # the sampler's own buffers: a softmax and a sort over the vocabulary per row
+            logits.softmax(-1).sort(dim=-1)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
