@@ -73,6 +73,15 @@ POLICIES: dict[str, dict[str, NoOp | Refused]] = {
         "function_call": Refused("the deprecated functions API is not supported; send tool_calls"),
     },
     "stream_options": {"include_obfuscation": NoOp()},
+    # /v1/embeddings, /v1/score, /v1/rerank
+    "pooling": {
+        "user": NoOp(),
+        "truncate_prompt_tokens": _SHARED["truncate_prompt_tokens"],
+        "priority": _SHARED["priority"],
+        "softmax": Refused("a cross-encoder's score takes the activation it was saved with"),
+        "activation": Refused("a cross-encoder's score takes the activation it was saved with"),
+        "instruction": Refused("prepend the instruction to the text"),
+    },
 }
 
 _logged: set[tuple[str, str]] = set()
