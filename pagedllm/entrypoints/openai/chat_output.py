@@ -106,9 +106,9 @@ class ChoiceParser:
             if isinstance(event, ParsedToolCall):
                 if self.num_tool_calls and not self._parallel:
                     continue
-                delta.pieces.append(DeltaToolCall(index=self.num_tool_calls, id=new_tool_call_id(),
-                                                  type="function",
-                                                  function=DeltaFunctionCall(name=event.name, arguments=event.arguments)))
+                function = DeltaFunctionCall(name=event.name, arguments=event.arguments)
+                delta.pieces.append(DeltaToolCall(index=self.num_tool_calls, id=new_tool_call_id(), type="function",
+                                                  function=function))
                 self.num_tool_calls += 1
             else:
                 delta.add_content(event)

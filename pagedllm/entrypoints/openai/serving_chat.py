@@ -78,9 +78,9 @@ def _whole_choice(index: int, choice: ChoiceState, parser: ChoiceParser, body: C
     tool_calls = whole_tool_calls(parts.tool_calls)
     message = ChatResponseMessage(content=parts.content if parts.content or not tool_calls else None,
                                   reasoning_content=_reasoning(parts, parser, body), tool_calls=tool_calls)
-    return ChatChoice(index=index, message=message,
-                      logprobs=chat_logprobs(choice.token_ids, choice.logprobs, num_top, bool(body.return_tokens_as_token_ids))
-                      if body.logprobs else None,
+    logprobs = (chat_logprobs(choice.token_ids, choice.logprobs, num_top, bool(body.return_tokens_as_token_ids))
+                if body.logprobs else None)
+    return ChatChoice(index=index, message=message, logprobs=logprobs,
                       finish_reason=_finish_reason(choice.finish_reason, parser),
                       stop_reason=choice.stop_reason)
 
@@ -106,6 +106,7 @@ async def _stream(body: ChatCompletionRequest, run: ChatRun, state: ServerState)
     choices = [ChoiceState() for _ in range(n)]
     parsers = [run.new_parser() for _ in range(n)]
     num_top = body.top_logprobs or 0
+    as_token_ids = bool(body.return_tokens_as_token_ids)
     try:
         # As OpenAI: each choice opens with the role, before any text.
         for index in range(n):
@@ -123,7 +124,7 @@ async def _stream(body: ChatCompletionRequest, run: ChatRun, state: ServerState)
                 parts = parser.feed(delta.text)
                 if delta.finish_reason is not None:
                     parts.extend(parser.finish())
-                logprobs = (chat_logprobs(delta.token_ids, delta.logprobs or [], num_top, bool(body.return_tokens_as_token_ids))
+                logprobs = (chat_logprobs(delta.token_ids, delta.logprobs or [], num_top, as_token_ids)
                             if body.logprobs else None)
                 if not (parts or delta.finish_reason or logprobs):
                     continue   # text held back by a parser (a marker may be starting)

@@ -40,7 +40,8 @@ def _choice_logprobs(body: CompletionRequest, prompt: dict, choice: ChoiceState,
     if body.logprobs is None:
         return None
     if not body.echo or choice.prompt_logprobs is None:
-        return completion_logprobs(choice.token_ids, choice.logprobs, text_offset, bool(body.return_tokens_as_token_ids))
+        return completion_logprobs(choice.token_ids, choice.logprobs, text_offset,
+                                   bool(body.return_tokens_as_token_ids))
     prompt_ids = prompt["prompt_token_ids"]
     first = state.tokenizer.decode(prompt_ids[:1], skip_special_tokens=False)
     return echoed_completion_logprobs(prompt_ids, choice.prompt_logprobs, first, choice.token_ids, choice.logprobs,

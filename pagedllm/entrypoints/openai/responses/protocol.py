@@ -198,6 +198,7 @@ OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0   # prompt tokens served from the prefix cache
+    cache_write_tokens: int = 0   # not counted: the prefix cache keeps every prompt's full blocks at no charge
 
 
 class OutputTokensDetails(BaseModel):
