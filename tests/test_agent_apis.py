@@ -40,6 +40,8 @@ CITY_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxL
                                                 "coastal": {"type": "boolean"}},
                "required": ["name", "population", "coastal"], "additionalProperties": False}
 TIMEOUT = 300
+# Anthropic's newer clients have no sampling fields; older ones send temperature, top_p and top_k, honoured here.
+GREEDY = {"temperature": 0}
 SCHEMATHESIS_EXAMPLES = 15   # per operation and generation mode, as the reliability suite's fuzz test
 
 
@@ -236,16 +238,22 @@ def test_return_tokens_as_token_ids_names_each_token_by_its_id(server, client):
 
 # ---------------------------------------------------------------- Messages
 
-def test_a_streamed_message_assembles_into_the_whole_one(claude):
-    request = dict(model=MODEL, max_tokens=12, system="Answer in one line.", temperature=0,
+def test_a_streamed_message_assembles_into_the_whole_one(server, claude):
+    request = dict(model=MODEL, max_tokens=12, system="Answer in one line.", extra_body=GREEDY,
                    messages=[{"role": "user", "content": "Name three colours."}], metadata={"user_id": "u-1"})
     whole = claude.messages.create(**request)
     with claude.messages.stream(**request) as stream:
         types = [event.type for event in stream]
         streamed = stream.get_final_message()
-    assert types[:3] == ["message_start", "ping", "content_block_start"]
+    assert types[:2] == ["message_start", "content_block_start"]   # the client passes pings over
     assert types[-3:] == ["content_block_stop", "message_delta", "message_stop"]
-    assert streamed.content == whole.content and streamed.stop_reason == whole.stop_reason == "max_tokens"
+    raw = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": ALICE_KEY}, timeout=TIMEOUT,
+                     json={**{k: v for k, v in request.items() if k != "extra_body"}, **GREEDY, "stream": True})
+    names = [line.removeprefix("event: ") for line in raw.text.splitlines() if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert [block.model_dump(exclude_none=True) for block in streamed.content] == \
+        [block.model_dump(exclude_none=True) for block in whole.content]
+    assert streamed.stop_reason == whole.stop_reason == "max_tokens"
     for usage in (whole.usage, streamed.usage):
         assert usage.output_tokens == 12
     assert (whole.usage.input_tokens + whole.usage.cache_read_input_tokens
@@ -253,7 +261,7 @@ def test_a_streamed_message_assembles_into_the_whole_one(claude):
 
 
 def test_stop_sequences_end_with_stop_sequence(claude):
-    request = dict(model=MODEL, max_tokens=16, temperature=0, messages=[{"role": "user", "content": "Say hello."}])
+    request = dict(model=MODEL, max_tokens=16, extra_body=GREEDY, messages=[{"role": "user", "content": "Say hello."}])
     text = claude.messages.create(**request).content[0].text
     word = text.split()[1]
     stopped = claude.messages.create(**request, stop_sequences=[word])
@@ -261,9 +269,17 @@ def test_stop_sequences_end_with_stop_sequence(claude):
     assert stopped.content[0].text == text[:text.index(word)]
 
 
+def test_output_config_format_output_validates(claude):
+    message = claude.messages.create(model=MODEL, max_tokens=200, extra_body=GREEDY,
+                                     messages=[{"role": "user", "content": "Describe Lisbon as JSON."}],
+                                     output_config={"format": {"type": "json_schema", "schema": CITY_SCHEMA}})
+    assert message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(message.content[0].text), CITY_SCHEMA)
+
+
 def test_a_tool_round_trip_and_count_tokens(claude):
     ask = [{"role": "user", "content": ASK_WEATHER}]
-    first = claude.messages.create(model=MODEL, max_tokens=200, temperature=0, messages=ask, tools=[MESSAGES_TOOL],
+    first = claude.messages.create(model=MODEL, max_tokens=200, extra_body=GREEDY, messages=ask, tools=[MESSAGES_TOOL],
                                    tool_choice={"type": "any", "disable_parallel_tool_use": True})
     [tool_use] = [block for block in first.content if block.type == "tool_use"]
     assert first.stop_reason == "tool_use" and tool_use.name == "get_weather"
@@ -271,7 +287,7 @@ def test_a_tool_round_trip_and_count_tokens(claude):
     conversation = ask + [{"role": "assistant", "content": [block.model_dump() for block in first.content]},
                           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use.id,
                                                         "content": "21 degrees and sunny"}]}]
-    answer = claude.messages.create(model=MODEL, max_tokens=24, temperature=0, messages=conversation,
+    answer = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=conversation,
                                     tools=[MESSAGES_TOOL], tool_choice={"type": "none"})
     assert answer.content[0].type == "text" and answer.content[0].text
     assert answer.stop_reason in ("end_turn", "max_tokens")
@@ -281,15 +297,15 @@ def test_a_tool_round_trip_and_count_tokens(claude):
 
 
 def test_a_streamed_named_tool_call_assembles_into_the_whole_one(claude):
-    request = dict(model=MODEL, max_tokens=200, temperature=0, messages=[{"role": "user", "content": ASK_WEATHER}],
+    request = dict(model=MODEL, max_tokens=200, extra_body=GREEDY, messages=[{"role": "user", "content": ASK_WEATHER}],
                    tools=[MESSAGES_TOOL], tool_choice={"type": "tool", "name": "get_weather"})
     whole = claude.messages.create(**request)
     with claude.messages.stream(**request) as stream:
         deltas = [event.delta.type for event in stream if event.type == "content_block_delta"]
         streamed = stream.get_final_message()
     assert set(deltas) == {"input_json_delta"}
-    strip = [{k: v for k, v in block.model_dump().items() if k != "id"} for block in whole.content]
-    assert [{k: v for k, v in block.model_dump().items() if k != "id"} for block in streamed.content] == strip
+    strip = [block.model_dump(exclude={"id"}, exclude_none=True) for block in whole.content]
+    assert [block.model_dump(exclude={"id"}, exclude_none=True) for block in streamed.content] == strip
     assert streamed.stop_reason == whole.stop_reason == "tool_use"
 
 

@@ -114,6 +114,16 @@ class ThinkingConfig(StrictModel):
     budget_tokens: int | None = None
 
 
+class JsonOutputFormat(StrictModel):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(StrictModel):
+    format: JsonOutputFormat | None = None   # structured output, through the same grammar as chat's
+    effort: str | None = None                # refused: the effort cannot be set
+
+
 class Metadata(StrictModel):
     user_id: str | None = None
 
@@ -137,6 +147,10 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None   # one tier: a no-op
+    speed: Literal["standard"] | None = None   # one speed: "fast" is not a mode this server has
+    inference_geo: str | None = None           # where it runs is where this server is: a no-op
+    cache_control: CacheControl | None = None  # marks the last block, as cache_control on a block does
+    output_config: OutputConfig | None = None
 
 
 # ---- response ----

@@ -14,7 +14,8 @@ from pagedllm.entrypoints.openai.translated_requests import chat_request_from
 
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 # Chat's names for fields, as this API calls them (for the 400s the chat path raises).
-MESSAGES_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+MESSAGES_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
+                  "response_format": "output_config.format"}
 
 
 def _refuse_unsupported(body: CountTokensRequest) -> None:
@@ -70,6 +71,19 @@ def _chat_messages(message: MessageParam) -> list[dict]:
     return messages
 
 
+def _response_format(body: MessagesRequest) -> dict | None:
+    """output_config.format as chat's response_format (json_schema: the grammar enforces the schema)."""
+    config = body.output_config
+    if config is None:
+        return None
+    if config.effort is not None:
+        raise APIError(400, "output_config.effort cannot be set: the model answers as its chat template says",
+                       param="output_config.effort")
+    if config.format is None:
+        return None
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": config.format.json_schema}}
+
+
 def _tool_choice(body: CountTokensRequest) -> str | dict | None:
     choice = body.tool_choice
     if choice is None:
@@ -96,5 +110,5 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         fields["parallel_tool_calls"] = False
     if isinstance(body, MessagesRequest):
         fields.update(max_completion_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
-                      top_p=body.top_p, top_k=body.top_k)
+                      top_p=body.top_p, top_k=body.top_k, response_format=_response_format(body))
     return chat_request_from(fields)
