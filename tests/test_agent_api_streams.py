@@ -17,6 +17,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from pagedllm.entrypoints.anthropic.events import MessageBuilder
 from pagedllm.entrypoints.anthropic.protocol import MessageResponse
+from pagedllm.entrypoints.openai.answer_segments import AnswerStep
 from pagedllm.entrypoints.openai.chat_output import ChoiceParser
 from pagedllm.entrypoints.openai.reasoning import Qwen3ReasoningParser
 from pagedllm.entrypoints.openai.responses.events import ResponseBuilder
@@ -60,6 +61,26 @@ def _pieces(text: str, cuts: list[int]) -> list[str]:
     return [text[start:end] for start, end in zip(points, points[1:])]
 
 
+def _whole_events(builder, text: str, mode: str, choice: ChoiceState) -> list[dict]:
+    """The answer fed whole, as the server builds a non-streamed answer: one step."""
+    parser = _parser(mode)
+    parts = parser.feed(text)
+    parts.extend(parser.finish())
+    return builder.take(AnswerStep(parts, choice, finished=True), NUM_PROMPT_TOKENS)
+
+
+def _streamed_events(builder, text: str, mode: str, choice: ChoiceState, cuts: list[int]) -> list[dict]:
+    """The answer fed in pieces, as the server streams it: a step per piece, the last one finishing."""
+    parser, pieces = _parser(mode), _pieces(text, cuts)
+    events = []
+    for number, piece in enumerate(pieces, start=1):
+        parts = parser.feed(piece)
+        if number == len(pieces):
+            parts.extend(parser.finish())
+        events += builder.take(AnswerStep(parts, choice, finished=number == len(pieces)), NUM_PROMPT_TOKENS)
+    return events
+
+
 def _choice(finish_reason: str, stop_reason: str | None = None) -> ChoiceState:
     return ChoiceState(token_ids=list(range(7)), finish_reason=finish_reason, stop_reason=stop_reason,
                        num_cached_tokens=NUM_CACHED_TOKENS)
@@ -73,23 +94,16 @@ def _response_builder() -> ResponseBuilder:
 
 
 def _whole_response(text: str, mode: str, choice: ChoiceState) -> dict:
-    parser, builder = _parser(mode), _response_builder()
-    parts = parser.feed(text)
-    parts.extend(parser.finish())
-    builder.feed(parts)
-    builder.finish(choice, NUM_PROMPT_TOKENS)
+    builder = _response_builder()
+    _whole_events(builder, text, mode, choice)
     return builder.response.model_dump(mode="json")
 
 
 def _streamed_response(text: str, mode: str, choice: ChoiceState, cuts: list[int]) -> tuple[list[str], dict]:
     """The events of the text streamed in pieces, checked against openai's event types and assembled by
     openai's own stream state (what client.responses.stream() uses): the final response it gives."""
-    parser, builder = _parser(mode), _response_builder()
-    events = builder.start()
-    for piece in _pieces(text, cuts):
-        events += builder.feed(parser.feed(piece))
-    events += builder.feed(parser.finish())
-    events += builder.finish(choice, NUM_PROMPT_TOKENS)
+    builder = _response_builder()
+    events = builder.start() + _streamed_events(builder, text, mode, choice, cuts)
     state = ResponseStreamState(input_tools=omit, text_format=omit)
     for event in events:
         handled = state.handle_event(RESPONSE_EVENTS[event["type"]].model_validate(event))
@@ -136,23 +150,15 @@ def _message_builder() -> MessageBuilder:
 
 
 def _whole_message(text: str, mode: str, choice: ChoiceState) -> dict:
-    parser, builder = _parser(mode), _message_builder()
-    parts = parser.feed(text)
-    parts.extend(parser.finish())
-    builder.feed(parts)
-    builder.finish(choice, NUM_PROMPT_TOKENS)
+    builder = _message_builder()
+    _whole_events(builder, text, mode, choice)
     return builder.message.model_dump(mode="json")
 
 
 def _streamed_message(text: str, mode: str, choice: ChoiceState, cuts: list[int]) -> tuple[list[str], Message]:
     """The events of the text streamed in pieces, checked against anthropic's event types and assembled by
     anthropic's own accumulate_event (what client.messages.stream() uses)."""
-    parser, builder = _parser(mode), _message_builder()
-    events = builder.start(choice, NUM_PROMPT_TOKENS)
-    for piece in _pieces(text, cuts):
-        events += builder.feed(parser.feed(piece))
-    events += builder.feed(parser.finish())
-    events += builder.finish(choice, NUM_PROMPT_TOKENS)
+    events = _streamed_events(_message_builder(), text, mode, choice, cuts)
     snapshot, json_buffers = None, {}
     for event in events:
         if event["type"] != "ping":

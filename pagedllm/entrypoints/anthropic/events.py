@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from pagedllm.entrypoints.anthropic.protocol import AnthropicUsage, MessageResponse, TextOut, ThinkingOut, ToolUseOut
-from pagedllm.entrypoints.openai.answer_segments import AnswerSegments, Segment, SegmentEvent
+from pagedllm.entrypoints.openai.answer_segments import AnswerSegments, AnswerStep, Segment, SegmentEvent
 from pagedllm.entrypoints.openai.chat_output import ParsedDelta
 from pagedllm.entrypoints.openai.serving_engine import ChoiceState
 
@@ -36,11 +36,19 @@ class MessageBuilder:
         """message: the answer's shell (id, model, usage of the prompt), without content."""
         self.message = message
         self._segments = AnswerSegments()
+        self._started = False
 
     def start(self, choice: ChoiceState, num_prompt_tokens: int) -> list[dict]:
         """Sent once the engine has admitted the request, so that the usage counts the cached tokens."""
         self.message.usage = usage(num_prompt_tokens, choice)
         return [{"type": "message_start", "message": self.message.model_dump(mode="json")}, {"type": "ping"}]
+
+    def take(self, step: AnswerStep, num_prompt_tokens: int) -> list[dict]:
+        """The events of one step of the answer (the whole answer is one step); the first opens the message."""
+        events = [] if self._started else self.start(step.choice, num_prompt_tokens)
+        self._started = True
+        events += self.feed(step.parts)
+        return events + self.finish(step.choice, num_prompt_tokens) if step.finished else events
 
     def feed(self, parts: ParsedDelta) -> list[dict]:
         return self._translate(self._segments.feed(parts))

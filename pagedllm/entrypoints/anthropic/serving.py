@@ -11,7 +11,7 @@ from pagedllm.entrypoints.anthropic.events import MessageBuilder
 from pagedllm.entrypoints.anthropic.protocol import (ANTHROPIC_ERROR_RESPONSES, CountTokensRequest,
                                                      CountTokensResponse, MessageResponse, MessagesRequest)
 from pagedllm.entrypoints.anthropic.translate import MESSAGES_NAMES, chat_request
-from pagedllm.entrypoints.openai.answer_segments import answer_steps, whole_answer
+from pagedllm.entrypoints.openai.answer_segments import streamed_events, whole_answer
 from pagedllm.entrypoints.openai.errors import ANTHROPIC_PATH_PREFIX, APIError, error_body
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, start_chat
@@ -46,22 +46,14 @@ async def create_message(body: MessagesRequest, raw_request: Request):
     answer = await whole_answer(raw_request, run.merged, run.new_parser())
     if answer is None:
         return Response(status_code=499)   # the client left; nobody reads this
-    builder.feed(answer.parts)
-    builder.finish(answer.choice, len(run.prompt_ids))
+    builder.take(answer, len(run.prompt_ids))
     return builder.message
 
 
 async def _stream(run: ChatRun, builder: MessageBuilder) -> AsyncIterator[str]:
-    started = False
     try:
-        async for step in answer_steps(run.merged, run.new_parser()):
-            events = [] if started else builder.start(step.choice, len(run.prompt_ids))
-            started = True
-            events += builder.feed(step.parts)
-            if step.finished:
-                events += builder.finish(step.choice, len(run.prompt_ids))
-            for event in events:
-                yield sse_typed_event(event)
+        async for event in streamed_events(run.merged, run.new_parser(), builder, len(run.prompt_ids)):
+            yield sse_typed_event(event)
     except Exception as exc:
         error = mid_stream_error(exc, run.request_id)
         yield sse_typed_event(error_body(error.status, error.message, error.param, error.code, ANTHROPIC_PATH_PREFIX))

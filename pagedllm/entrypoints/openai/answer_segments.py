@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from fastapi import Request
 
@@ -89,6 +89,18 @@ class AnswerStep:
     parts: ParsedDelta
     choice: ChoiceState
     finished: bool
+
+
+class StepBuilder(Protocol):
+    """A Responses or Messages builder: each step of an answer in, that API's events out."""
+    def take(self, step: AnswerStep, num_prompt_tokens: int) -> list[dict]: ...
+
+
+async def streamed_events(merged: AsyncIterator[tuple[int, RequestOutput]], parser: ChoiceParser,
+                          builder: StepBuilder, num_prompt_tokens: int) -> AsyncIterator[dict]:
+    async for step in answer_steps(merged, parser):
+        for event in builder.take(step, num_prompt_tokens):
+            yield event
 
 
 async def answer_steps(merged: AsyncIterator[tuple[int, RequestOutput]],

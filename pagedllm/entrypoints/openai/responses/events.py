@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
-from pagedllm.entrypoints.openai.answer_segments import AnswerSegments, Segment, SegmentEvent
+from pagedllm.entrypoints.openai.answer_segments import AnswerSegments, AnswerStep, Segment, SegmentEvent
 from pagedllm.entrypoints.openai.chat_output import ParsedDelta
 from pagedllm.entrypoints.openai.responses.protocol import (IncompleteDetails, InputTokensDetails, OutputFunctionCall,
                                                             OutputItem, OutputMessage, OutputReasoning, OutputText,
@@ -34,6 +34,11 @@ class ResponseBuilder:
     def start(self) -> list[dict]:
         return [self._event("response.created", response=self._snapshot()),
                 self._event("response.in_progress", response=self._snapshot())]
+
+    def take(self, step: AnswerStep, num_prompt_tokens: int) -> list[dict]:
+        """The events of one step of the answer (the whole answer is one step)."""
+        events = self.feed(step.parts)
+        return events + self.finish(step.choice, num_prompt_tokens) if step.finished else events
 
     def feed(self, parts: ParsedDelta) -> list[dict]:
         return self._translate(self._segments.feed(parts))

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 
-from pagedllm.entrypoints.openai.answer_segments import answer_steps, whole_answer
+from pagedllm.entrypoints.openai.answer_segments import streamed_events, whole_answer
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ERROR_RESPONSES
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
@@ -58,8 +58,7 @@ async def create_response(body: ResponsesRequest, raw_request: Request):
     answer = await whole_answer(raw_request, run.merged, run.new_parser())
     if answer is None:
         return Response(status_code=499)   # the client left; nobody reads this
-    builder.feed(answer.parts)
-    builder.finish(answer.choice, len(run.prompt_ids))
+    builder.take(answer, len(run.prompt_ids))
     _keep(body, builder.response, conversation, raw_request, state)
     return builder.response
 
@@ -83,12 +82,8 @@ async def _stream(body: ResponsesRequest, run: ChatRun, builder: ResponseBuilder
     for event in builder.start():
         yield sse_typed_event(event)
     try:
-        async for step in answer_steps(run.merged, run.new_parser()):
-            events = builder.feed(step.parts)
-            if step.finished:
-                events += builder.finish(step.choice, len(run.prompt_ids))
-            for event in events:
-                yield sse_typed_event(event)
+        async for event in streamed_events(run.merged, run.new_parser(), builder, len(run.prompt_ids)):
+            yield sse_typed_event(event)
     except Exception as exc:
         error = mid_stream_error(exc, run.request_id)
         for event in builder.fail(error.code or "server_error", error.message):
