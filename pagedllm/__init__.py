@@ -14,6 +14,11 @@ _PUBLIC = {
     "Logprob": "pagedllm.outputs",
     "BeamSearchParams": "pagedllm.engine.beam_search",
     "BeamSearchOutput": "pagedllm.engine.beam_search",
+    "PoolingParams": "pagedllm.pooling_params",
+    "PoolerConfig": "pagedllm.pooling_params",
+    "PoolingRequestOutput": "pagedllm.outputs",
+    "EmbeddingRequestOutput": "pagedllm.outputs",
+    "ScoringRequestOutput": "pagedllm.outputs",
 }
 __all__ = list(_PUBLIC)
 

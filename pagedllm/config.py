@@ -5,6 +5,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from pagedllm.pooling_params import POOLING_TYPES, PoolerConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -20,6 +21,10 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # auto: triton on CUDA, the C++ kernels on CPU (pagedllm/model/attention_backends.py); torch: the PyTorch reference.
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
+# vLLM's --runner: auto picks pooling for encoder, bare-model and sequence-classification checkpoints and for
+# sentence-transformers folders (pagedllm/model/pooling_checkpoint.py), generate for the rest.
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_CHOICES = tuple(kind.lower() for kind in POOLING_TYPES)   # --pooling, the short form of pooler_config
 
 
 def parse_memory_size(value: int | float | str) -> int:
@@ -64,6 +69,10 @@ class EngineConfig:
     distributed_executor_backend: str | None = None   # None: ray when data_parallel_size > 1, else mp
     attention_backend: str = "auto"   # auto: PAGEDLLM_ATTENTION_BACKEND if set, else the device's default
     speculative_config: SpeculativeConfig | dict | None = None   # a dict in vLLM's shape becomes a SpeculativeConfig
+    runner: str = "auto"
+    pooler_config: PoolerConfig | dict | None = None   # vLLM's; a dict becomes a PoolerConfig
+    pooling: str | None = None        # last, mean or cls: pooler_config's pooling_type, in short
+    hf_overrides: dict | None = None  # config.json keys replaced before it is read (vLLM's)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -103,11 +112,29 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         self._check_data_parallel()
+        self._check_pooling()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
             if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size 1 only, "
                                  f"got tensor_parallel_size {self.tensor_parallel_size}")
+
+    def _check_pooling(self) -> None:
+        """Resolves pooler_config (from itself and the short `pooling`) and checks the runner knobs."""
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a mapping of config.json keys, got {self.hf_overrides!r}")
+        if self.pooler_config is not None:
+            self.pooler_config = PoolerConfig.from_value(self.pooler_config)
+        if self.pooling is None:
+            return
+        if self.pooling not in POOLING_CHOICES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_CHOICES)}, got {self.pooling!r}")
+        given = self.pooler_config or PoolerConfig()
+        if given.pooling_type not in (None, self.pooling.upper()):
+            raise ValueError(f"pooling {self.pooling!r} contradicts pooler_config's pooling_type {given.pooling_type!r}")
+        self.pooler_config = PoolerConfig(self.pooling.upper(), given.normalize)
 
     def _check_data_parallel(self) -> None:
         """Resolves distributed_executor_backend and refuses combinations that cannot run."""

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class Logprob:
@@ -36,3 +38,56 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None   # set when the request failed inside the engine (finish_reason "error")
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling model's result for one prompt: the embedding, or a cross-encoder's score as one value."""
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What LLM.encode / the engine return for a pooling request (vLLM's shape)."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    error: str | None = None   # set when the request failed inside the engine
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's result: `.outputs.embedding` is the vector."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """LLM.score's result for one pair: `.outputs.score`."""
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

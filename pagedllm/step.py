@@ -83,3 +83,5 @@ class ModelRunnerOutput:
     token_ranks: list[int] | None = None        # the sampled token's rank, 1 = most likely
     prepare_seconds: float = 0.0                # the runner's share of step preparation (batch update, inputs)
     prompt_logprobs: dict[str, PromptLogprobs] | None = None   # by request id, for those that asked
+    # Pooling runner: each request computed in the step (always whole) and its pooled float32 row.
+    pooler_output: dict[str, np.ndarray] | None = None

@@ -24,7 +24,8 @@ from functools import partial
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.stats import EngineStats
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,11 @@ class AsyncLLM:
             if not done and not self._closed:
                 # No await here: this also runs while the caller's task is being cancelled.
                 self._executor.submit(self.engine.abort_request, request_id)
+
+    def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+               priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling request's one output (vLLM's name), under generate's rules for errors and aborts."""
+        return self.generate(prompt, pooling_params, request_id, priority)
 
     async def abort(self, request_id: str) -> None:
         """Drops the request in the engine (freeing its blocks) and ends its stream quietly."""

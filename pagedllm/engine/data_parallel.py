@@ -142,7 +142,11 @@ class DPAsyncLLM:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         size = config.data_parallel_size
-        checkpoint = load_checkpoint(config.model, config.quantization)   # config and tokenizer; weights stay unread
+        # config and tokenizer; weights stay unread
+        checkpoint = load_checkpoint(config.model, config.quantization, config.runner, config.pooler_config,
+                                     config.hf_overrides)
+        if checkpoint.pooling is not None:
+            raise ValueError("pooling models (embeddings, scores) serve with data_parallel_size 1")
         bundle = replica_bundle(config, ray.cluster_resources())
         group = placement_group([bundle] * size, strategy="SPREAD")
         try:

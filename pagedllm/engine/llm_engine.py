@@ -15,6 +15,7 @@ from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.executor.abstract import Executor
 from pagedllm.engine.output_processor import BeamSearchParent, ChildState, ParentRequest, process_token
+from pagedllm.engine.pooling import PoolingParent, check_pooling_params, check_token_type_ids
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stats import EngineStats, StepStats
@@ -22,7 +23,10 @@ from pagedllm.kv.manager import KVCacheManager
 from pagedllm.model import kernels
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import load_checkpoint
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.model.bert import with_token_types
+from pagedllm.model.rope_scaling import rope_length_key
+from pagedllm.outputs import Logprob, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.planner import SpeculationPlanner
 from pagedllm.step import ModelRunnerOutput, PromptLogprobs
@@ -108,8 +112,12 @@ class LLMEngine:
                              "serve replicas with `pagedllm serve --data-parallel-size N`")
         self.config = config
         self.device = resolve_device(config.device)
-        checkpoint = load_checkpoint(config.model, config.quantization)
+        checkpoint = load_checkpoint(config.model, config.quantization, config.runner, config.pooler_config,
+                                     config.hf_overrides)
         self.model_config = checkpoint.config
+        self.pooling = checkpoint.pooling   # None: the generating runner; else the pooling model's facts
+        if self.pooling is not None:
+            self._check_pooling_engine()
         self.tokenizer = checkpoint.tokenizer
         self.dtype = resolve_dtype(config.dtype, checkpoint.config.torch_dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
@@ -126,14 +134,15 @@ class LLMEngine:
         if profile:
             num_blocks = self._num_kv_blocks(self._profiled_kv_cache_budget(token_budget))
             self.executor.collective_rpc("allocate_kv_caches", num_blocks)
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # Pooling prompts run whole and never reuse cached blocks (an encoder's K/V depend on later tokens).
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size,
+                                         config.enable_prefix_caching and self.pooling is None)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)
         speculation = SpeculationPlanner(config.speculative_config) if config.speculative_config else None
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, token_budget,
-                                   config.enable_chunked_prefill, config.scheduling_policy, self.structured_output,
-                                   speculation)
-        self.parents: dict[str, ParentRequest | BeamSearchParent] = {}
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, token_budget, self._chunks_prefill,
+                                   config.scheduling_policy, self.structured_output, speculation)
+        self.parents: dict[str, ParentRequest | BeamSearchParent | PoolingParent] = {}
         self.children: dict[str, ChildState] = {}   # plain and parallel samples (not beams) by request id
         self.parent_of: dict[str, str] = {}
         self.beam_searches: list[BeamSearchParent] = []
@@ -150,22 +159,39 @@ class LLMEngine:
         logger.info("weights (quantization=%s): %s", config.quantization, model.weight_summary())
         if config.speculative_config is not None:
             logger.info("speculative decoding: %s", config.speculative_config)
+        if self.pooling is not None:
+            logger.info("pooling runner: %s pooling, normalize %s, %s; prompts run whole (up to %d tokens a step), "
+                        "prefix caching off", self.pooling.pooler.pooling_type, self.pooling.pooler.normalize,
+                        f"cross-encoder with {self.pooling.num_labels} label(s)" if self.pooling.is_cross_encoder
+                        else "embeddings", token_budget)
+
+    @property
+    def _chunks_prefill(self) -> bool:
+        """Pooling prompts are computed whole, in one step: the pooler (and an encoder's attention) sees them entire."""
+        return self.config.enable_chunked_prefill and self.pooling is None
+
+    def _check_pooling_engine(self) -> None:
+        if self.config.speculative_config is not None:
+            raise ValueError("speculative_config applies to generation; a pooling model generates nothing")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(f"pooling models run with tensor_parallel_size 1, got {self.config.tensor_parallel_size}")
 
     def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
+        limit = self.model_config.context_length
         wanted = self.config.max_model_len or limit
         if wanted > limit:
-            raise ValueError(f"max_model_len must be <= {limit} (the model's max_position_embeddings), "
-                             f"got {wanted}")
+            raise ValueError(f"max_model_len must be <= {limit} (the model's context: max_position_embeddings, "
+                             f"times the factor of dynamic rope scaling), got {wanted}")
         return wanted
 
     def _resolve_token_budget(self) -> int:
         budget = self.config.max_num_batched_tokens
-        if self.config.enable_chunked_prefill:
+        if self._chunks_prefill:
             return budget or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if budget is not None and budget < self.max_model_len:
+            reason = "for a pooling model (its prompts run whole)" if self.pooling else "when enable_chunked_prefill is False"
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len "
-                             f"({self.max_model_len}) when enable_chunked_prefill is False")
+                             f"({self.max_model_len}) {reason}")
         return budget or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
 
     def _check_draft_model(self) -> ModelConfig | None:
@@ -222,14 +248,18 @@ class LLMEngine:
         raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]} "
                          f"(either with an optional 'cache_salt'), got {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams,
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | BeamSearchParams | PoolingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        """Validates and queues a request, sampled or (with BeamSearchParams) beam-searched; raises
-        ValueError (naming the numbers) if it can never run."""
+        """Validates and queues a request, sampled, (with BeamSearchParams) beam-searched or (with PoolingParams)
+        pooled; raises ValueError (naming the numbers) if it can never run."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        checked = self.check_prompt(prompt, params)
         arrival_time = arrival_time or time.monotonic()
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, prompt, params, arrival_time, priority)
+            return
+        checked = self.check_prompt(prompt, params)
         if isinstance(params, BeamSearchParams):
             search = BeamSearch(request_id, checked.token_ids, params, self.model_config.eos_token_ids,
                                 checked.max_tokens, checked.cache_salt, arrival_time, priority)
@@ -262,8 +292,41 @@ class LLMEngine:
         # from it when it samples, taking their first tokens from the same logits.
         self.scheduler.add_request(children[0].request, [child.request for child in children[1:]])
 
+    def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: float,
+                             priority: int) -> None:
+        token_ids, model_token_ids = self.check_pooling_prompt(prompt, params)
+        request = Request(request_id, model_token_ids, SamplingParams(), (), max_tokens=1, arrival_time=arrival_time,
+                          priority=priority)
+        self.parents[request_id] = PoolingParent(request, token_ids, params, self.pooling)
+        self.scheduler.add_request(request)
+
+    def check_pooling_prompt(self, prompt: PromptType, params: PoolingParams) -> tuple[list[int], list[int]]:
+        """A pooling request's token ids, and the ids the model reads (an encoder's carry their token types);
+        ValueError naming what cannot run."""
+        check_pooling_params(params, self.pooling)
+        token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if isinstance(prompt, dict):
+            cache_salt_of(prompt)
+            prompt = {key: value for key, value in prompt.items() if key not in ("token_type_ids", "cache_salt")}
+        token_ids = self._tokenize(prompt)[1]
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}")
+        if not self.kv_manager.can_ever_fit(len(token_ids)):
+            raise ValueError(f"the prompt's {len(token_ids)} tokens need more KV blocks than the whole cache has "
+                             f"({self.kv_manager.pool.num_blocks} blocks of {self.kv_manager.block_size}); raise "
+                             "kv_cache_memory")
+        if token_type_ids is None:
+            return token_ids, token_ids
+        return token_ids, with_token_types(token_ids, check_token_type_ids(token_type_ids, len(token_ids),
+                                                                             self.pooling))
+
     def check_prompt(self, prompt: PromptType, params: SamplingParams | BeamSearchParams) -> CheckedPrompt:
         """Tokenizes and validates a prompt; raises ValueError naming what cannot run."""
+        if self.pooling is not None:
+            raise ValueError("this is a pooling model: it embeds or scores (LLM.embed / LLM.score, /v1/embeddings, "
+                             "/v1/score, /v1/rerank) and cannot generate text")
         cache_salt = cache_salt_of(prompt)
         text, prompt_ids = self._tokenize(prompt)
         if not prompt_ids:
@@ -283,6 +346,9 @@ class LLMEngine:
                              f"{self.kv_manager.block_size}); raise kv_cache_memory")
         if isinstance(params, SamplingParams):
             self._check_token_ids(params)
+        rope_key = rope_length_key(self.model_config.rope_scaling, len(prompt_ids), self.max_model_len)
+        if rope_key is not None:   # K/V that depend on the prompt's length are shared only at that length
+            cache_salt = f"{cache_salt or ''}\x00{rope_key}"
         return CheckedPrompt(text, prompt_ids, max_tokens, cache_salt)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
@@ -331,6 +397,8 @@ class LLMEngine:
             self._store_prompt_logprobs(runner_output.prompt_logprobs)
         updated = time.perf_counter()
         outputs = self._process_outputs(sampled, runner_output, failed)
+        if runner_output.pooler_output:
+            outputs += self._pooled_outputs(runner_output.pooler_output)
         self.last_step_stats = StepStats(
             scheduling_seconds=(scheduled - started) + (updated - computed),
             prepare_seconds=runner_output.prepare_seconds,
@@ -421,8 +489,22 @@ class LLMEngine:
                 entry[top_id] = Logprob(value, top_rank, decode([top_id], skip_special_tokens=False))
         return entry
 
-    def _forget(self, parent: ParentRequest | BeamSearchParent) -> None:
+    def _pooled_outputs(self, pooled: dict) -> list[PoolingRequestOutput]:
+        """The pooling requests the step finished (the scheduler freed their blocks), each with its result."""
+        outputs = []
+        for request_id, row in pooled.items():
+            parent = self.parents.get(request_id)
+            if parent is None:   # aborted since the step was scheduled
+                continue
+            parent.take(row)
+            outputs.append(parent.make_output())
+            self._forget(parent)
+        return outputs
+
+    def _forget(self, parent: ParentRequest | BeamSearchParent | PoolingParent) -> None:
         del self.parents[parent.request_id]
+        if isinstance(parent, PoolingParent):
+            return
         if isinstance(parent, BeamSearchParent):
             self.beam_searches.remove(parent)
             return

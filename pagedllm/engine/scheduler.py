@@ -327,6 +327,8 @@ class Scheduler:
                 self.finish(request, status)
         for search in searches:
             search.advance_if_ready(self)
+        for request_id in runner_output.pooler_output or ():   # pooled: done, and its blocks are freed now
+            self.finish(requests[request_id], RequestStatus.FINISHED_STOPPED)
         if speculated:
             self._keep_verified(scheduler_output, runner_output)
         return sampled

@@ -13,11 +13,11 @@ import json
 import logging
 import sys
 
-from pagedllm.bench import (accuracy, cascade, dashboard_cost, kernels, latency, load, logit_controls, memory,
+from pagedllm.bench import (accuracy, cascade, dashboard_cost, embed, kernels, latency, load, logit_controls, memory,
                             scheduling, serving, structured_outputs, sweep, throughput)
 from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import (ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES,
-                             QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig)
+                             POOLING_CHOICES, QUANTIZATIONS, RUNNERS, SCHEDULING_POLICIES, EngineConfig)
 from pagedllm.entrypoints.config_file import merge_config
 from pagedllm.entrypoints.openai.server_config import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES, ServerConfig
 
@@ -104,6 +104,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
                             '"model": PATH, "num_speculative_tokens": 4}\'; optional "disable_by_batch_size": N, and '
                             'for a draft model "quantization" (default: off)')
+    group.add_argument("--runner", choices=RUNNERS, default=_UNSET,
+                       help="generate text or pool (embeddings, scores); auto: pooling for encoder, bare-model and "
+                            "sequence-classification checkpoints and sentence-transformers folders (default: auto)")
+    group.add_argument("--pooling", choices=POOLING_CHOICES, default=_UNSET,
+                       help="a pooling model's pooling, short for --pooler-config '{\"pooling_type\": ...}' "
+                            "(default: the checkpoint's sentence-transformers config, else the architecture's)")
+    group.add_argument("--pooler-config", "--override-pooler-config", type=json_mapping, default=_UNSET,
+                       metavar="JSON", help='vLLM\'s: \'{"pooling_type": "MEAN", "normalize": true}\' '
+                                            "(default: from the checkpoint)")
+    group.add_argument("--hf-overrides", type=json_mapping, default=_UNSET, metavar="JSON",
+                       help='config.json keys to replace, e.g. \'{"is_matryoshka": true}\' (default: none)')
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -261,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("kernels", kernels, "quantized linear kernels against the float matmul, per row count"),
         ("cascade", cascade, "the shared-prefix attention kernel against the plain decode kernel, per group size"),
         ("load", load, "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),
+        ("embed", embed, "embedding inputs/s and tokens/s against sentence-transformers, side by side"),
         ("logit-controls", logit_controls, "cost of logit_bias / allowed_token_ids / bad_words and prompt_logprobs"),
         ("reliability", reliability, "load, soak, faults, fuzzing and security checks against real servers"),
     )

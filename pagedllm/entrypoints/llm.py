@@ -11,7 +11,10 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.stats import EngineStats
-from pagedllm.outputs import RequestOutput
+from pagedllm.entrypoints.score_utils import pair_up, plan_scoring
+from pagedllm.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict]
@@ -82,13 +85,38 @@ class LLM:
                                   for beam in output.outputs])
                 for output in self._run(prompts, [params] * len(prompts), use_tqdm=False)]
 
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """A pooling model's result for every prompt (`outputs.data`, a tensor), in input order."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        return self._run(prompts, [pooling_params or PoolingParams()] * len(prompts), use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embeddings (`outputs.embedding`, a list of floats) of an embedding model, in input order;
+        PoolingParams(dimensions=..., normalize=...) as the model allows."""
+        params = pooling_params or PoolingParams()
+        if params.task != "embed":
+            raise ValueError(f"embed takes PoolingParams with task 'embed', got {params.task!r}")
+        return [EmbeddingRequestOutput.from_base(output) for output in self.encode(prompts, params, use_tqdm)]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Relevance of each pair (one text against a list, or two lists pairwise): a cross-encoder's score,
+        or for an embedding model the cosine of the two embeddings."""
+        engine = self.llm_engine
+        plan = plan_scoring(engine.tokenizer, engine.pooling, pair_up(data_1, data_2))
+        outputs = self._run(plan.prompts, [plan.params] * len(plan.prompts), use_tqdm)
+        return [ScoringRequestOutput(pair.request_id, ScoringOutput(pair.score), pair.prompt_token_ids)
+                for pair in plan.scores(outputs)]
+
     def stats(self) -> EngineStats:
         """KV-cache figures (blocks total / free / used / cached / shared, utilisation, prefix hit
         rate) and queue sizes, derived from the engine's state now."""
         return self.llm_engine.stats()
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams | BeamSearchParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams | BeamSearchParams | PoolingParams],
+             use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
         request_ids = []
         try:

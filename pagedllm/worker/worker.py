@@ -19,10 +19,12 @@ from pagedllm.distributed.parallel_state import (SINGLE_PROCESS, TensorParallelG
                                                  destroy_tensor_parallel_group, init_tensor_parallel_group)
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.loader import Checkpoint, load_checkpoint
+from pagedllm.model.pooling_checkpoint import build_pooling_model
 from pagedllm.model.tensor_parallel import weight_shards
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.pooling_runner import PoolingModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +58,20 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.port, self.joined = args.port, False
         self.group = TensorParallelGroup(rank, tp_size) if tp_size > 1 else SINGLE_PROCESS
-        checkpoint = checkpoint or load_checkpoint(config.model, config.quantization)
+        checkpoint = checkpoint or load_checkpoint(config.model, config.quantization, config.runner,
+                                                   config.pooler_config, config.hf_overrides)
         weights = checkpoint.weights
         if tp_size > 1:   # read as this rank's parts, each cut as it is read
             weights = weights.sharded(weight_shards(checkpoint.config, rank, tp_size))
-        model = CausalLM(checkpoint.config, weights, args.dtype, self.device, args.max_model_len, self.group)
+        # The runner kind follows the checkpoint, chosen once when it was loaded.
+        if checkpoint.pooling is None:
+            model, runner_class = CausalLM(checkpoint.config, weights, args.dtype, self.device, args.max_model_len,
+                                           self.group), ModelRunner
+        else:
+            model, runner_class = build_pooling_model(checkpoint.config, checkpoint.pooling, weights, args.dtype,
+                                                      self.device, args.max_model_len), PoolingModelRunner
         del checkpoint, weights
-        self.model_runner = ModelRunner(model, args.num_blocks, config.block_size, args.kv_cache_dtype,
+        self.model_runner = runner_class(model, args.num_blocks, config.block_size, args.kv_cache_dtype,
                                         self.device, config.seed, args.max_model_len, config.max_num_seqs,
                                         attention_backend=config.attention_backend, dtype=args.dtype,
                                         enable_cascade_attention=config.enable_cascade_attention,

@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.entrypoints.openai.serving_engine import ServerState
+from pagedllm.entrypoints.openai.serving_pooling import router as pooling_router
 from pagedllm.entrypoints.openai.stats_logger import log_stats_periodically
 from pagedllm.model.loader import bundled_model_path
 
@@ -143,6 +144,7 @@ def build_app(llm: AsyncLLM | DPAsyncLLM, config: ServerConfig) -> FastAPI:
     app.include_router(router)
     app.include_router(responses_router)
     app.include_router(messages_router)
+    app.include_router(pooling_router)
     if not config.disable_dashboard and isinstance(llm, AsyncLLM):   # Ray replicas keep their engines elsewhere
         install_dashboard(app, llm, api_key_required=bool(api_keys))
     # The last added runs first: the key is checked before the body is even counted.

@@ -90,6 +90,15 @@ POLICIES: dict[str, dict[str, NoOp | Refused]] = {
         "context_management": Refused("the context is never edited; send the messages to keep"),
     },
     "anthropic_block": {"citations": NoOp()},   # an earlier answer's: templates do not read them
+    # /v1/embeddings, /v1/score, /v1/rerank
+    "pooling": {
+        "user": NoOp(),
+        "truncate_prompt_tokens": _SHARED["truncate_prompt_tokens"],
+        "priority": Refused("pooling requests are not scheduled by priority", (None, 0)),
+        "softmax": Refused("a cross-encoder's score takes the activation it was saved with"),
+        "activation": Refused("a cross-encoder's score takes the activation it was saved with"),
+        "instruction": Refused("prepend the instruction to the text"),
+    },
 }
 
 _logged: set[tuple[str, str]] = set()
