@@ -69,7 +69,13 @@ class ParentRequest:
             prompt_logprobs = None if self._prompt_logprobs_reported else prompt_logprobs
             self._prompt_logprobs_reported = True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
-                             prompt_logprobs=prompt_logprobs, error=error)
+                             prompt_logprobs=prompt_logprobs, num_cached_tokens=self.num_cached_tokens, error=error)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the first child (the one that runs the prefill) found in the prefix cache."""
+        request = self.children[0].request
+        return min(request.num_cached_tokens, request.num_prompt_tokens)
 
 
 def _completion(child: ChildState, index: int, delta: bool) -> CompletionOutput:

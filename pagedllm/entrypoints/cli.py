@@ -150,6 +150,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=_UNSET,
                        help="split the model's reasoning into reasoning_content: qwen3 reads <think>...</think> "
                             "(default: none)")
+    group.add_argument("--responses-store-size", type=int, default=_UNSET,
+                       help="stored responses (/v1/responses with store true) kept in memory; past it the oldest "
+                            f"go {_default(ServerConfig, 'responses_store_size')}")
+    group.add_argument("--responses-store-ttl", type=float, default=_UNSET, metavar="SECONDS",
+                       help=f"how long a stored response is kept {_default(ServerConfig, 'responses_store_ttl')}")
 
 
 def resolve_settings(args: argparse.Namespace, settings: dict[str, type]) -> dict[str, object]:

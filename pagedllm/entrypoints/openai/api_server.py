@@ -13,6 +13,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.anthropic.serving import router as messages_router
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.data_parallel import DPAsyncLLM
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
@@ -26,6 +27,8 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompl
                                                   ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
                                                   TokenizeResponse, VersionResponse)
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
+from pagedllm.entrypoints.openai.responses.serving import router as responses_router
+from pagedllm.entrypoints.openai.responses.store import ResponseStore
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
@@ -122,7 +125,8 @@ def build_app(llm: AsyncLLM | DPAsyncLLM, config: ServerConfig) -> FastAPI:
                         system_fingerprint=f"pagedllm-{pagedllm_version()}", salt_by_tenant=bool(config.tenant_keys),
                         chat_template=config.chat_template_text, tool_call_parser=config.tool_call_parser,
                         enable_auto_tool_choice=config.enable_auto_tool_choice,
-                        reasoning_parser=config.reasoning_parser)
+                        reasoning_parser=config.reasoning_parser,
+                        response_store=ResponseStore(config.responses_store_size, config.responses_store_ttl))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -138,6 +142,8 @@ def build_app(llm: AsyncLLM | DPAsyncLLM, config: ServerConfig) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(responses_router)
+    app.include_router(messages_router)
     app.include_router(pooling_router)
     if not config.disable_dashboard and isinstance(llm, AsyncLLM):   # Ray replicas keep their engines elsewhere
         install_dashboard(app, llm, api_key_required=bool(api_keys))

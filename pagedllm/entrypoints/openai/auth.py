@@ -1,5 +1,5 @@
 """API-key check (`--api-key`, `--api-keys-file`): every request but /health must carry
-`Authorization: Bearer <key>`.
+`Authorization: Bearer <key>` (or, as Anthropic's clients send it, `x-api-key: <key>`).
 
 A pure ASGI middleware, so a request without the key is refused before its body is read.
 Each key may name a tenant; the handlers find it in `request.state.tenant` (None for a key
@@ -20,6 +20,7 @@ from pagedllm.entrypoints.openai.errors import error_response
 # cannot send a key with a navigation (the page asks for the key and sends it with each data request).
 OPEN_PATHS = frozenset({"/health", "/dashboard"})
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
+_HOW_TO_SEND = "send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
 
 
 def load_api_keys_file(path: str | Path) -> dict[str, str]:
@@ -50,18 +51,22 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization")
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization")
+        if given is None and b"x-api-key" in headers:   # Anthropic's clients send the key so
+            given = b"Bearer " + headers[b"x-api-key"]
+        path = scope["path"]
         if given is None:
-            response = error_response(401, "missing API key: send it as 'Authorization: Bearer <key>'",
-                                      code="missing_api_key", headers=_CHALLENGE)
+            response = error_response(401, f"missing API key: {_HOW_TO_SEND}", code="missing_api_key",
+                                      headers=_CHALLENGE, path=path)
         else:
             matched, tenant = self._match(given)
             if matched:
                 scope.setdefault("state", {})["tenant"] = tenant
                 await self.app(scope, receive, send)
                 return
-            response = error_response(401, "invalid API key: send it as 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key", headers=_CHALLENGE)
+            response = error_response(401, f"invalid API key: {_HOW_TO_SEND}", code="invalid_api_key",
+                                      headers=_CHALLENGE, path=path)
         await response(scope, receive, send)
 
     def _match(self, authorization: bytes) -> tuple[bool, str | None]:

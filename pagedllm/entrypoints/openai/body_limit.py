@@ -15,9 +15,9 @@ class RequestSizeLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
 
-    def _too_large(self):
+    def _too_large(self, scope: Scope):
         return error_response(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes",
-                              code="request_too_large")
+                              code="request_too_large", path=scope["path"])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -25,7 +25,7 @@ class RequestSizeLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large()(scope, receive, send)
+            await self._too_large(scope)(scope, receive, send)
             return
 
         received = 0
@@ -42,7 +42,7 @@ class RequestSizeLimitMiddleware:
                 if received > self.max_bytes:
                     refused = True
                     if not response_started:
-                        await self._too_large()(scope, receive, send)
+                        await self._too_large(scope)(scope, receive, send)
                     return {"type": "http.disconnect"}
             return message
 

@@ -19,16 +19,28 @@ def new_tool_call_id() -> str:
 @dataclass
 class ParsedDelta:
     reasoning: str = ""
-    content: str = ""
-    tool_calls: list[DeltaToolCall] = field(default_factory=list)
+    # Content text and tool-call deltas in the order the answer gave them (the Responses and Messages
+    # APIs keep that order in their output items and content blocks).
+    pieces: list[str | DeltaToolCall] = field(default_factory=list)
+
+    @property
+    def content(self) -> str:
+        return "".join(piece for piece in self.pieces if isinstance(piece, str))
+
+    @property
+    def tool_calls(self) -> list[DeltaToolCall]:
+        return [piece for piece in self.pieces if not isinstance(piece, str)]
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
+        return bool(self.reasoning or self.pieces)
+
+    def add_content(self, text: str) -> None:
+        if text:
+            self.pieces.append(text)
 
     def extend(self, other: ParsedDelta) -> None:
         self.reasoning += other.reasoning
-        self.content += other.content
-        self.tool_calls += other.tool_calls
+        self.pieces += other.pieces
 
 
 class ChoiceParser:
@@ -65,7 +77,7 @@ class ChoiceParser:
         elif self._mode == "required":
             calls = _required_calls(self._required_text)
             if calls is None:   # cut off by max_tokens: the text as it came
-                delta.content += self._required_text
+                delta.add_content(self._required_text)
             else:
                 self._add_events(calls, delta)
         return delta
@@ -81,26 +93,25 @@ class ChoiceParser:
             if self._named_id is None:
                 self._named_id = new_tool_call_id()
                 self.num_tool_calls = 1
-                delta.tool_calls.append(DeltaToolCall(index=0, id=self._named_id, type="function",
-                                                      function=DeltaFunctionCall(name=self._mode.function.name,
-                                                                                 arguments=content)))
+                delta.pieces.append(DeltaToolCall(index=0, id=self._named_id, type="function",
+                                                  function=DeltaFunctionCall(name=self._mode.function.name,
+                                                                             arguments=content)))
             else:
-                delta.tool_calls.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=content)))
+                delta.pieces.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=content)))
         else:
-            delta.content += content
+            delta.add_content(content)
 
     def _add_events(self, events: list, delta: ParsedDelta) -> None:
         for event in events:
             if isinstance(event, ParsedToolCall):
                 if self.num_tool_calls and not self._parallel:
                     continue
-                delta.tool_calls.append(DeltaToolCall(index=self.num_tool_calls, id=new_tool_call_id(),
-                                                      type="function",
-                                                      function=DeltaFunctionCall(name=event.name,
-                                                                                 arguments=event.arguments)))
+                function = DeltaFunctionCall(name=event.name, arguments=event.arguments)
+                delta.pieces.append(DeltaToolCall(index=self.num_tool_calls, id=new_tool_call_id(), type="function",
+                                                  function=function))
                 self.num_tool_calls += 1
             else:
-                delta.content += event
+                delta.add_content(event)
 
 
 def _required_calls(text: str) -> list[ParsedToolCall] | None:

@@ -10,7 +10,7 @@ import re
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm_engine import MAX_CACHE_SALT_CHARS
@@ -89,6 +89,9 @@ class SamplingRequest(RequestModel, StructuredOutputFields):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    # vLLM's: the scheduling priority (lower runs first) under --scheduling-policy priority
+    priority: int = 0
+    return_tokens_as_token_ids: bool | None = None   # vLLM's: logprobs name tokens as "token_id:N"
 
     @property
     def include_usage(self) -> bool:
@@ -288,10 +291,15 @@ ERROR_RESPONSES = {"4XX": {"model": ErrorResponse, "description": "The request w
                    "5XX": {"model": ErrorResponse, "description": "The engine failed the request or is shutting down"}}
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0   # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(BaseModel):
@@ -300,6 +308,12 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    # Where the text after the last token starts (tokens may be named "token_id:N", so not their length).
+    _end_offset: int = PrivateAttr(default=0)
+
+    @property
+    def end_offset(self) -> int:
+        return self._end_offset
 
 
 class PromptLogprob(BaseModel):

@@ -28,7 +28,10 @@ class NoOp:
 
 @dataclass(frozen=True)
 class Refused:
+    """A field that would change the output in a way this server cannot; sent at its no-op value
+    (null, false, its default: `harmless`) it changes nothing and is accepted."""
     reason: str
+    harmless: tuple = (None,)
 
 
 _TEXT_ONLY = NoOp(lambda value: value in (None, ["text"]), 'null or ["text"]')
@@ -39,15 +42,13 @@ _SHARED: dict[str, NoOp | Refused] = {
     "metadata": NoOp(), "store": _NOT_STORED, "service_tier": _DEFAULT_TIER,
     # vLLM's extras this engine does not implement: each would change the output.
     "truncate_prompt_tokens": Refused("prompts are never truncated; shorten the prompt"),
-    "add_special_tokens": Refused("send prompt token ids to control special tokens"),
-    "return_tokens_as_token_ids": Refused("tokens are returned as text"),
-    "logits_processors": Refused("custom logits processors are not implemented"),
-    "priority": Refused("the server takes no per-request priorities"),
+    "logits_processors": Refused("custom logits processors are not implemented", (None, [])),
     "guided_decoding_backend": NoOp(lambda value: value in (None, "auto", "xgrammar"),
                                     'null, "auto" or "xgrammar" (the one grammar backend)'),
 }
 POLICIES: dict[str, dict[str, NoOp | Refused]] = {
-    "completions": _SHARED,
+    "completions": {**_SHARED, "add_special_tokens": Refused("send prompt token ids to control special tokens",
+                                                             (None, True))},
     "chat": {
         **_SHARED,
         "audio": Refused("this server generates text only"),
@@ -60,12 +61,13 @@ POLICIES: dict[str, dict[str, NoOp | Refused]] = {
         "functions": Refused("the deprecated functions API is not supported; send tools and tool_choice"),
         "function_call": Refused("the deprecated functions API is not supported; send tools and tool_choice"),
         "chat_template": Refused("per-request templates are not supported; start the server with --chat-template"),
-        "continue_final_message": Refused("a final assistant message cannot be continued"),
-        "documents": Refused("documents are not passed to chat templates"),
-        "echo": Refused("echo exists on /v1/completions only"),
-        "use_beam_search": Refused("beam search exists on /v1/completions only"),
-        "length_penalty": Refused("beam search exists on /v1/completions only"),
-        "best_of": Refused("best_of exists on /v1/completions only"),
+        "continue_final_message": Refused("a final assistant message cannot be continued", (None, False)),
+        "documents": Refused("documents are not passed to chat templates", (None, [])),
+        "add_special_tokens": Refused("the chat template places the special tokens", (None, False)),
+        "echo": Refused("echo exists on /v1/completions only", (None, False)),
+        "use_beam_search": Refused("beam search exists on /v1/completions only", (None, False)),
+        "length_penalty": Refused("beam search exists on /v1/completions only", (None, 1.0, 1)),
+        "best_of": Refused("best_of exists on /v1/completions only", (None, 1)),
     },
     "message": {
         "refusal": NoOp(), "reasoning_content": NoOp(),   # an earlier answer's: templates do not read them
@@ -73,11 +75,26 @@ POLICIES: dict[str, dict[str, NoOp | Refused]] = {
         "function_call": Refused("the deprecated functions API is not supported; send tool_calls"),
     },
     "stream_options": {"include_obfuscation": NoOp()},
+    "responses": {
+        "safety_identifier": NoOp(), "prompt_cache_key": NoOp(), "service_tier": _DEFAULT_TIER,
+        "truncate_prompt_tokens": _SHARED["truncate_prompt_tokens"], "logits_processors": _SHARED["logits_processors"],
+        "top_logprobs": Refused("logprobs are not returned by /v1/responses; use /v1/chat/completions", (None, 0)),
+        "max_tool_calls": Refused("the number of tool calls cannot be bounded; parallel_tool_calls false allows one"),
+        "prompt": Refused("stored prompt templates are not supported; send instructions and input"),
+        "conversation": Refused("conversations are not stored; chain responses with previous_response_id"),
+    },
+    "responses_item": {},
+    "anthropic": {
+        "container": Refused("this server runs no code containers"),
+        "mcp_servers": Refused("this server connects to no MCP servers", (None, [])),
+        "context_management": Refused("the context is never edited; send the messages to keep"),
+    },
+    "anthropic_block": {"citations": NoOp()},   # an earlier answer's: templates do not read them
     # /v1/embeddings, /v1/score, /v1/rerank
     "pooling": {
         "user": NoOp(),
         "truncate_prompt_tokens": _SHARED["truncate_prompt_tokens"],
-        "priority": _SHARED["priority"],
+        "priority": Refused("pooling requests are not scheduled by priority", (None, 0)),
         "softmax": Refused("a cross-encoder's score takes the activation it was saved with"),
         "activation": Refused("a cross-encoder's score takes the activation it was saved with"),
         "instruction": Refused("prepend the instruction to the text"),
@@ -85,6 +102,11 @@ POLICIES: dict[str, dict[str, NoOp | Refused]] = {
 }
 
 _logged: set[tuple[str, str]] = set()
+
+
+def _is_harmless(value: Any, harmless: tuple) -> bool:
+    """Equal in type as well as value: 1 is not true, and 0 is not false."""
+    return any(value == allowed and type(value) is type(allowed) for allowed in harmless)
 
 
 def check_undeclared_fields(body: BaseModel, path: str = "") -> None:
@@ -95,6 +117,8 @@ def check_undeclared_fields(body: BaseModel, path: str = "") -> None:
         param = f"{path}{name}"
         rule = policy.get(name)
         if isinstance(rule, Refused):
+            if _is_harmless(value, rule.harmless):
+                continue
             raise APIError(400, f"{param} is not supported: {rule.reason}", param=param)
         if isinstance(rule, NoOp):
             if not rule.accepts(value):

@@ -27,6 +27,8 @@ class ServerConfig:
     tool_call_parser: str | None = None           # hermes or llama3_json: how "auto" tool calls are read
     enable_auto_tool_choice: bool = False         # allow tool_choice "auto" (needs tool_call_parser)
     reasoning_parser: str | None = None           # qwen3: <think>...</think> becomes reasoning_content
+    responses_store_size: int = 1000              # stored responses (store: true) kept; the oldest go first
+    responses_store_ttl: float = 3600.0           # seconds a stored response is kept
     tenant_keys: dict[str, str] = field(init=False, repr=False, default_factory=dict)   # read from api_keys_file
     chat_template_text: str | None = field(init=False, repr=False, default=None)   # read from chat_template
 
@@ -55,6 +57,12 @@ class ServerConfig:
         if isinstance(self.shutdown_timeout, bool) or not isinstance(self.shutdown_timeout, (int, float)) \
                 or self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")
+        if isinstance(self.responses_store_size, bool) or not isinstance(self.responses_store_size, int) \
+                or self.responses_store_size < 1:
+            raise ValueError(f"responses_store_size must be an integer >= 1, got {self.responses_store_size!r}")
+        if isinstance(self.responses_store_ttl, bool) or not isinstance(self.responses_store_ttl, (int, float)) \
+                or self.responses_store_ttl <= 0:
+            raise ValueError(f"responses_store_ttl must be a number of seconds > 0, got {self.responses_store_ttl!r}")
         self._check_chat_settings()
 
     def _check_chat_settings(self) -> None:

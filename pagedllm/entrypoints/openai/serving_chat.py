@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi import Request, Response
 
@@ -16,15 +17,25 @@ from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChun
 from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, ServerState, collect_choices, has_news,
-                                                        usage)
+                                                        note_prompt_facts, usage)
 from pagedllm.entrypoints.openai.streams import SSE_DONE, sse_error, sse_event, sse_response, unless_disconnected
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.openai.tool_requests import forced_tool_schema, tool_choice_mode
 from pagedllm.outputs import RequestOutput
 
 
-async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request,
-                                 state: ServerState) -> Response | ChatCompletionResponse:
+@dataclass
+class ChatRun:
+    """A chat request on its way through the engine: what chat shares with the Responses and Messages
+    APIs, which translate their requests into chat requests."""
+    request_id: str
+    prompt_ids: list[int]
+    merged: AsyncIterator[tuple[int, RequestOutput]]
+    new_parser: Callable[[], ChoiceParser]   # one per choice: reasoning, then tool calls apart from content
+
+
+def start_chat(body: ChatCompletionRequest, raw_request: Request, state: ServerState, request_id: str) -> ChatRun:
+    """Checks the request (a 400 naming the field at fault) and hands it to the engine."""
     check_undeclared_fields(body)
     state.check_model(body.model)
     tool_mode = tool_choice_mode(body.tools, body.tool_choice, state.enable_auto_tool_choice)
@@ -33,26 +44,31 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     prompt_ids = state.chat_prompt_ids(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
     prompt = state.engine_prompt(prompt_ids, None, params, param="messages",
                                  cache_salt=state.cache_salt(raw_request, body.cache_salt))
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    merged = state.generate([prompt], params, [request_id])
+    merged = state.generate([prompt], params, [request_id], body.priority)
 
     def new_parser() -> ChoiceParser:
         reasoning = REASONING_PARSERS[state.reasoning_parser]() if state.reasoning_parser else None
         tool_parser = TOOL_PARSERS[state.tool_call_parser]() if tool_mode == "auto" else None
         return ChoiceParser(reasoning, tool_mode, tool_parser, parallel_tool_calls=body.parallel_tool_calls)
 
+    return ChatRun(request_id, prompt_ids, merged, new_parser)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request,
+                                 state: ServerState) -> Response | ChatCompletionResponse:
+    run = start_chat(body, raw_request, state, f"chatcmpl-{uuid.uuid4().hex}")
     if body.stream:
-        return sse_response(_stream(body, request_id, len(prompt_ids), params.n, merged, state, new_parser))
-    rows = await unless_disconnected(raw_request, collect_choices(merged, 1, params.n))
+        return sse_response(_stream(body, run, state))
+    rows = await unless_disconnected(raw_request, collect_choices(run.merged, 1, body.n))
     if rows is None:
         return Response(status_code=499)   # the client left; nobody reads this
     choices = rows[0]
     num_top = body.top_logprobs or 0
     return ChatCompletionResponse(
-        id=request_id, model=state.model_name, system_fingerprint=state.system_fingerprint,
-        usage=usage([len(prompt_ids)], choices),
+        id=run.request_id, model=state.model_name, system_fingerprint=state.system_fingerprint,
+        usage=usage([len(run.prompt_ids)], [choices]),
         prompt_logprobs=prompt_logprobs_field(choices[0].prompt_logprobs),
-        choices=[_whole_choice(index, choice, new_parser(), body, num_top) for index, choice in enumerate(choices)])
+        choices=[_whole_choice(index, choice, run.new_parser(), body, num_top) for index, choice in enumerate(choices)])
 
 
 def _whole_choice(index: int, choice: ChoiceState, parser: ChoiceParser, body: ChatCompletionRequest,
@@ -62,8 +78,9 @@ def _whole_choice(index: int, choice: ChoiceState, parser: ChoiceParser, body: C
     tool_calls = whole_tool_calls(parts.tool_calls)
     message = ChatResponseMessage(content=parts.content if parts.content or not tool_calls else None,
                                   reasoning_content=_reasoning(parts, parser, body), tool_calls=tool_calls)
-    return ChatChoice(index=index, message=message,
-                      logprobs=chat_logprobs(choice.token_ids, choice.logprobs, num_top) if body.logprobs else None,
+    logprobs = (chat_logprobs(choice.token_ids, choice.logprobs, num_top, bool(body.return_tokens_as_token_ids))
+                if body.logprobs else None)
+    return ChatChoice(index=index, message=message, logprobs=logprobs,
                       finish_reason=_finish_reason(choice.finish_reason, parser),
                       stop_reason=choice.stop_reason)
 
@@ -77,10 +94,9 @@ def _finish_reason(finish_reason: str | None, parser: ChoiceParser) -> str | Non
     return "tool_calls" if finish_reason == "stop" and parser.num_tool_calls else finish_reason
 
 
-async def _stream(body: ChatCompletionRequest, request_id: str, num_prompt_tokens: int, n: int,
-                  merged: AsyncIterator[tuple[int, RequestOutput]], state: ServerState,
-                  new_parser: Callable[[], ChoiceParser]) -> AsyncIterator[str]:
+async def _stream(body: ChatCompletionRequest, run: ChatRun, state: ServerState) -> AsyncIterator[str]:
     created = int(time.time())
+    request_id, n = run.request_id, body.n
 
     def chunk(choices: list[ChatStreamChoice], **fields) -> str:
         return sse_event(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
@@ -88,16 +104,18 @@ async def _stream(body: ChatCompletionRequest, request_id: str, num_prompt_token
                                              **fields))
 
     choices = [ChoiceState() for _ in range(n)]
-    parsers = [new_parser() for _ in range(n)]
+    parsers = [run.new_parser() for _ in range(n)]
     num_top = body.top_logprobs or 0
+    as_token_ids = bool(body.return_tokens_as_token_ids)
     try:
         # As OpenAI: each choice opens with the role, before any text.
         for index in range(n):
             yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         prompt_logprobs = None   # when asked: from the first output, sent with the first chunk after it
-        async for _, output in merged:
+        async for _, output in run.merged:
             if output.prompt_logprobs is not None:
                 prompt_logprobs = prompt_logprobs_field(output.prompt_logprobs)
+            note_prompt_facts(choices, output)
             for delta in output.outputs:
                 choice, parser = choices[delta.index], parsers[delta.index]
                 if not has_news(choice, delta):
@@ -106,7 +124,8 @@ async def _stream(body: ChatCompletionRequest, request_id: str, num_prompt_token
                 parts = parser.feed(delta.text)
                 if delta.finish_reason is not None:
                     parts.extend(parser.finish())
-                logprobs = chat_logprobs(delta.token_ids, delta.logprobs or [], num_top) if body.logprobs else None
+                logprobs = (chat_logprobs(delta.token_ids, delta.logprobs or [], num_top, as_token_ids)
+                            if body.logprobs else None)
                 if not (parts or delta.finish_reason or logprobs):
                     continue   # text held back by a parser (a marker may be starting)
                 message = DeltaMessage(content=parts.content if parts.content or not (parts.reasoning or parts.tool_calls)
@@ -118,7 +137,7 @@ async def _stream(body: ChatCompletionRequest, request_id: str, num_prompt_token
                                               stop_reason=delta.stop_reason)], prompt_logprobs=prompt_logprobs)
                 prompt_logprobs = None
         if body.include_usage:
-            yield chunk([], usage=usage([num_prompt_tokens], choices))
+            yield chunk([], usage=usage([len(run.prompt_ids)], [choices]))
     except Exception as exc:
         yield sse_error(exc, request_id)
     yield SSE_DONE

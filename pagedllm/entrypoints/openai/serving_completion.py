@@ -13,7 +13,7 @@ from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLo
                                                   CompletionResponse)
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, ServerState, collect_choices, has_news,
-                                                        usage)
+                                                        note_prompt_facts, usage)
 from pagedllm.entrypoints.openai.streams import SSE_DONE, sse_error, sse_event, sse_response, unless_disconnected
 from pagedllm.outputs import RequestOutput
 from pagedllm.tokenizer import Tokenizer
@@ -40,10 +40,12 @@ def _choice_logprobs(body: CompletionRequest, prompt: dict, choice: ChoiceState,
     if body.logprobs is None:
         return None
     if not body.echo or choice.prompt_logprobs is None:
-        return completion_logprobs(choice.token_ids, choice.logprobs, text_offset)
+        return completion_logprobs(choice.token_ids, choice.logprobs, text_offset,
+                                   bool(body.return_tokens_as_token_ids))
     prompt_ids = prompt["prompt_token_ids"]
     first = state.tokenizer.decode(prompt_ids[:1], skip_special_tokens=False)
-    return echoed_completion_logprobs(prompt_ids, choice.prompt_logprobs, first, choice.token_ids, choice.logprobs)
+    return echoed_completion_logprobs(prompt_ids, choice.prompt_logprobs, first, choice.token_ids, choice.logprobs,
+                                      bool(body.return_tokens_as_token_ids))
 
 
 def _drop_generated(choice: ChoiceState) -> None:
@@ -60,7 +62,8 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
     prompts = [state.engine_prompt(ids, text, params, param="prompt", cache_salt=cache_salt)
                for text, ids in _prompt_inputs(body.prompt, state.tokenizer)]
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    merged = state.generate(prompts, params, [f"{request_id}-{index}" for index in range(len(prompts))])
+    merged = state.generate(prompts, params, [f"{request_id}-{index}" for index in range(len(prompts))],
+                            body.priority)
     if body.stream:
         return sse_response(_stream(body, request_id, prompts, body.n, merged, state))
     choices = await unless_disconnected(raw_request, collect_choices(merged, len(prompts), body.n))
@@ -71,8 +74,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
             _drop_generated(choice)
     response = CompletionResponse(id=request_id, model=state.model_name, choices=[],
                                   system_fingerprint=state.system_fingerprint,
-                                  usage=usage([len(p["prompt_token_ids"]) for p in prompts],
-                                              [choice for row in choices for choice in row]))
+                                  usage=usage([len(p["prompt_token_ids"]) for p in prompts], choices))
     for prompt_index, (prompt, row) in enumerate(zip(prompts, choices)):
         prefix = _echo_text(prompt, state) if body.echo else ""
         for index, choice in enumerate(row):
@@ -100,6 +102,7 @@ async def _stream(body: CompletionRequest, request_id: str, prompts: list[dict],
         async for prompt_index, output in merged:
             if output.prompt_logprobs is not None:
                 prompt_logprobs[prompt_index] = output.prompt_logprobs
+            note_prompt_facts(choices[prompt_index], output)
             for delta in output.outputs:
                 choice = choices[prompt_index][delta.index]
                 if not has_news(choice, delta):
@@ -119,7 +122,7 @@ async def _stream(body: CompletionRequest, request_id: str, prompts: list[dict],
                 logprobs = _choice_logprobs(body, prompts[prompt_index], part, text_offsets[prompt_index][delta.index],
                                             state)
                 if logprobs is not None and logprobs.tokens:
-                    text_offsets[prompt_index][delta.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                    text_offsets[prompt_index][delta.index] = logprobs.end_offset
                 yield chunk([CompletionChoice(
                     index=prompt_index * n + delta.index, text=prefix + part.text, logprobs=logprobs,
                     finish_reason=part.finish_reason, stop_reason=part.stop_reason,
@@ -129,8 +132,7 @@ async def _stream(body: CompletionRequest, request_id: str, prompts: list[dict],
             if body.echo_only:
                 for choice in (choice for row in choices for choice in row):
                     _drop_generated(choice)
-            yield chunk([], usage=usage([len(p["prompt_token_ids"]) for p in prompts],
-                                        [choice for row in choices for choice in row]))
+            yield chunk([], usage=usage([len(p["prompt_token_ids"]) for p in prompts], choices))
     except Exception as exc:
         yield sse_error(exc, request_id)
     yield SSE_DONE

@@ -14,7 +14,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.stats import EngineStats
 from pagedllm.entrypoints.openai.errors import APIError, api_error_for, sampling_field_named_in
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.protocol import ChatMessage, UsageInfo
+from pagedllm.entrypoints.openai.protocol import ChatMessage, PromptTokensDetails, UsageInfo
+from pagedllm.entrypoints.openai.responses.store import ResponseStore
 from pagedllm.entrypoints.openai.streams import merge_streams
 from pagedllm.entrypoints.openai.tool_requests import ChatCompletionTool
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -40,6 +41,7 @@ class ServerState:
     tool_call_parser: str | None = None       # --tool-call-parser
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None       # --reasoning-parser
+    response_store: ResponseStore | None = None   # /v1/responses with store: true
 
     @property
     def model_name(self) -> str:
@@ -100,14 +102,19 @@ class ServerState:
         return prompt
 
     def generate(self, prompts: list[dict], params: SamplingParams | BeamSearchParams,
-                 request_ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
+                 request_ids: list[str], priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The prompts' output streams, merged. Refused with a 503 (Retry-After) now, before any answer
-        has begun, when they would take the waiting requests past max_waiting_requests."""
+        has begun, when they would take the waiting requests past max_waiting_requests. A priority other
+        than 0 needs the engine's priority policy (--scheduling-policy priority)."""
+        if priority != 0 and self.engine.config.scheduling_policy != "priority":
+            raise APIError(400, f"priority {priority} needs the server started with --scheduling-policy priority "
+                                f"(it runs {self.engine.config.scheduling_policy!r}); send 0 or leave it out",
+                           param="priority")
         try:
             self.llm.check_capacity(len(prompts))
         except EngineOverloadedError as exc:
             raise api_error_for(exc) from exc
-        return merge_streams([self.metrics.track(self.llm.generate(prompt, params, request_id))
+        return merge_streams([self.metrics.track(self.llm.generate(prompt, params, request_id, priority))
                               for prompt, request_id in zip(prompts, request_ids)])
 
     async def engine_stats(self) -> EngineStats:
@@ -124,6 +131,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # its prompt's, when asked
+    num_cached_tokens: int = 0   # its prompt's tokens served from the prefix cache
 
     def add(self, delta: CompletionOutput) -> None:
         self.text += delta.text
@@ -133,11 +141,22 @@ class ChoiceState:
         self.stop_reason = delta.stop_reason
 
 
-def usage(prompt_token_counts: list[int], choices: list[ChoiceState]) -> UsageInfo:
+def usage(prompt_token_counts: list[int], rows: list[list[ChoiceState]]) -> UsageInfo:
+    """Token counts of the prompts and of their rows of choices (a prompt is counted, and cached, once)."""
     prompt_tokens = sum(prompt_token_counts)
-    completion_tokens = sum(len(choice.token_ids) for choice in choices)
+    completion_tokens = sum(len(choice.token_ids) for row in rows for choice in row)
+    cached_tokens = sum(row[0].num_cached_tokens for row in rows if row)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+def note_prompt_facts(row: list[ChoiceState], output: RequestOutput) -> None:
+    """What an output says of its prompt, kept with each of the prompt's choices."""
+    for choice in row:
+        choice.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            choice.prompt_logprobs = output.prompt_logprobs
 
 
 async def collect_choices(merged: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int,
@@ -147,9 +166,7 @@ async def collect_choices(merged: AsyncIterator[tuple[int, RequestOutput]], num_
     async for prompt_index, output in merged:
         for delta in output.outputs:
             choices[prompt_index][delta.index].add(delta)
-        if output.prompt_logprobs is not None:
-            for choice in choices[prompt_index]:
-                choice.prompt_logprobs = output.prompt_logprobs
+        note_prompt_facts(choices[prompt_index], output)
     return choices
 
 

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from pagedllm.entrypoints.openai.errors import api_error_for, error_body
+from pagedllm.entrypoints.openai.errors import APIError, api_error_for, error_body
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,11 +85,21 @@ def sse_event(payload: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
-def sse_error(exc: Exception, request_id: str) -> str:
-    """A failure after the stream has begun: the 200 is sent, so the error travels as an event."""
+def sse_typed_event(payload: dict) -> str:
+    """An event named by its type, as the Responses and Messages APIs send them: `event:` then `data:`."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def mid_stream_error(exc: Exception, request_id: str) -> APIError:
+    """A failure after the stream has begun (the 200 is sent, so it travels as an event), logged if the server's."""
     error = api_error_for(exc)
     if error.status >= 500:
         logger.error("request %s failed mid-stream", request_id, exc_info=exc)
+    return error
+
+
+def sse_error(exc: Exception, request_id: str) -> str:
+    error = mid_stream_error(exc, request_id)
     return sse_event(error_body(error.status, error.message, error.param, error.code))
 
 
