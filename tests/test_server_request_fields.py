@@ -201,8 +201,7 @@ def test_declaring_a_field_is_all_it_takes_to_honour_it():
 # ---------------------------------------------------------------- /v1/completions: refused and no-op fields
 
 # vLLM's /v1/completions extras this server does not implement, each of which would change the answer.
-REFUSED_COMPLETION_FIELDS = {"truncate_prompt_tokens": 8, "add_special_tokens": False,
-                             "return_tokens_as_token_ids": True, "logits_processors": ["x"], "priority": 1}
+REFUSED_COMPLETION_FIELDS = {"truncate_prompt_tokens": 8, "add_special_tokens": False, "logits_processors": ["x"]}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED_COMPLETION_FIELDS))
