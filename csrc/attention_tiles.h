@@ -10,6 +10,9 @@
 // layout; elsewhere two float FMAs do the same. The cache may hold another dtype than the
 // model's (kv_cache_dtype): its elements are widened to float as they are read, and an int8
 // cache's per-slot scales multiply the scores and the probabilities instead of each element.
+//
+// A row may see a range of keys (a sliding-window layer: its last `window` keys) rather than all before
+// it, and scores may be soft-capped (Gemma 2: cap * tanh(score / cap)) before the softmax.
 #pragma once
 
 #include "paged_cache.h"
@@ -97,17 +100,22 @@ struct PairsFor<c10::BFloat16, c10::BFloat16> { using type = Bf16Pairs; };
 // A key position past every key: a row that sees the whole key range (no causal mask).
 constexpr int64_t kSeesAllKeys = std::numeric_limits<int64_t>::max() / 2;
 
-// One query token of a row set: where it is in q and out, and the last key position it may see.
+// One query token of a row set: where it is in q and out, and the first and last key positions it may see.
 struct QueryToken {
-  int64_t token, last_key;
+  int64_t token, last_key, first_key = 0;
 };
+
+// The first key a query at `position` sees in a layer of sliding window `window` (0: every key).
+inline int64_t first_visible_key(int64_t position, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+}
 
 // Per-thread scratch, reused from row set to row set.
 template <typename Operand>
 struct TileScratch {
   std::vector<Operand> queries, probs;              // [rows][head_dim], [rows][score_stride]
   std::vector<float> scores, acc, peak, total;      // [rows][score_stride], [rows][head_dim], [rows], [rows]
-  std::vector<int64_t> token, last_key;             // [rows]
+  std::vector<int64_t> token, last_key, first_key;  // [rows]
   std::vector<const void*> value_rows;              // [tile keys + 1]
   std::vector<float> value_scales;                  // [tile keys]: int8 caches only
 };
@@ -125,10 +133,11 @@ class TileAttention {
   using Operand = typename Pairs::Operand;
 
  public:
-  // group: query heads per kv head; num_heads: all of them (out's row width, in heads).
+  // group: query heads per kv head; num_heads: all of them (out's row width, in heads); softcap: 0 for none.
   TileAttention(const PagedCache<cache_t>& cache, float scale, int64_t group, int64_t num_heads,
-                TileScratch<Operand>& s)
-      : cache_(cache), s_(s), scale_(scale), group_(group), num_heads_(num_heads), head_dim_(cache.head_dim),
+                TileScratch<Operand>& s, float softcap = 0)
+      : cache_(cache), s_(s), scale_(scale), softcap_(softcap), group_(group), num_heads_(num_heads),
+        head_dim_(cache.head_dim),
         tile_keys_(cache.block_size * std::max<int64_t>(1, kTileKeys / cache.block_size)),
         score_stride_(tile_keys_ + kLanes) {}
 
@@ -148,6 +157,7 @@ class TileAttention {
     s_.total.assign(padded_rows_, 0.f);
     s_.token.resize(padded_rows_);
     s_.last_key.resize(padded_rows_);
+    s_.first_key.resize(padded_rows_);
     s_.value_rows.resize(tile_keys_ + 1);
     if constexpr (kScaled<cache_t>) s_.value_scales.resize(tile_keys_);
     for (int64_t r = 0; r < padded_rows_; ++r) {
@@ -157,6 +167,7 @@ class TileAttention {
                      [](scalar_t x) { return static_cast<Operand>(x); });
       s_.token[r] = query.token;
       s_.last_key[r] = query.last_key;
+      s_.first_key[r] = query.first_key;
     }
   }
 
@@ -245,13 +256,22 @@ class TileAttention {
     vint lane;
     for (int i = 0; i < kLanes; ++i) lane[i] = i;
     const vfloat minus_inf = broadcast(-std::numeric_limits<float>::infinity());
+    const float scale = softcap_ > 0 ? 1.f : scale_;   // capped scores are scaled as they are capped
     for (int64_t r = 0; r < padded_rows_; ++r) {
-      const int64_t visible = std::clamp<int64_t>(s_.last_key[r] + 1 - key0, 0, count);   // causal
-      const float* scores = s_.scores.data() + r * score_stride_;
+      // Keys [hidden, visible) of the tile: past the row's position (causal) or before its window.
+      const int64_t visible = std::clamp<int64_t>(s_.last_key[r] + 1 - key0, 0, count);
+      const int64_t hidden = std::clamp<int64_t>(s_.first_key[r] - key0, 0, visible);
+      float* scores = s_.scores.data() + r * score_stride_;
+      if (softcap_ > 0)
+        for (int64_t j = hidden; j < visible; ++j) scores[j] = softcap_ * std::tanh(scores[j] * scale_ / softcap_);
+      auto seen = [&](int64_t j) {   // lanes j.. that are keys the row sees
+        return lane + static_cast<int32_t>(j) >= static_cast<int32_t>(hidden) &&
+               lane + static_cast<int32_t>(j) < static_cast<int32_t>(visible);
+      };
       vfloat peak = minus_inf;
-      for (int64_t j = 0; j < visible; j += kLanes) {
-        const vfloat x = widen(scores + j) * scale_;
-        peak = (lane + static_cast<int32_t>(j) < static_cast<int32_t>(visible) && x > peak) ? x : peak;
+      for (int64_t j = hidden / kLanes * kLanes; j < visible; j += kLanes) {
+        const vfloat x = widen(scores + j) * scale;
+        peak = (seen(j) && x > peak) ? x : peak;
       }
       float new_peak = s_.peak[r];
       for (int i = 0; i < kLanes; ++i) new_peak = std::max(new_peak, peak[i]);
@@ -262,8 +282,8 @@ class TileAttention {
       }
       vfloat sum{};
       for (int64_t j = 0; j < count + 1; j += kLanes) {   // +1: the odd key's pair partner is zero
-        vfloat e = exp_nonpositive(widen(scores + j) * scale_ - new_peak);
-        e = lane + static_cast<int32_t>(j) < static_cast<int32_t>(visible) ? e : vfloat{};
+        vfloat e = exp_nonpositive(widen(scores + j) * scale - new_peak);
+        e = seen(j) ? e : vfloat{};
         sum += e;
         narrow(e, probs + j);
       }
@@ -319,7 +339,7 @@ class TileAttention {
 
   const PagedCache<cache_t>& cache_;
   TileScratch<Operand>& s_;
-  const float scale_;
+  const float scale_, softcap_;
   const int64_t group_, num_heads_, head_dim_, tile_keys_, score_stride_;
   int64_t kv_head_ = 0, rows_ = 0, padded_rows_ = 0;
   const int64_t* table_ = nullptr;

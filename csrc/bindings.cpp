@@ -21,9 +21,19 @@ static std::vector<std::string> cpu_features() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_features", &cpu_features, "Instruction sets of this CPU that kernel variants need");
-  m.def("paged_attention", &paged_attention, "Paged attention over KV blocks, decode tokens (CPU)");
-  m.def("prefill_attention", &prefill_attention, "Paged causal attention for prefill chunks (CPU)");
-  m.def("cascade_attention", &cascade_attention, "Paged attention reading shared prefix blocks once per group (CPU)");
+  using pybind11::arg;
+  // sliding_window 0 and logit_softcap 0: neither (most models).
+  m.def("paged_attention", &paged_attention, "Paged attention over KV blocks, decode tokens (CPU)", arg("out"),
+        arg("q"), arg("k_cache"), arg("v_cache"), arg("k_scales"), arg("v_scales"), arg("block_tables"),
+        arg("token_rows"), arg("kv_lens"), arg("scale"), arg("sliding_window") = 0, arg("logit_softcap") = 0.0);
+  m.def("prefill_attention", &prefill_attention, "Paged causal attention for prefill chunks (CPU)", arg("out"),
+        arg("q"), arg("k_cache"), arg("v_cache"), arg("k_scales"), arg("v_scales"), arg("block_tables"),
+        arg("query_starts"), arg("context_lens"), arg("scale"), arg("sliding_window") = 0,
+        arg("logit_softcap") = 0.0);
+  m.def("cascade_attention", &cascade_attention, "Paged attention reading shared prefix blocks once per group (CPU)",
+        arg("out"), arg("q"), arg("k_cache"), arg("v_cache"), arg("k_scales"), arg("v_scales"), arg("block_tables"),
+        arg("query_starts"), arg("context_lens"), arg("group_seqs"), arg("group_starts"), arg("shared_lens"),
+        arg("scale"), arg("logit_softcap") = 0.0);
   m.def("write_kv", &write_kv, "Store new K/V rows at their cache slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "Residual add, then RMSNorm (CPU)");

@@ -7,6 +7,7 @@
 // rows; then each sequence attends to its own keys after the prefix, causally, as a prefill chunk
 // does, and the two partial softmaxes are merged through their log-sum-exps. A sequence may have
 // several query rows (a prefill chunk, speculative decoding's verification rows) or one (a decode).
+// Scores may be soft-capped (Gemma 2's global layers); sliding-window layers never come here.
 #include "ops.h"
 #include "attention_tiles.h"
 
@@ -82,7 +83,7 @@ template <typename scalar_t, typename cache_t>
 void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t>& cache,
             const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& context_lens,
             const at::Tensor& group_seqs, const at::Tensor& group_starts, const at::Tensor& shared_lens,
-            double scale) {
+            double scale, float softcap) {
   using Pairs = typename PairsFor<scalar_t, cache_t>::type;
   using Scratch = TileScratch<typename Pairs::Operand>;
   const int64_t num_kv_heads = cache.num_kv_heads, num_heads = q.size(1), group = num_heads / num_kv_heads;
@@ -106,7 +107,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
     const SharedTask& task = prefix_tasks[t];
     const int64_t* tokens = groups.tokens.data() + groups.token_starts[task.group] + task.first;
     const int64_t* table = tables + members[group_starts.data_ptr<int64_t>()[task.group]] * max_blocks;
-    TileAttention<cache_t, Pairs, kManyRowBlock> tiles(cache, softmax_scale, group, num_heads, scratch);
+    TileAttention<cache_t, Pairs, kManyRowBlock> tiles(cache, softmax_scale, group, num_heads, scratch, softcap);
     tiles.load(queries, q_token_stride, task.kv_head, task.count,
                [&](int64_t i) { return QueryToken{tokens[i], kSeesAllKeys}; });
     tiles.walk(table, 0, shared[task.group]);
@@ -127,9 +128,10 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
       tiles.store(output);
     };
     if (task.count * group <= kFewRowBlock)   // a decode's rows
-      attend_own_keys(TileAttention<cache_t, Pairs, kFewRowBlock>(cache, softmax_scale, group, num_heads, scratch));
+      attend_own_keys(TileAttention<cache_t, Pairs, kFewRowBlock>(cache, softmax_scale, group, num_heads, scratch,
+                                                                  softcap));
     else
-      attend_own_keys(TileAttention<cache_t, Pairs>(cache, softmax_scale, group, num_heads, scratch));
+      attend_own_keys(TileAttention<cache_t, Pairs>(cache, softmax_scale, group, num_heads, scratch, softcap));
   });
 }
 
@@ -138,7 +140,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
 void cascade_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, OptionalTensor k_scales,
                        OptionalTensor v_scales, at::Tensor block_tables, at::Tensor query_starts,
                        at::Tensor context_lens, at::Tensor group_seqs, at::Tensor group_starts,
-                       at::Tensor shared_lens, double scale) {
+                       at::Tensor shared_lens, double scale, double logit_softcap) {
   check_caches(k_cache, v_cache, k_scales, v_scales, "cascade_attention");
   for (const at::Tensor& t : {block_tables, query_starts, context_lens, group_seqs, group_starts, shared_lens})
     TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kLong,
@@ -153,11 +155,13 @@ void cascade_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Ten
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "cascade_attention: heads must be a multiple of kv heads");
   TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 256,
               "cascade_attention: head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(logit_softcap >= 0, "cascade_attention: logit_softcap must be >= 0 (0: none)");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "cascade_attention", [&] {
     dispatch_cache_type<scalar_t>(k_cache.scalar_type(), "cascade_attention", [&](auto element) {
       using cache_t = decltype(element);
       attend<scalar_t>(out, q, paged_cache<cache_t>(k_cache, v_cache, k_scales, v_scales), block_tables,
-                       query_starts, context_lens, group_seqs, group_starts, shared_lens, scale);
+                       query_starts, context_lens, group_seqs, group_starts, shared_lens, scale,
+                       static_cast<float>(logit_softcap));
     });
   });
 }

@@ -13,27 +13,32 @@
 
 // out, q: [tokens, heads, head_dim] (q's tokens may be strided, e.g. rows of qkv); block_tables:
 // [rows, max_blocks] int64; token_rows[i]: the block-table row of token i; kv_lens[i]: how many
-// keys token i attends to (its position + 1).
+// keys token i attends to (its position + 1). sliding_window > 0: a token sees only its last
+// sliding_window keys (itself included); logit_softcap > 0: scaled scores become cap * tanh(score / cap).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
-                     at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens, double scale);
+                     at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens, double scale,
+                     int64_t sliding_window, double logit_softcap);
 
 // Prefill chunks: out, q as above; chunk c's query tokens are rows [query_starts[c], query_starts[c + 1])
 // at positions context_lens[c] onwards, its keys (all in the cache already) reached through
-// block_tables[c]; each token attends causally to its sequence's keys up to its own position.
+// block_tables[c]; each token attends causally to its sequence's keys up to its own position (within
+// the window, sliding_window and logit_softcap as paged_attention's).
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
-                       at::Tensor block_tables, at::Tensor query_starts, at::Tensor context_lens, double scale);
+                       at::Tensor block_tables, at::Tensor query_starts, at::Tensor context_lens, double scale,
+                       int64_t sliding_window, double logit_softcap);
 
 // Shared-prefix attention, sequences shaped as prefill_attention's chunks (a decode is a chunk of one
 // token): group g is the sequences group_seqs[group_starts[g] : group_starts[g + 1]], whose block tables
 // agree on the blocks holding their first shared_lens[g] keys (<= every member's context_lens); its
 // query rows read those once, together, then each sequence its keys after them. Sequences in no group
-// attend to all their keys. The result equals prefill_attention's.
+// attend to all their keys. The result equals prefill_attention's (no sliding window; logit_softcap as there).
 void cascade_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                        std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
                        at::Tensor block_tables, at::Tensor query_starts, at::Tensor context_lens,
-                       at::Tensor group_seqs, at::Tensor group_starts, at::Tensor shared_lens, double scale);
+                       at::Tensor group_seqs, at::Tensor group_starts, at::Tensor shared_lens, double scale,
+                       double logit_softcap);
 
 // k, v: [tokens, kv_heads, head_dim] (rows may be strided) stored at flat slots of the caches, in
 // their dtype (rounded to nearest even; int8 quantized per slot and kv head, see paged_cache.h).

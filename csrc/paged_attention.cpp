@@ -6,7 +6,8 @@
 // are widened to floats 16 lanes at a time and the softmax's exp is a vector polynomial,
 // not a libm call per score. A smaller KV cache dtype (kv_cache_dtype) means fewer bytes per
 // step: its elements are widened the same way, int8 ones with their per-slot scales applied to
-// the scores and probabilities they produce.
+// the scores and probabilities they produce. A sliding-window layer's token reads only its last
+// `window` keys' blocks; soft-capped scores (Gemma 2) go through cap * tanh(score / cap) first.
 #include "ops.h"
 #include "paged_cache.h"
 #include "vectors.h"
@@ -14,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <vector>
 
@@ -25,8 +27,8 @@ using namespace pagedllm;
 // model's scalar_t, the caches in cache_t.
 template <typename scalar_t, typename cache_t>
 struct Problem : PagedCache<cache_t> {
-  int64_t group, max_blocks, q_token_stride;
-  float scale;
+  int64_t group, max_blocks, q_token_stride, window;   // window 0: every key
+  float scale, softcap;                                 // softcap 0: none
   const scalar_t* q;
   scalar_t* out;
   const int64_t *tables, *rows, *lens;
@@ -139,10 +141,15 @@ template <typename scalar_t, typename cache_t>
 void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, Scratch& scratch) {
   const int64_t head_dim = p.head_dim, block_size = p.block_size, group = p.group;
   const int64_t num_heads = p.num_kv_heads * group, block_elements = p.num_kv_heads * head_dim * block_size;
-  const int64_t kv_len = p.lens[token];
+  // The walk starts at the block of the first key in the window (the first key without one); slots
+  // before that key in its block (skipped) and past the last key get no probability.
+  const int64_t all_keys = p.lens[token];
+  const int64_t first_key = p.window > 0 ? std::max<int64_t>(0, all_keys - p.window) : 0;
+  const int64_t first_block = first_key / block_size, skipped = first_key % block_size;
+  const int64_t kv_len = all_keys - first_block * block_size;   // slots from the walk's start
   const int64_t num_blocks = (kv_len + block_size - 1) / block_size;
   const int64_t padded_len = num_blocks * block_size;   // scores of slots past kv_len are dropped
-  const int64_t* table = p.tables + p.rows[token] * p.max_blocks;
+  const int64_t* table = p.tables + p.rows[token] * p.max_blocks + first_block;
 
   const scalar_t* q = p.q + token * p.q_token_stride;
   scratch.query.resize(num_heads * head_dim);
@@ -180,12 +187,15 @@ void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, Scratch& s
 
   for (int64_t h = 0; h < num_heads; ++h) {
     float* s = scores + h * padded_len;
-    const float peak = *std::max_element(s, s + kv_len);
-    exp_in_place(s, kv_len, peak);
+    if (p.softcap > 0)
+      for (int64_t t = skipped; t < kv_len; ++t) s[t] = p.softcap * std::tanh(s[t] / p.softcap);
+    const float peak = *std::max_element(s + skipped, s + kv_len);
+    exp_in_place(s + skipped, kv_len - skipped, peak);
     float total = 0;
-    for (int64_t t = 0; t < kv_len; ++t) total += s[t];
+    for (int64_t t = skipped; t < kv_len; ++t) total += s[t];
     const float inv = 1.f / total;
-    for (int64_t t = 0; t < kv_len; ++t) s[t] *= inv;
+    for (int64_t t = skipped; t < kv_len; ++t) s[t] *= inv;
+    std::fill(s, s + skipped, 0.f);
   }
 
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -211,10 +221,12 @@ void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, Scratch& s
 
 template <typename scalar_t, typename cache_t>
 void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t>& cache,
-            const at::Tensor& block_tables, const at::Tensor& token_rows, const at::Tensor& kv_lens, double scale) {
+            const at::Tensor& block_tables, const at::Tensor& token_rows, const at::Tensor& kv_lens, double scale,
+            int64_t window, double softcap) {
   const int64_t num_tokens = q.size(0);
   const Problem<scalar_t, cache_t> p{cache, q.size(1) / cache.num_kv_heads, block_tables.size(1), q.stride(0),
-                                     static_cast<float>(scale), q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                     window, static_cast<float>(scale), static_cast<float>(softcap),
+                                     q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                                      block_tables.data_ptr<int64_t>(), token_rows.data_ptr<int64_t>(),
                                      kv_lens.data_ptr<int64_t>()};
   // Tokens are handed out one at a time: sequences differ in length, so equal shares of
@@ -231,7 +243,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, OptionalTensor k_scales,
                      OptionalTensor v_scales, at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens,
-                     double scale) {
+                     double scale, int64_t sliding_window, double logit_softcap) {
   check_caches(k_cache, v_cache, k_scales, v_scales, "paged_attention");
   TORCH_CHECK(out.is_contiguous() && block_tables.is_contiguous(), "paged_attention: tensors must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: each token's heads must be dense");
@@ -239,11 +251,13 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
               kv_lens.scalar_type() == at::kLong, "paged_attention: index tensors must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads must be a multiple of kv heads");
   TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 256, "paged_attention: head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0, "paged_attention: sliding_window and logit_softcap must be "
+              ">= 0 (0: none)");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     dispatch_cache_type<scalar_t>(k_cache.scalar_type(), "paged_attention", [&](auto element) {
       using cache_t = decltype(element);
       attend<scalar_t>(out, q, paged_cache<cache_t>(k_cache, v_cache, k_scales, v_scales), block_tables,
-                       token_rows.contiguous(), kv_lens.contiguous(), scale);
+                       token_rows.contiguous(), kv_lens.contiguous(), scale, sliding_window, logit_softcap);
     });
   });
 }

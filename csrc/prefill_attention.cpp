@@ -7,7 +7,8 @@
 // walks the keys a tile of blocks at a time and keeps a running maximum and sum per row (online
 // softmax), so each K/V element read serves every row of the task and scores stay in
 // cache-resident scratch. What depends on the model dtype (reading queries, writing the output)
-// is kept apart from the key/value walk, which is built once per cache dtype.
+// is kept apart from the key/value walk, which is built once per cache dtype. In a sliding-window
+// layer a task's walk starts at its first position's first visible key.
 #include "ops.h"
 #include "attention_tiles.h"
 
@@ -18,7 +19,7 @@ using namespace pagedllm;
 template <typename scalar_t, typename cache_t>
 void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t>& cache,
             const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& context_lens,
-            double scale) {
+            double scale, int64_t window, double softcap) {
   using Pairs = typename PairsFor<scalar_t, cache_t>::type;
   const int64_t num_kv_heads = cache.num_kv_heads, num_heads = q.size(1), group = num_heads / num_kv_heads;
   const int64_t *tables = block_tables.data_ptr<int64_t>(), *starts = query_starts.data_ptr<int64_t>(),
@@ -29,11 +30,13 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
   const std::vector<ChunkTask> tasks = chunk_tasks(starts, contexts, context_lens.size(0), group, num_kv_heads);
   for_each_task<TileScratch<typename Pairs::Operand>>(static_cast<int64_t>(tasks.size()), [&](int64_t t, auto& scratch) {
     const ChunkTask& task = tasks[t];
-    TileAttention<cache_t, Pairs> tiles(cache, static_cast<float>(scale), group, num_heads, scratch);
+    TileAttention<cache_t, Pairs> tiles(cache, static_cast<float>(scale), group, num_heads, scratch,
+                                        static_cast<float>(softcap));
     const int64_t start = starts[task.chunk] + task.first, position = contexts[task.chunk] + task.first;
-    tiles.load(queries, q_token_stride, task.kv_head, task.count,
-               [&](int64_t i) { return QueryToken{start + i, position + i}; });
-    tiles.walk(tables + task.chunk * max_blocks, 0, task.keys);
+    tiles.load(queries, q_token_stride, task.kv_head, task.count, [&](int64_t i) {
+      return QueryToken{start + i, position + i, first_visible_key(position + i, window)};
+    });
+    tiles.walk(tables + task.chunk * max_blocks, first_visible_key(position, window), task.keys);
     tiles.store(output);
   });
 }
@@ -42,7 +45,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
 
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, OptionalTensor k_scales,
                        OptionalTensor v_scales, at::Tensor block_tables, at::Tensor query_starts,
-                       at::Tensor context_lens, double scale) {
+                       at::Tensor context_lens, double scale, int64_t sliding_window, double logit_softcap) {
   check_caches(k_cache, v_cache, k_scales, v_scales, "prefill_attention");
   TORCH_CHECK(out.is_contiguous() && block_tables.is_contiguous() && query_starts.is_contiguous() &&
               context_lens.is_contiguous(), "prefill_attention: tensors must be contiguous");
@@ -54,11 +57,13 @@ void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Ten
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "prefill_attention: heads must be a multiple of kv heads");
   TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 256,
               "prefill_attention: head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0, "prefill_attention: sliding_window and logit_softcap must "
+              "be >= 0 (0: none)");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
     dispatch_cache_type<scalar_t>(k_cache.scalar_type(), "prefill_attention", [&](auto element) {
       using cache_t = decltype(element);
       attend<scalar_t>(out, q, paged_cache<cache_t>(k_cache, v_cache, k_scales, v_scales), block_tables,
-                       query_starts, context_lens, scale);
+                       query_starts, context_lens, scale, sliding_window, logit_softcap);
     });
   });
 }

@@ -50,10 +50,18 @@ def caches_of(k_cache, v_cache):
     return k_cache.data, v_cache.data, k_cache.scales, v_cache.scales
 
 
-def causal_reference(q, keys, values, context_len, scale):
-    """q: [chunk, heads, head_dim] at positions context_len..; keys/values: [context + chunk, kv_heads, head_dim]."""
-    positions = torch.arange(context_len, context_len + q.shape[0])
-    mask = torch.arange(keys.shape[0])[None, :] <= positions[:, None]
-    return F.scaled_dot_product_attention(q.float().transpose(0, 1), keys.float().transpose(0, 1),
-                                          values.float().transpose(0, 1), attn_mask=mask, scale=scale,
-                                          enable_gqa=True).transpose(0, 1)
+def causal_reference(q, keys, values, context_len, scale, sliding_window=None, softcap=None):
+    """q: [chunk, heads, head_dim] at positions context_len..; keys/values: [context + chunk, kv_heads, head_dim].
+    With sliding_window a query at p sees keys p - window + 1 .. p; with softcap scores become
+    softcap * tanh(score / softcap), as transformers' Mistral and Gemma 2 compute them."""
+    positions = torch.arange(context_len, context_len + q.shape[0])[:, None]
+    key_index = torch.arange(keys.shape[0])[None, :]
+    mask = key_index <= positions
+    if sliding_window is not None:
+        mask &= key_index > positions - sliding_window
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (part.float().repeat_interleave(group, dim=1).transpose(0, 1) for part in (keys, values))
+    scores = q.float().transpose(0, 1) @ keys.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values).transpose(0, 1)

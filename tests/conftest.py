@@ -71,6 +71,10 @@ TINY_ARCHS = {
     "qwen2-yarn": (Qwen2Config, {"num_attention_heads": 2, "num_key_value_heads": 1, "rope_scaling": _YARN}),
     "llama-dynamic": (LlamaConfig, {"max_position_embeddings": 64,
                                     "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
+    # Sliding windows shorter than most test prompts: Mistral's on every layer (blocks released as a
+    # sequence grows), Qwen2's from layer max_window_layers on (a full-attention layer beside a windowed one).
+    "mistral-window": (MistralConfig, {"head_dim": 16, "sliding_window": 20}),
+    "qwen2-window": (Qwen2Config, {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),
     # Phi-3: fused qkv_proj and gate_up_proj; Phi-4-mini's partial rotary (half of each head rotated).
     "phi3": (Phi3Config, {"partial_rotary_factor": 0.5, "pad_token_id": 0}),
     "phi3-longrope": (Phi3Config, {"num_attention_heads": 2, "num_key_value_heads": 1, "pad_token_id": 0,

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.model import attention
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, paged_attention
+from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention, paged_attention
 from tests.attention_reference import (DTYPE_PAIRS, caches_of, causal_reference, dequantize, noise_cache,
                                        reference_quantize, tolerance)
 
@@ -88,8 +88,15 @@ def test_kernel_widens_every_float16_and_fp8_value_exactly(cache_dtype):
     torch.testing.assert_close(out.flatten(), every_value.float(), atol=0, rtol=0, equal_nan=True)
 
 
+# How a layer attends: plainly, within a sliding window (of a block and a half, shorter than most sequences
+# here), soft-capped (Gemma 2's 50 on scores of size ~10: tanh bends them), or both.
+LAYERS = [LayerAttention(32 ** -0.5), LayerAttention(32 ** -0.5, sliding_window=24),
+          LayerAttention(32 ** -0.5, logit_softcap=5.0), LayerAttention(32 ** -0.5, sliding_window=7, logit_softcap=5.0)]
+
+
+@pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_kernel_and_pytorch_paths_agree_inside_paged_attention(cache_dtype):
+def test_kernel_and_pytorch_paths_agree_inside_paged_attention(cache_dtype, layer):
     generator = torch.Generator().manual_seed(1)
     # two decodes, then a 17-token chunk after a cached prefix of 60 tokens and a whole 20-token prompt
     seq_lens, new_tokens = [3, 40, 77, 20], [1, 1, 17, 20]
@@ -109,7 +116,7 @@ def test_kernel_and_pytorch_paths_agree_inside_paged_attention(cache_dtype):
                                  block_size=16, use_kernel=use_kernel)
         caches.append(tuple(CacheTensor(c.data.clone(), None if c.scales is None else c.scales.clone())
                             for c in (k_cache, v_cache)))
-        results.append(paged_attention(q, k_new, v_new, *caches[-1], meta, 32 ** -0.5))
+        results.append(paged_attention(q, k_new, v_new, *caches[-1], meta, layer))
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
     assert not results[0][-3:].any()
     written = torch.zeros(k_cache.data.shape[0] * 16, dtype=torch.bool)
@@ -193,3 +200,38 @@ def test_kernels_refuse_int8_caches_without_scales_and_scales_elsewhere():
     scales = torch.zeros(2, 1, 8)
     with pytest.raises(RuntimeError, match="int8 caches take scales, the other dtypes none"):
         attention._C.write_kv(k_cache.float(), v_cache.float(), scales, scales, k, k, slots)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,block_size", layouts([8, 16, 24]))
+@pytest.mark.parametrize("sliding_window,softcap", [(1, None), (7, None), (40, None), (None, 5.0), (13, 5.0)])
+def test_kernels_attend_within_the_window_and_cap_scores(dtype, cache_dtype, block_size, sliding_window, softcap):
+    """Decode and prefill kernels against the dense reference, windows of one key, shorter than a block, and
+    longer than several, each sequence's blocks before its window left as noise (as released blocks are)."""
+    generator = torch.Generator().manual_seed(4)
+    heads, kv_heads, head_dim = 9, 3, 64
+    chunks = [(0, 1), (0, 17), (0, 130), (16, 5), (37, 64), (100, 1), (5, 250), (300, 400)]
+    seq_lens = [context + length for context, length in chunks]
+    k_cache, v_cache, tables, keys, values = scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype,
+                                                             generator, cache_dtype)
+    if sliding_window is not None:   # what lies wholly before every query's window is never read
+        for i, (context, _) in enumerate(chunks):
+            for block in tables[i, :max(0, context - sliding_window + 1) // block_size]:
+                for cache in (k_cache, v_cache):
+                    (cache.data if cache.scales is None else cache.scales)[block] = float("nan")
+    num_tokens = sum(length for _, length in chunks)
+    q = torch.randn(num_tokens, heads, head_dim, generator=generator).mul(2).to(dtype)
+    starts = torch.tensor([0] + [length for _, length in chunks]).cumsum(0)
+    scale = head_dim ** -0.5
+    limits = (sliding_window or 0, softcap or 0.0)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    attention._C.prefill_attention(out, q, *caches_of(k_cache, v_cache), tables, starts,
+                                   torch.tensor([context for context, _ in chunks]), scale, *limits)
+    last = starts[1:] - 1   # each sequence's last token, as a decode
+    decoded = torch.empty(len(chunks), heads, head_dim, dtype=dtype)
+    attention._C.paged_attention(decoded, q[last].contiguous(), *caches_of(k_cache, v_cache), tables,
+                                 torch.arange(len(chunks)), torch.tensor(seq_lens), scale, *limits)
+    for i, (context, length) in enumerate(chunks):
+        rows = slice(starts[i], starts[i + 1])
+        expected = causal_reference(q[rows], keys[i], values[i], context, scale, sliding_window, softcap)
+        torch.testing.assert_close(out[rows].float(), expected, **tolerance(dtype))
+        torch.testing.assert_close(decoded[i].float(), expected[-1], **tolerance(dtype))

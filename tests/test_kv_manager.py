@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagedllm.kv import manager as manager_module
 from pagedllm.kv.block_pool import BlockPool, hash_block
-from pagedllm.kv.manager import KVCacheManager
+from pagedllm.kv.manager import RELEASED, KVCacheManager
 
 
 def new_request(manager, request_id, token_ids, cache_salt=None):
@@ -203,6 +203,34 @@ def test_idle_cached_blocks_are_evicted_least_recently_released_first():
     assert manager.usage().num_cached_idle_blocks == 1
 
 
+def test_sliding_window_releases_blocks_no_coming_token_sees():
+    """Window 8, blocks of 4: a token at position p sees keys p - 7 .. p. A 10-token prompt, then one token
+    per step: at the step computing position c the blocks wholly before c - 7 go back (hand-computed)."""
+    manager = KVCacheManager(num_blocks=8, block_size=4, sliding_window=8)
+    tokens = list(range(10))
+    assert new_request(manager, "a", tokens) == 0
+    manager.cache_full_blocks("a", tokens, 10)
+    released_per_step, held = [], []
+    for position in range(10, 21):
+        before = manager.num_released_blocks("a")
+        assert manager.allocate_slots("a", position + 1, position)
+        tokens.append(position)
+        manager.cache_full_blocks("a", tokens, position + 1)
+        released_per_step.append(manager.num_released_blocks("a") - before)
+        held.append(manager.pool.num_used_blocks)
+    #                     c = 10 11 12 13 14 15 16 17 18 19 20
+    assert released_per_step == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0]
+    assert held == [3, 2, 3, 3, 3, 2, 3, 3, 3, 2, 3]
+    assert manager.get_block_table("a")[:3] == [-1, -1, -1]
+    # Released full blocks stay in the prefix cache: all three, idle.
+    assert manager.usage().num_cached_idle_blocks == 3
+    manager.fork("a", "b")
+    assert manager.num_released_blocks("b") == 3 and manager.pool.num_used_blocks == 3
+    manager.free("a")
+    manager.free("b")
+    assert manager.pool.num_free_blocks == 8
+
+
 def test_pool_rejects_double_free():
     pool = BlockPool(2)
     blocks = pool.allocate(1)
@@ -216,12 +244,20 @@ class KVManagerMachine(RuleBasedStateMachine):
     sequences keep the books right."""
 
     BLOCK_SIZE = 4
+    SLIDING_WINDOW = None
 
     def __init__(self):
         super().__init__()
-        self.manager = KVCacheManager(num_blocks=16, block_size=self.BLOCK_SIZE)
+        self.manager = KVCacheManager(num_blocks=16, block_size=self.BLOCK_SIZE, sliding_window=self.SLIDING_WINDOW)
         self.tokens: dict[str, list[int]] = {}
+        self.computed_at_growth: dict[str, int] = {}   # num_computed_tokens of the request's last growth
         self.counter = 0
+
+    def held(self, name):
+        """(index, block) of the table entries the request holds (not released outside its window)."""
+        table = self.manager.block_tables[name]
+        released = self.manager.num_released_blocks(name)
+        return list(enumerate(table))[released:]
 
     def _name(self):
         self.counter += 1
@@ -241,6 +277,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     def append(self, data, token):
         name = data.draw(st.sampled_from(sorted(self.tokens)))
         tokens = self.tokens[name]
+        self.computed_at_growth[name] = len(tokens)
         if self.manager.allocate_slots(name, len(tokens) + 1, len(tokens)):
             tokens.append(token)
             self.manager.cache_full_blocks(name, tokens, len(tokens))
@@ -253,12 +290,13 @@ class KVManagerMachine(RuleBasedStateMachine):
         the accepted proposals kept and the rest rolled back; or the request aborted mid-speculation."""
         name = data.draw(st.sampled_from(sorted(self.tokens)))
         held = self.tokens[name]
+        self.computed_at_growth[name] = len(held)
         if not self.manager.allocate_slots(name, len(held) + 1 + num_spec, len(held)):
             return
         assert len(self.manager.block_tables[name]) == math.ceil((len(held) + 1 + num_spec) / self.BLOCK_SIZE)
         if abort:
             self.manager.free(name)
-            del self.tokens[name]
+            del self.tokens[name], self.computed_at_growth[name]
             return
         num_accepted = data.draw(st.integers(0, num_spec))
         free_before = self.manager.pool.num_free_blocks
@@ -277,6 +315,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         child = self._name()
         self.manager.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
+        if parent in self.computed_at_growth:
+            self.computed_at_growth[child] = self.computed_at_growth[parent]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -284,14 +324,17 @@ class KVManagerMachine(RuleBasedStateMachine):
         name = data.draw(st.sampled_from(sorted(self.tokens)))
         self.manager.free(name)
         del self.tokens[name]
+        self.computed_at_growth.pop(name, None)
 
     @invariant()
     def books_balance(self):
         manager, pool = self.manager, self.manager.pool
         manager.take_block_copies()
-        holders = Counter(block.block_id for table in manager.block_tables.values() for block in table)
+        holders = Counter(block.block_id for name in manager.block_tables for _, block in self.held(name))
         for name, table in manager.block_tables.items():
-            assert manager.get_block_table(name) == [block.block_id for block in table]
+            released = manager.num_released_blocks(name)
+            assert manager.get_block_table(name) == [RELEASED] * released + [block.block_id
+                                                                              for block in table[released:]]
         free_ids = {block.block_id for block in pool.free_block_queue}
         assert all(block.ref_count >= 0 for block in pool.blocks)
         for block in pool.blocks:
@@ -311,9 +354,9 @@ class KVManagerMachine(RuleBasedStateMachine):
         """Requests pointing at one block agree on every token in it (no missed copy-on-write)."""
         size = self.BLOCK_SIZE
         seen: dict[int, tuple[int, ...]] = {}
-        for name, table in self.manager.block_tables.items():
+        for name in self.manager.block_tables:
             tokens = self.tokens[name]
-            for index, block in enumerate(table):
+            for index, block in self.held(name):
                 content = tuple(tokens[index * size:(index + 1) * size])
                 other = seen.setdefault(block.block_id, content)
                 shorter = min(len(other), len(content))
@@ -328,3 +371,24 @@ class KVManagerMachine(RuleBasedStateMachine):
 
 TestKVManagerMachine = KVManagerMachine.TestCase
 TestKVManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class WindowedKVManagerMachine(KVManagerMachine):
+    """The same with a sliding window of 6 tokens (not a whole number of blocks): as requests grow, their
+    leading blocks leave the window and are released, through speculation, rollback, forks and prefix hits."""
+
+    SLIDING_WINDOW = 6
+
+    @invariant()
+    def released_blocks_are_exactly_those_no_coming_token_sees(self):
+        for name, tokens in self.tokens.items():
+            # A request releases when it grows: every whole block before the window of its first new token,
+            # which sees keys from num_computed - 6 + 1 on (a new request, whose table a prefix hit may
+            # have started, releases at its next growth).
+            first_seen = max(0, self.computed_at_growth.get(name, 0) - self.SLIDING_WINDOW + 1)
+            assert self.manager.num_released_blocks(name) == first_seen // self.BLOCK_SIZE
+            assert first_seen <= len(tokens)
+
+
+TestWindowedKVManagerMachine = WindowedKVManagerMachine.TestCase
+TestWindowedKVManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

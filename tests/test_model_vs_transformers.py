@@ -99,7 +99,8 @@ def test_gguf_and_safetensors_give_the_same_logits(bundled_llm, bundled_referenc
             assert step_a[token_id].logprob == pytest.approx(step_b[token_id].logprob, abs=1e-4)
 
 
-TINY_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "qwen2-yarn", "llama-dynamic", "phi3", "phi3-longrope"]
+TINY_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "qwen2-yarn", "llama-dynamic", "phi3", "phi3-longrope",
+              "mistral-window", "qwen2-window"]
 PROMPT_LENGTHS = (1, 5, 17, 33, 70, 130, 9, 48)
 # Past the original context (64 for yarn and dynamic NTK, 128 for longrope) at the prompt or while
 # decoding; longrope's prompts either start past it or stay within it to the last token (transformers
@@ -185,3 +186,41 @@ def test_gguf_written_from_the_folder_gives_its_logits(arch, gguf_arch, make_tin
             assert step_a.keys() == step_b.keys()
             for token_id in step_a:
                 assert step_a[token_id].logprob == pytest.approx(step_b[token_id].logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize("attention_backend", ["cpu", "torch"])
+def test_sliding_window_holds_through_prefix_hits_chunks_speculation_and_preemption(
+        attention_backend, make_tiny_model_dir, tmp_path):
+    """Mistral with a 20-token window: prompts sharing a 48-token head (prefix-cache hits on blocks partly
+    outside the window), prefill in chunks of 24, n-gram speculation (rollback over released blocks), and a
+    pool of 13 blocks of 8 (preemption) still give transformers' greedy tokens and logprobs."""
+    folder = make_tiny_model_dir(tmp_path, "mistral-window")
+    generator = torch.Generator().manual_seed(3)
+    head = torch.randint(3, 256, (48,), generator=generator).tolist()
+    prompts = [head + torch.randint(3, 256, (n,), generator=generator).tolist() for n in (1, 9, 30)]
+    prompts.append(head[:8] * 6)   # repeats: n-gram proposals get accepted
+    llm = LLM(str(folder), dtype="float32", block_size=8, kv_cache_memory="52KiB", max_num_batched_tokens=24,
+              max_num_seqs=4, attention_backend=attention_backend,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    engine = llm.llm_engine
+    assert engine.kv_manager.sliding_window == 20
+    assert engine.kv_manager.pool.num_blocks == 13
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_manager.prefix_cache_hits > 0
+    for prompt, output in zip(prompts, outputs):
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        ref_tokens, ref_logprobs = reference_greedy(reference, prompt, 24)
+        completion = output.outputs[0]
+        assert completion.token_ids == ref_tokens
+        ours = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, ref_tokens)])
+        theirs = ref_logprobs[torch.arange(len(ref_tokens)), torch.tensor(ref_tokens)]
+        torch.testing.assert_close(ours, theirs, atol=LOGPROB_TOLERANCE, rtol=0)
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
+
+
+def test_triton_refuses_sliding_windows_at_start_up(make_tiny_model_dir, tmp_path):
+    folder = make_tiny_model_dir(tmp_path, "qwen2-window")
+    with pytest.raises(ValueError, match=r"'triton' cannot run this model's sliding-window attention \(layers \[1\]\)"):
+        LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", attention_backend="triton")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedllm.model import attention
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, paged_attention
+from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention, paged_attention
 
 triton_kernels = pytest.importorskip("pagedllm.model.triton_kernels", reason="triton is not installed")
 from pagedllm.model.attention_backends import select_attention_backend  # noqa: E402
@@ -91,7 +91,7 @@ def run_both(seq_lens, new_tokens, block_size, heads, kv_heads, head_dim, dtype=
     results = []
     for forward in (triton_backend.forward, pytorch_reference):
         caches = [CacheTensor(c.data.clone(), None if c.scales is None else c.scales.clone()) for c in (k_cache, v_cache)]
-        results.append((forward(q, k, v, *caches, meta, head_dim ** -0.5), caches))
+        results.append((forward(q, k, v, *caches, meta, LayerAttention(head_dim ** -0.5)), caches))
     return results, meta
 
 

@@ -21,7 +21,7 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stats import EngineStats, StepStats
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.model import kernels
-from pagedllm.model.config import ModelConfig
+from pagedllm.model.config import ModelConfig, kv_release_window
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.model.bert import with_token_types
 from pagedllm.model.rope_scaling import rope_length_key
@@ -122,6 +122,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, checkpoint.config.torch_dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = self._resolve_max_model_len()
+        self.draft_config = self._check_draft_model()
         # On CUDA without kv_cache_memory the pool is sized after a profile run of the loaded model.
         profile = self.device.type == "cuda" and config.kv_cache_memory is None
         num_blocks = None if profile else self._num_kv_blocks(config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
@@ -136,7 +137,9 @@ class LLMEngine:
             self.executor.collective_rpc("allocate_kv_caches", num_blocks)
         # Pooling prompts run whole and never reuse cached blocks (an encoder's K/V depend on later tokens).
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
-                                         config.enable_prefix_caching and self.pooling is None)
+                                         config.enable_prefix_caching and self.pooling is None,
+                                         kv_release_window([self.model_config, *filter(None, [self.draft_config])],
+                                                           self.max_model_len))
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)
         speculation = SpeculationPlanner(config.speculative_config) if config.speculative_config else None
@@ -221,7 +224,7 @@ class LLMEngine:
     def _num_kv_blocks(self, budget: int) -> int:
         per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype,
                                        self.config.tensor_parallel_size)   # per rank, as kv_cache_memory
-        draft = self._check_draft_model()
+        draft = self.draft_config
         if draft is not None:   # the draft's KV pool has as many blocks, under the same ids, in the same budget
             per_block += kv_bytes_per_block(draft, self.config.block_size, self.kv_cache_dtype)
         num_blocks = budget // per_block

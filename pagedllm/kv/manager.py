@@ -9,6 +9,11 @@ writes into it.
 
 A request's cache salt enters its first block's hash (and key), so requests with
 different salts (tenants) never share a cached block, and the same salt shares as before.
+
+With a sliding window (a model whose every layer attends only to a token's last `sliding_window`
+keys) the leading blocks that no coming token can see are released as the request grows: its table
+keeps their entries (id RELEASED), so a position's entry stays at its index, but holds them no longer;
+cached ones stay in the prefix cache until evicted, as any freed block.
 """
 from __future__ import annotations
 
@@ -17,8 +22,17 @@ from dataclasses import dataclass
 from pagedllm.kv.block_pool import BlockHash, BlockKey, BlockPool, KVBlock, hash_block
 
 
+RELEASED = -1   # the block id of a table entry outside the window, given back
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def blocks_outside_window(num_computed_tokens: int, sliding_window: int, block_size: int) -> int:
+    """Leading blocks that tokens from position num_computed_tokens on never see: a token at p sees
+    keys p - sliding_window + 1 .. p."""
+    return max(0, num_computed_tokens - sliding_window + 1) // block_size
 
 
 @dataclass(frozen=True)
@@ -52,9 +66,11 @@ class KVCacheUsage:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[KVBlock]] = {}
         # The same tables as block ids, kept in step with them: the runner reads every running request's
@@ -64,6 +80,7 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self._cache_salts: dict[str, str] = {}           # only requests that have one
         self._num_cached_blocks: dict[str, int] = {}     # leading table entries already in the cache
+        self._num_released: dict[str, int] = {}          # leading table entries released (outside the window)
         self._pending_copies: list[tuple[int, int]] = []
         self._rewritten: dict[str, int] = {}   # request id -> first table entry a copy replaced since taken
         # Requests that took part in a fork: only they can hold a shared block that is not yet
@@ -123,8 +140,11 @@ class KVCacheManager:
         """Makes the request's table cover num_total_tokens, after taking `cached_blocks` (prefix
         hits) as its first entries. Copies a shared block that the new tokens would write into.
 
-        Returns False, changing nothing, when the pool has too few free blocks.
+        Returns False when the pool has too few free blocks, having changed nothing but released the
+        blocks outside the window (which no coming token sees either way).
         """
+        if self.sliding_window is not None and request_id in self.block_tables:
+            self._release_outside_window(request_id, num_computed_tokens)
         table = self.block_tables.get(request_id, [])
         write_index = num_computed_tokens // self.block_size
         needs_copy = (request_id in self._forked and write_index < len(table)
@@ -158,6 +178,20 @@ class KVCacheManager:
         self.num_tokens[request_id] = max(num_total_tokens, self.num_tokens.get(request_id, 0))
         return True
 
+    def _release_outside_window(self, request_id: str, num_computed_tokens: int) -> None:
+        released = self._num_released.get(request_id, 0)
+        outside = blocks_outside_window(num_computed_tokens, self.sliding_window, self.block_size)
+        if outside <= released:
+            return
+        table, block_ids = self.block_tables[request_id], self._block_ids[request_id]
+        self.pool.free(table[released:outside][::-1])
+        block_ids[released:outside] = [RELEASED] * (outside - released)
+        self._num_released[request_id] = outside
+
+    def num_released_blocks(self, request_id: str) -> int:
+        """Leading table entries given back because they lie outside the window."""
+        return self._num_released.get(request_id, 0)
+
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Registers the request's blocks that became full and computed, for later prefix hits."""
         if not self.enable_prefix_caching:
@@ -167,7 +201,7 @@ class KVCacheManager:
             return
         hashes = self._hashes(request_id, token_ids, num_computed_tokens)
         table = self.block_tables[request_id]
-        for index in range(self._num_cached_blocks[request_id], num_full):
+        for index in range(max(self._num_cached_blocks[request_id], self.num_released_blocks(request_id)), num_full):
             self.pool.cache(table[index], hashes[index], self._block_key(request_id, token_ids, index, hashes))
         self._num_cached_blocks[request_id] = num_full
 
@@ -188,7 +222,10 @@ class KVCacheManager:
     def fork(self, parent_id: str, child_id: str) -> None:
         """Gives the child the parent's table: every block shared, one more reference each."""
         table = list(self.block_tables[parent_id])
-        self.pool.touch(table)
+        released = self.num_released_blocks(parent_id)
+        self.pool.touch(table[released:])
+        if released:
+            self._num_released[child_id] = released
         self.block_tables[child_id] = table
         self._block_ids[child_id] = list(self._block_ids[parent_id])
         self.num_tokens[child_id] = self.num_tokens[parent_id]
@@ -219,14 +256,16 @@ class KVCacheManager:
         self._cache_salts.pop(request_id, None)
         self._forked.discard(request_id)
         self._rewritten.pop(request_id, None)
+        released = self._num_released.pop(request_id, 0)
         if table:
-            self.pool.free(table[::-1])
+            self.pool.free(table[released:][::-1])
 
     def usage(self) -> KVCacheUsage:
         filled: dict[int, int] = {}
         for request_id, table in self.block_tables.items():
             num_tokens = self.num_tokens[request_id]
-            for index, block in enumerate(table):
+            for index, block in enumerate(table[self.num_released_blocks(request_id):],
+                                          self.num_released_blocks(request_id)):
                 slots = min(self.block_size, num_tokens - index * self.block_size)
                 filled[block.block_id] = max(filled.get(block.block_id, 0), slots)
         pool = self.pool
@@ -236,7 +275,8 @@ class KVCacheManager:
             num_free_blocks=pool.num_free_blocks,
             num_cached_idle_blocks=pool.num_cached_idle_blocks(),
             num_shared_blocks=sum(1 for block in pool.blocks if block.ref_count > 1),
-            num_logical_blocks=sum(len(table) for table in self.block_tables.values()),
+            num_logical_blocks=sum(len(table) - self.num_released_blocks(request_id)
+                                   for request_id, table in self.block_tables.items()),
             num_tokens_stored=sum(filled.values()),
             block_size=self.block_size,
             prefix_cache_queries=self.prefix_cache_queries,

@@ -46,7 +46,7 @@ def block_owners(manager: KVCacheManager) -> dict[int, list[str]]:
     """Block id -> the requests whose tables hold it, in table order (O(table entries), not O(pool))."""
     owners: dict[int, list[str]] = {}
     for request_id in manager.block_tables:
-        for block_id in manager.get_block_table(request_id):
+        for block_id in manager.get_block_table(request_id)[manager.num_released_blocks(request_id):]:
             owners.setdefault(block_id, []).append(request_id)
     return owners
 

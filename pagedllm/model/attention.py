@@ -16,7 +16,11 @@ the kernels widen the elements as they read them, and the gathering path dequant
 
 Where sequences share leading KV blocks (forks, beams, prefix-cache hits) the runner may hand a part
 of the step (its decodes, its prefill chunks) over with SharedPrefixGroups (model/cascade.py): the C++
-cascade kernel then reads each group's shared blocks once for all its query rows.
+cascade kernel then reads each group's shared blocks once for all its query rows (not in sliding-window
+layers, whose shared blocks may lie outside a token's window: those run the plain kernels).
+
+A layer may attend within a sliding window (a token sees its last `window` keys, itself included: Mistral,
+Gemma's local layers) and soft-cap its scores (Gemma 2: cap * tanh(score / cap) before the softmax).
 """
 from __future__ import annotations
 
@@ -79,6 +83,18 @@ class AttentionMetadata:
         slots = self.decode_block_tables.shape[1] * self.block_size
         key_index = torch.arange(slots, device=self.decode_seq_lens.device)
         return (key_index[None, :] < self.decode_seq_lens[:, None])[:, None, None, :]
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What differs between the attention of a model's layers besides the caches."""
+    scale: float
+    sliding_window: int | None = None   # None: every key before the token
+    logit_softcap: float | None = None
+
+    def kernel_limits(self) -> tuple[int, float]:
+        """The kernels' sliding_window and logit_softcap arguments (0: none)."""
+        return self.sliding_window or 0, self.logit_softcap or 0.0
 
 
 @dataclass(frozen=True)
@@ -165,56 +181,83 @@ def _gather(k_cache: CacheTensor, v_cache: CacheTensor, block_table: torch.Tenso
 
 def _cascade_attention(out: torch.Tensor, q: torch.Tensor, k_cache: CacheTensor, v_cache: CacheTensor,
                        block_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
-                       groups: SharedPrefixGroups, scale: float) -> None:
+                       groups: SharedPrefixGroups, layer: LayerAttention) -> None:
     _C.cascade_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales, block_tables,
                          query_starts, context_lens, groups.group_seqs, groups.group_starts, groups.shared_lens,
-                         scale)
+                         layer.scale, layer.kernel_limits()[1])
+
+
+def _reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+                         layer: LayerAttention) -> torch.Tensor:
+    """SDPA, or with soft-capping (which SDPA cannot do) the same in plain operations.
+    q: [..., heads, queries, head_dim]; keys, values: [..., kv_heads, keys, head_dim]; visible: a bool mask
+    broadcasting to [..., queries, keys] (None: causal over the last queries)."""
+    if layer.logit_softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, is_causal=visible is None,
+                                              scale=layer.scale, enable_gqa=True)
+    group = q.shape[-3] // keys.shape[-3]
+    keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
+    scores = (q @ keys.transpose(-1, -2)) * layer.scale
+    scores = torch.tanh(scores / layer.logit_softcap) * layer.logit_softcap
+    if visible is None:
+        num_queries, num_keys = scores.shape[-2:]
+        visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - num_queries)
+    return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ values
 
 
 def _decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: CacheTensor, v_cache: CacheTensor,
-                      meta: AttentionMetadata, scale: float) -> None:
-    if meta.decode_cascade is not None:
+                      meta: AttentionMetadata, layer: LayerAttention) -> None:
+    if meta.decode_cascade is not None and layer.sliding_window is None:
         _cascade_attention(out, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_query_starts,
-                           meta.decode_context_lens, meta.decode_cascade, scale)
+                           meta.decode_context_lens, meta.decode_cascade, layer)
         return
     if meta.use_kernel:   # q may be a view into qkv: the kernel reads it in place
         _C.paged_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
-                           meta.decode_block_tables, meta.decode_rows, meta.decode_seq_lens, scale)
+                           meta.decode_block_tables, meta.decode_rows, meta.decode_seq_lens, layer.scale,
+                           *layer.kernel_limits())
         return
     keys, values = _gather(k_cache, v_cache, meta.decode_block_tables, q.dtype)
-    out.copy_(F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                             scale=scale, enable_gqa=True).squeeze(2))
+    visible = meta.decode_mask
+    if layer.sliding_window is not None:
+        key_index = torch.arange(visible.shape[-1], device=q.device)
+        visible = visible & (key_index >= (meta.decode_seq_lens - layer.sliding_window)[:, None, None, None])
+    out.copy_(_reference_attention(q.unsqueeze(2), keys, values, visible, layer).squeeze(2))
 
 
 def _prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        k_cache: CacheTensor, v_cache: CacheTensor, meta: AttentionMetadata,
-                       scale: float) -> None:
-    if meta.prefill_cascade is not None:
+                       layer: LayerAttention) -> None:
+    if meta.prefill_cascade is not None and layer.sliding_window is None:
         _cascade_attention(out, q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_starts,
-                           meta.prefill_context_lens, meta.prefill_cascade, scale)
+                           meta.prefill_context_lens, meta.prefill_cascade, layer)
         return
     if meta.use_kernel:
         _C.prefill_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
-                             meta.prefill_block_tables, meta.prefill_query_starts, meta.prefill_context_lens, scale)
+                             meta.prefill_block_tables, meta.prefill_query_starts, meta.prefill_context_lens,
+                             layer.scale, *layer.kernel_limits())
         return
     exact_cache = k_cache.data.dtype == k.dtype   # the cache holds the new K/V as they are
     starts = meta.prefill_query_starts.tolist()
     for chunk, context in enumerate(meta.prefill_context_lens.tolist()):
         start, end = starts[chunk], starts[chunk + 1]
         query = q[start:end].transpose(0, 1)
-        mask = None
-        if context == 0 and exact_cache:   # the whole sequence is in this chunk: its own K/V suffice
+        length = context + end - start
+        whole_sequence = context == 0 and exact_cache   # all in this chunk: its own K/V suffice
+        if whole_sequence:
             keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
         else:
-            length = context + end - start
             blocks = meta.prefill_block_tables[chunk, :-(-length // meta.block_size)]
             keys, values = (part[:, :length] for part in _gather(k_cache, v_cache, blocks, q.dtype))
-            positions = torch.arange(context, length, device=q.device)
-            mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]
+        visible = None   # causal
+        if not whole_sequence or layer.sliding_window is not None:
+            positions = torch.arange(context, length, device=q.device)[:, None]
+            key_index = torch.arange(length, device=q.device)[None, :]
+            visible = key_index <= positions
+            if layer.sliding_window is not None:
+                visible &= key_index > positions - layer.sliding_window
         # A batch dimension of one: with it PyTorch's flash-attention kernel serves (GQA too).
-        out[start:end] = F.scaled_dot_product_attention(
-            query[None], keys[None], values[None], attn_mask=mask, is_causal=mask is None,
-            scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        out[start:end] = _reference_attention(query[None], keys[None], values[None], visible,
+                                              layer)[0].transpose(0, 1)
 
 
 # Labels of the attention ranges torch.profiler reports (`pagedllm bench throughput --profile-attention`).
@@ -228,13 +271,13 @@ def _profiled(name: str):
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: CacheTensor,
-                    v_cache: CacheTensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: CacheTensor, meta: AttentionMetadata, layer: LayerAttention) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] for the new tokens;
     one layer's caches (CacheTensor). Rows past len(meta.slot_mapping) are padding.
 
     Writes the new K/V into the cache, then attends each token to its sequence's
-    cached keys up to and including its own position. Returns [tokens, heads, head_dim],
-    zeros in the padding rows.
+    cached keys up to and including its own position (within the layer's window). Returns
+    [tokens, heads, head_dim], zeros in the padding rows.
     """
     num_tokens = meta.slot_mapping.shape[0]
     write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping)
@@ -244,8 +287,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[num_tokens:] = 0
     if num_decodes:
         with _profiled(DECODE_RANGE):
-            _decode_attention(out[:num_decodes], q[:num_decodes], k_cache, v_cache, meta, scale)
+            _decode_attention(out[:num_decodes], q[:num_decodes], k_cache, v_cache, meta, layer)
     if num_decodes < num_tokens:
         with _profiled(PREFILL_RANGE):
-            _prefill_attention(out, q, k, v, k_cache, v_cache, meta, scale)
+            _prefill_attention(out, q, k, v, k_cache, v_cache, meta, layer)
     return out

@@ -9,7 +9,8 @@
 "auto" takes the device's default (on CUDA that needs Triton installed; `torch` serves without it);
 PAGEDLLM_ATTENTION_BACKEND (as vLLM's VLLM_ATTENTION_BACKEND) names one
 when the engine argument is left at "auto". A backend that cannot take the model's layout (head size,
-block size, dtypes, device) is refused here, at start-up, with the reason: no step ever falls back.
+block size, dtypes, device, sliding windows, soft-capping) is refused here, at start-up, with the reason:
+no step ever falls back.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, kernel_available, paged_attention
+from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention, kernel_available, paged_attention
 from pagedllm.model.ops import _C
 
 FORCE_VARIABLE = "PAGEDLLM_ATTENTION_BACKEND"
@@ -31,7 +32,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: CacheTensor,
-                v_cache: CacheTensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: CacheTensor, meta: AttentionMetadata, layer: LayerAttention) -> torch.Tensor:
         """paged_attention's contract: writes the new K/V, attends, returns [tokens, heads, head_dim] with zeros
         in the padding rows."""
 
@@ -43,8 +44,8 @@ class PagedAttentionBackend(AttentionBackend):
         self.uses_cpu_kernels = uses_cpu_kernels
         self.name = "cpu" if uses_cpu_kernels else "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    def forward(self, q, k, v, k_cache, v_cache, meta, layer):
+        return paged_attention(q, k, v, k_cache, v_cache, meta, layer)
 
 
 def requested_backend(requested: str) -> str:
@@ -60,8 +61,10 @@ def requested_backend(requested: str) -> str:
 
 
 def select_attention_backend(requested: str, device: torch.device, head_dim: int, block_size: int,
-                             dtype: torch.dtype, cache_dtype: torch.dtype) -> AttentionBackend:
-    """The backend for this engine's model and cache layout; ValueError if the one asked for cannot serve."""
+                             dtype: torch.dtype, cache_dtype: torch.dtype,
+                             layers: tuple[LayerAttention, ...] = ()) -> AttentionBackend:
+    """The backend for this engine's model and cache layout (layers: how each layer attends); ValueError if
+    the one asked for cannot serve."""
     name = requested_backend(requested)
     if name == "auto":
         name = "triton" if device.type == "cuda" else ("cpu" if kernel_available(device, head_dim) else "torch")
@@ -77,5 +80,5 @@ def select_attention_backend(requested: str, device: torch.device, head_dim: int
         from pagedllm.model.triton_attention import TritonBackend
     except ImportError as error:
         raise ValueError(f"attention_backend 'triton' needs Triton: pip install 'pagedllm[cuda]' ({error})") from None
-    return TritonBackend(device, head_dim, block_size, dtype, cache_dtype)
+    return TritonBackend(device, head_dim, block_size, dtype, cache_dtype, layers)
 

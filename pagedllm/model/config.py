@@ -17,6 +17,7 @@ HF_ARCHITECTURES = {
 }
 # llama.cpp names Mistral models "llama" too: they compute the same thing.
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+_LAYER_TYPES = frozenset({"sliding_attention", "full_attention"})
 # llama.cpp's general.file_type values for unquantized files; quantized files have no natural dtype.
 _GGUF_FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
@@ -38,6 +39,8 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict | None   # resolve_rope_scaling's form
     max_position_embeddings: int
+    # Per layer: its sliding window (a token sees its last `window` keys, itself included), None for full attention.
+    layer_windows: tuple[int | None, ...]
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
@@ -50,6 +53,17 @@ class ModelConfig:
         """The longest sequence the model serves (max_model_len's limit)."""
         return context_length(self.max_position_embeddings, self.rope_scaling)
 
+    def windows_within(self, max_model_len: int) -> tuple[int | None, ...]:
+        """layer_windows with windows that cover every sequence up to max_model_len as None (full attention)."""
+        return tuple(None if window is None or window >= max_model_len else window for window in self.layer_windows)
+
+
+def kv_release_window(configs: Iterable[ModelConfig], max_model_len: int) -> int | None:
+    """The window outside which a sequence's KV blocks may be given back: the widest window, when every
+    layer of every model reading the KV pool (target and draft) has one; None otherwise."""
+    windows = [window for config in configs for window in config.windows_within(max_model_len)]
+    return None if not windows or None in windows else max(windows)
+
 
 def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelConfig:
     """Build a ModelConfig from config.json (transformers 4 or 5 layout) and generation_config.json."""
@@ -61,8 +75,6 @@ def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelC
     num_attention_heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden_size // num_attention_heads
     partial_rotary_factor = (rope or {}).get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
-    # Mistral's and Phi-3's sliding_window is ignored: attention always sees the whole context, which
-    # matches sliding-window attention for sequences shorter than the window.
     return ModelConfig(
         architecture=architecture,
         vocab_size=config["vocab_size"],
@@ -78,6 +90,7 @@ def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelC
         rope_scaling=resolve_rope_scaling(rope, config["max_position_embeddings"],
                                           config.get("original_max_position_embeddings")),
         max_position_embeddings=config["max_position_embeddings"],
+        layer_windows=_hf_layer_windows(config, architecture),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases, and its configs do not say so.
         attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
@@ -133,6 +146,8 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
         rope_theta=float(optional("rope.freq_base", 10000.0)),
         rope_scaling=resolve_rope_scaling(_gguf_rope_scaling(optional, rope_factors), max_position_embeddings),
         max_position_embeddings=max_position_embeddings,
+        # llama.cpp's sliding window applies to every layer (Phi-3); it stores none for Mistral.
+        layer_windows=(optional("attention.sliding_window", None) or None,) * required("block_count"),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
@@ -161,6 +176,27 @@ def _gguf_rope_scaling(optional: Callable[[str, Any], Any], rope_factors: Mappin
         "beta_fast": optional("rope.scaling.yarn_beta_fast", None),
         "beta_slow": optional("rope.scaling.yarn_beta_slow", None),
     }
+
+
+def _hf_layer_windows(config: Mapping[str, Any], architecture: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers applies it: `layer_types` where the config lists them;
+    otherwise Mistral and Phi-3 window every layer, and Qwen2 (with use_sliding_window) the layers from
+    max_window_layers on."""
+    num_layers = config["num_hidden_layers"]
+    window = config.get("sliding_window")
+    if architecture == "qwen2" and not config.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return (None,) * num_layers
+    kinds = config.get("layer_types")
+    if kinds is None and architecture == "qwen2":
+        first = config.get("max_window_layers", num_layers)
+        kinds = ["sliding_attention" if layer >= first else "full_attention" for layer in range(num_layers)]
+    if kinds is None:
+        kinds = ["sliding_attention"] * num_layers
+    if len(kinds) != num_layers or not set(kinds) <= _LAYER_TYPES:
+        raise ValueError(f"layer_types must list {num_layers} of {', '.join(sorted(_LAYER_TYPES))}, got {kinds}")
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
 
 def _hf_architecture(config: Mapping[str, Any]) -> str:

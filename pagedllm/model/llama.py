@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
-from pagedllm.model.attention import AttentionMetadata, CacheTensor
+from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_linear, padded_rows
 from pagedllm.model.ops import rms_norm, silu_and_mul
@@ -56,12 +56,13 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, w: WeightTaker, prefix: str, group: TensorParallelGroup):
+    def __init__(self, config: ModelConfig, w: WeightTaker, prefix: str, group: TensorParallelGroup,
+                 sliding_window: int | None):
         super().__init__()
         self.num_heads = config.num_attention_heads // group.world_size   # this rank's heads
         self.num_kv_heads = num_kv_heads_per_rank(config, group.world_size)
         self.head_dim = config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.attention = LayerAttention(config.head_dim ** -0.5, sliding_window)
         attn = prefix + "self_attn."
         self.qkv_proj = fused_linear([w(attn + n + "_proj.weight") for n in "qkv"],
                                      [w(attn + n + "_proj.bias") for n in "qkv"] if config.attention_bias else None)
@@ -94,7 +95,7 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotation.apply(q), rotation.apply(k)
-        attn = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        attn = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.attention)
         normed = self.post_attention_norm(self.o_proj(attn.reshape(num_tokens, q_size)), residual)
         return self.down_proj(silu_and_mul(self.gate_up_proj(normed))), residual
 
@@ -121,7 +122,9 @@ class CausalLM(nn.Module):
             group) if with_lm_head else None
         del embedding
         self.layers = nn.ModuleList(
-            DecoderLayer(config, w, f"model.layers.{i}.", group) for i in range(config.num_hidden_layers))
+            DecoderLayer(config, w, f"model.layers.{i}.", group, window)
+            for i, window in enumerate(config.windows_within(max_positions)))
+        self.attention_layers = tuple(layer.attention for layer in self.layers)
         self.norm = RMSNorm(w("model.norm.weight"), config.rms_norm_eps)
         self.rope = RotaryEmbedding(config.rotary_dim, max_positions, config.rope_theta,
                                     config.rope_scaling, device)

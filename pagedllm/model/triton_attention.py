@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.model import triton_kernels
-from pagedllm.model.attention import AttentionMetadata, CacheTensor
+from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention
 from pagedllm.model.attention_backends import AttentionBackend
 
 
@@ -12,8 +12,9 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, device: torch.device, head_dim: int, block_size: int, dtype: torch.dtype,
-                 cache_dtype: torch.dtype):
-        """Refuses, once, what the kernels cannot take: the layout, or a CPU without the interpreter."""
+                 cache_dtype: torch.dtype, layers: tuple[LayerAttention, ...] = ()):
+        """Refuses, once, what the kernels cannot take: the layout, sliding windows or soft-capping (not
+        written for Triton yet), or a CPU without the interpreter."""
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"attention_backend 'triton' runs on cuda (or cpu under TRITON_INTERPRET=1), got {device}")
         if device.type == "cpu" and not triton_kernels.INTERPRETED:
@@ -23,9 +24,16 @@ class TritonBackend(AttentionBackend):
             raise ValueError("attention_backend 'triton' on cuda: TRITON_INTERPRET=1 is set, which would run the "
                              "kernels on the host; unset it")
         triton_kernels.check_layout(head_dim, block_size, dtype, cache_dtype)
+        windowed = [index for index, layer in enumerate(layers) if layer.sliding_window is not None]
+        capped = [index for index, layer in enumerate(layers) if layer.logit_softcap is not None]
+        unsupported = ([f"sliding-window attention (layers {windowed})"] if windowed else []) + (
+            [f"attention logit soft-capping (layers {capped})"] if capped else [])
+        if unsupported:
+            raise ValueError(f"attention_backend 'triton' cannot run this model's {' and '.join(unsupported)} yet; "
+                             "use attention_backend 'torch' (any device) or 'cpu'")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: CacheTensor,
-                v_cache: CacheTensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: CacheTensor, meta: AttentionMetadata, layer: LayerAttention) -> torch.Tensor:
         num_tokens = meta.slot_mapping.shape[0]
         triton_kernels.write_kv(k_cache.data, v_cache.data, k_cache.scales, v_cache.scales, k[:num_tokens],
                                 v[:num_tokens], meta.slot_mapping)
@@ -34,5 +42,5 @@ class TritonBackend(AttentionBackend):
             out[num_tokens:] = 0
         triton_kernels.unified_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
                                          meta.block_tables, meta.query_starts, meta.seq_lens, meta.max_query_len,
-                                         meta.max_seq_len, scale)
+                                         meta.max_seq_len, layer.scale)
         return out

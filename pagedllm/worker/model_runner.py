@@ -98,7 +98,7 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.kv_cache_dtype = kv_cache_dtype
         self.attention_backend = select_attention_backend(attention_backend, device, config.head_dim, block_size,
-                                                          dtype, kv_cache_dtype)
+                                                          dtype, kv_cache_dtype, model.attention_layers)
         self.kv_caches: list[tuple[CacheTensor, CacheTensor]] = []
         if num_blocks is not None:
             self.allocate_kv_caches(num_blocks)
