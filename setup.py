@@ -7,9 +7,12 @@ only pagedllm._C is built, for the compiler's default target.
 
 Install with `pip install --no-build-isolation -e .` so the build uses the torch that is
 already installed (an isolated build would fetch another, much larger, torch).
+PAGEDLLM_BUILD_VARIANTS=host builds only the generic variant and the best one this CPU runs
+(scripts/setup.sh does, for a first answer in minutes); a list such as "_C,_C_avx2" builds those.
 """
 import os
 import platform
+import runpy
 
 from setuptools import setup
 
@@ -20,6 +23,20 @@ _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx
 # Variant name -> compiler flags; the names match pagedllm/model/kernels.py.
 X86_VARIANTS = {"_C": [], "_C_avx2": _AVX2, "_C_avx512": _AVX512,
                 "_C_avx512bf16": _AVX512 + ["-mavx512bf16", "-mavx512vnni"]}
+
+
+def host_variants() -> list[str]:
+    """The generic variant and the best one this CPU can run, by the feature table pagedllm picks
+    variants with at import (pagedllm/model/isa_variants.py), read against /proc/cpuinfo's flags."""
+    table = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pagedllm/model/isa_variants.py"))
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next(line for line in cpuinfo if line.startswith("flags"))
+    except (OSError, StopIteration):   # no /proc (not Linux): every variant
+        return list(X86_VARIANTS)
+    features = {flag.replace("_", "") for flag in line.split(":", 1)[1].split()}
+    best = next((variant for variant, needs in table["VARIANTS"].items() if needs <= features), "generic")
+    return sorted({"_C", table["extension_name"](best)})
 
 
 def extensions():
@@ -41,12 +58,16 @@ def extensions():
 
     # -fopenmp: at::parallel_for in the kernels runs on torch's OpenMP threads (without it, on one).
     # -ffp-contract=fast: a * b + c as one FMA instruction (ISO C++ mode would not fuse them).
-    flags = ["-O3", "-std=c++17", "-ffp-contract=fast", "-fopenmp"]
+    # -g0: Python's CFLAGS ask for debug info, which doubled the compile time (measured: 79 s -> 44 s
+    # of CPU for prefill_attention.cpp).
+    flags = ["-O3", "-g0", "-std=c++17", "-ffp-contract=fast", "-fopenmp"]
     x86 = platform.machine() in ("x86_64", "AMD64")
     variants = X86_VARIANTS if x86 else {"_C": []}
-    if os.environ.get("PAGEDLLM_BUILD_VARIANTS"):   # development: e.g. "_C,_C_avx2" builds only those
-        chosen = os.environ["PAGEDLLM_BUILD_VARIANTS"].split(",")
-        variants = {name: variants[name] for name in chosen}
+    chosen = os.environ.get("PAGEDLLM_BUILD_VARIANTS")
+    if chosen == "host" and x86:
+        variants = {name: variants[name] for name in host_variants()}
+    elif chosen and chosen != "host":   # development: e.g. "_C,_C_avx2" builds only those
+        variants = {name: variants[name] for name in chosen.split(",")}
     exts = [CppExtension(f"pagedllm.{name}", SOURCES, extra_compile_args=flags + isa_flags,
                          extra_link_args=["-fopenmp"]) for name, isa_flags in variants.items()]
     return exts, {"build_ext": BuildEachVariantApart}

@@ -16,7 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+)
 
 from pagedllm.model.loader import bundled_model_path  # noqa: E402
 from pagedllm.tokenizer import load_tokenizer_from_gguf  # noqa: E402
@@ -42,6 +44,16 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+# Phi-3's longrope: per-frequency factors (rotary_dim / 2 of them, here head_dim 32) that differ from one
+# frequency to the next, the long ones past the original 128 positions.
+_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.05 * i for i in range(16)],
+    "long_factor": [1.5 + 0.4 * i for i in range(16)],
+}
+# With head_dim 32 and an original context of 64, yarn's ramp runs between frequencies 2 and 6 of 16:
+# some kept, some interpolated, some blended.
+_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}
 TINY_ARCHS = {
     "llama": (LlamaConfig, {"rope_theta": 10000.0}),
     "llama3": (LlamaConfig, {"rope_theta": 10000.0, "rope_scaling": _LLAMA3_ROPE}),
@@ -49,6 +61,14 @@ TINY_ARCHS = {
     "qwen2": (Qwen2Config, {}),
     # head_dim differs from hidden_size // num_attention_heads, as in real Qwen3 models.
     "qwen3": (Qwen3Config, {"head_dim": 32}),
+    # Qwen2.5's long-context form (yarn), and Llama with dynamic NTK past a 64-token context (factor 4).
+    "qwen2-yarn": (Qwen2Config, {"num_attention_heads": 2, "num_key_value_heads": 1, "rope_scaling": _YARN}),
+    "llama-dynamic": (LlamaConfig, {"max_position_embeddings": 64,
+                                    "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
+    # Phi-3: fused qkv_proj and gate_up_proj; Phi-4-mini's partial rotary (half of each head rotated).
+    "phi3": (Phi3Config, {"partial_rotary_factor": 0.5, "pad_token_id": 0}),
+    "phi3-longrope": (Phi3Config, {"num_attention_heads": 2, "num_key_value_heads": 1, "pad_token_id": 0,
+                                   "original_max_position_embeddings": 128, "rope_scaling": _LONGROPE}),
 }
 
 

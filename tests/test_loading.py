@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import gguf
 import huggingface_hub.constants
 import jinja2
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from gguf_files import write_gguf
 from pagedllm.model import loader
 from pagedllm.model.config import model_config_from_gguf, model_config_from_hf
 from pagedllm.model.loader import load_checkpoint, resolve_model
@@ -111,8 +111,8 @@ def test_transformers4_config_layout_and_generation_eos():
     assert (parsed.torch_dtype, parsed.eos_token_ids, parsed.bos_token_id) == ("bfloat16", (5, 7, 9), None)
     plain = model_config_from_hf({**config, "rope_scaling": {"rope_type": "default"}}, None)
     assert plain.rope_scaling is None
-    with pytest.raises(ValueError, match=r"'yarn'.*default, linear, llama3"):
-        model_config_from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, None)
+    with pytest.raises(ValueError, match=r"'mrope'.*default, linear, llama3, yarn, longrope, dynamic"):
+        model_config_from_hf({**config, "rope_scaling": {"rope_type": "mrope", "factor": 4.0}}, None)
     with pytest.raises(ValueError, match="low_freq_factor"):
         model_config_from_hf({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, None)
 
@@ -164,68 +164,6 @@ def test_bundled_gguf_stays_quantized_and_dequantizes_to_transformers_weights(tr
         assert isinstance(weight, QuantizedWeight) == (weights.formats[name] != "F32"), name
         dequantized[name] = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
     assert_same_weights(dequantized, transformers_gguf_weights, atol=1e-6)
-
-
-def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's converter: each head's rows [2, half] -> [half, 2]."""
-    half = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-GGUF_NAMES = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
-               extra: dict[str, np.ndarray] | None = None) -> None:
-    """A float32 GGUF laid out like llama.cpp's converter writes one, plus extra tensors named as in GGUF."""
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_context_length(hf_config.max_position_embeddings)
-    writer.add_embedding_length(hf_config.hidden_size)
-    writer.add_feed_forward_length(hf_config.intermediate_size)
-    writer.add_block_count(hf_config.num_hidden_layers)
-    writer.add_head_count(hf_config.num_attention_heads)
-    writer.add_head_count_kv(hf_config.num_key_value_heads)
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(hf_config.rms_norm_eps)
-    writer.add_vocab_size(hf_config.vocab_size)
-    writer.add_eos_token_id(2)
-    for hf_name, tensor in state.items():
-        stem, kind = hf_name.rsplit(".", 1)
-        values = tensor.numpy()
-        if stem.startswith("model.layers."):
-            _, _, layer, part = stem.split(".", 3)
-            name = f"blk.{layer}.{GGUF_NAMES[part]}.{kind}"
-            if arch == "llama" and part == "self_attn.q_proj":
-                values = llama_cpp_permute(values, hf_config.num_attention_heads)
-            elif arch == "llama" and part == "self_attn.k_proj":
-                values = llama_cpp_permute(values, hf_config.num_key_value_heads)
-        else:
-            name = f"{GGUF_NAMES[stem]}.{kind}"
-        writer.add_tensor(name, np.ascontiguousarray(values))
-    for name, values in (extra or {}).items():
-        writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

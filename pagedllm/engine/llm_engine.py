@@ -24,6 +24,7 @@ from pagedllm.model import kernels
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.model.bert import with_token_types
+from pagedllm.model.rope_scaling import rope_length_key
 from pagedllm.outputs import Logprob, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -176,11 +177,11 @@ class LLMEngine:
             raise ValueError(f"pooling models run with tensor_parallel_size 1, got {self.config.tensor_parallel_size}")
 
     def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
+        limit = self.model_config.context_length
         wanted = self.config.max_model_len or limit
         if wanted > limit:
-            raise ValueError(f"max_model_len must be <= {limit} (the model's max_position_embeddings), "
-                             f"got {wanted}")
+            raise ValueError(f"max_model_len must be <= {limit} (the model's context: max_position_embeddings, "
+                             f"times the factor of dynamic rope scaling), got {wanted}")
         return wanted
 
     def _resolve_token_budget(self) -> int:
@@ -345,6 +346,9 @@ class LLMEngine:
                              f"{self.kv_manager.block_size}); raise kv_cache_memory")
         if isinstance(params, SamplingParams):
             self._check_token_ids(params)
+        rope_key = rope_length_key(self.model_config.rope_scaling, len(prompt_ids), self.max_model_len)
+        if rope_key is not None:   # K/V that depend on the prompt's length are shared only at that length
+            cache_salt = f"{cache_salt or ''}\x00{rope_key}"
         return CheckedPrompt(text, prompt_ids, max_tokens, cache_salt)
 
     def _check_token_ids(self, params: SamplingParams) -> None:

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pagedllm.model.rope_scaling import context_length, resolve_rope_scaling
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 # llama.cpp names Mistral models "llama" too: they compute the same thing.
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_ROPE_PARAMETERS = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 # llama.cpp's general.file_type values for unquantized files; quantized files have no natural dtype.
 _GGUF_FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
@@ -35,9 +33,10 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    rotary_dim: int   # the leading dimensions of each head that rope rotates
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None
+    rope_scaling: dict | None   # resolve_rope_scaling's form
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -45,6 +44,11 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model serves (max_model_len's limit)."""
+        return context_length(self.max_position_embeddings, self.rope_scaling)
 
 
 def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelConfig:
@@ -55,8 +59,10 @@ def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelC
     rope_theta = (rope or {}).get("rope_theta", config.get("rope_theta", 10000.0))
     hidden_size = config["hidden_size"]
     num_attention_heads = config["num_attention_heads"]
-    # Mistral's sliding_window is ignored: attention always sees the whole context, which matches
-    # sliding-window attention for sequences shorter than the window.
+    head_dim = config.get("head_dim") or hidden_size // num_attention_heads
+    partial_rotary_factor = (rope or {}).get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
+    # Mistral's and Phi-3's sliding_window is ignored: attention always sees the whole context, which
+    # matches sliding-window attention for sequences shorter than the window.
     return ModelConfig(
         architecture=architecture,
         vocab_size=config["vocab_size"],
@@ -65,10 +71,12 @@ def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelC
         num_hidden_layers=config["num_hidden_layers"],
         num_attention_heads=num_attention_heads,
         num_key_value_heads=config.get("num_key_value_heads") or num_attention_heads,
-        head_dim=config.get("head_dim") or hidden_size // num_attention_heads,
+        head_dim=head_dim,
+        rotary_dim=int(head_dim * partial_rotary_factor),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
-        rope_scaling=normalise_rope_scaling(rope),
+        rope_scaling=resolve_rope_scaling(rope, config["max_position_embeddings"],
+                                          config.get("original_max_position_embeddings")),
         max_position_embeddings=config["max_position_embeddings"],
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases, and its configs do not say so.
@@ -82,9 +90,11 @@ def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelC
     )
 
 
-def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str]) -> ModelConfig:
+def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str],
+                           rope_factors: Mapping[str, list[float]] | None = None) -> ModelConfig:
     """Build a ModelConfig from GGUF key/values; tensor_names settle what metadata does not record
-    (tied embeddings, q/k/v biases, q/k norms)."""
+    (tied embeddings, q/k/v biases, q/k norms); rope_factors: the long and short factors of a longrope
+    model, which llama.cpp stores as tensors (rope_factors_long/short)."""
     architecture = metadata.get("general.architecture")
     if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -107,12 +117,8 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
 
     hidden_size = required("embedding_length")
     num_attention_heads = required("attention.head_count")
-    # llama.cpp says "none" where HF says "default"; of the kinds we run, only linear is stored as metadata.
-    scaling_type = optional("rope.scaling.type", "none")
-    rope_scaling = normalise_rope_scaling({
-        "rope_type": "default" if scaling_type == "none" else scaling_type,
-        "factor": optional("rope.scaling.factor", None),
-    })
+    head_dim = optional("attention.key_length", hidden_size // num_attention_heads)
+    max_position_embeddings = required("context_length")
     return ModelConfig(
         architecture=architecture,
         vocab_size=optional("vocab_size", None) or len(metadata["tokenizer.ggml.tokens"]),
@@ -121,13 +127,14 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
         num_hidden_layers=required("block_count"),
         num_attention_heads=num_attention_heads,
         num_key_value_heads=optional("attention.head_count_kv", num_attention_heads),
-        head_dim=optional("attention.key_length", hidden_size // num_attention_heads),
+        head_dim=head_dim,
+        rotary_dim=optional("rope.dimension_count", head_dim),
         rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
         rope_theta=float(optional("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=required("context_length"),
+        rope_scaling=resolve_rope_scaling(_gguf_rope_scaling(optional, rope_factors), max_position_embeddings),
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         torch_dtype=_GGUF_FILE_TYPE_DTYPES.get(metadata.get("general.file_type")),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
@@ -138,20 +145,22 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
     )
 
 
-def normalise_rope_scaling(rope: Mapping[str, Any] | None) -> dict | None:
-    """Rope scaling in HF form keyed by "rope_type" (None for plain rope); rejects kinds we cannot run."""
-    if not rope:
-        return None
-    scaling = {key: value for key, value in rope.items() if key not in ("type", "rope_type", "rope_theta")}
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"Unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if rope_type == "default":
-        return None
-    missing = [key for key in _ROPE_PARAMETERS[rope_type] if scaling.get(key) is None]
-    if missing:
-        raise ValueError(f"Rope type {rope_type!r} needs {', '.join(missing)}")
-    return {"rope_type": rope_type, **scaling}
+def _gguf_rope_scaling(optional: Callable[[str, Any], Any], rope_factors: Mapping[str, list[float]] | None
+                       ) -> dict:
+    """llama.cpp's rope keys in HF form. A longrope model (Phi-3) is told by its factor tensors, with the
+    attention factor its converter computed; the other kinds by rope.scaling.type."""
+    original = optional("rope.scaling.original_context_length", None)
+    if rope_factors:
+        return {"rope_type": "longrope", **rope_factors, "original_max_position_embeddings": original,
+                "attention_factor": optional("rope.scaling.attn_factor", None)}
+    scaling_type = optional("rope.scaling.type", "none")   # llama.cpp says "none" where HF says "default"
+    return {
+        "rope_type": "default" if scaling_type == "none" else scaling_type,
+        "factor": optional("rope.scaling.factor", None),
+        "original_max_position_embeddings": original,
+        "beta_fast": optional("rope.scaling.yarn_beta_fast", None),
+        "beta_slow": optional("rope.scaling.yarn_beta_slow", None),
+    }
 
 
 def _hf_architecture(config: Mapping[str, Any]) -> str:

@@ -11,20 +11,13 @@ import importlib
 import os
 from types import ModuleType
 
-# Best first: each variant's name, as setup.py builds it, and the CPU features it needs.
-VARIANTS: dict[str, frozenset[str]] = {
-    "avx512bf16": frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-                             "avx512cd", "avx512bf16", "avx512vnni"}),
-    "avx512": frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-                         "avx512cd"}),
-    "avx2": frozenset({"avx2", "fma", "f16c", "bmi2"}),
-    "generic": frozenset(),
-}
+from pagedllm.model.isa_variants import VARIANTS, extension_name
+
 FORCE_VARIABLE = "PAGEDLLM_ISA"
 
 
 def module_name(variant: str) -> str:
-    return "pagedllm._C" if variant == "generic" else f"pagedllm._C_{variant}"
+    return f"pagedllm.{extension_name(variant)}"
 
 
 def supported_variants() -> list[str]:

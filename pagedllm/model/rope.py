@@ -1,77 +1,84 @@
-"""Rotary position embeddings (the rotate-half layout Hugging Face checkpoints use)."""
+"""Rotary position embeddings (the rotate-half layout Hugging Face checkpoints use), over the first
+rotary_dim dimensions of each head (all of them but for partial-rotary models such as Phi-4-mini)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from pagedllm.model.ops import _C, on_cpu_kernel
+from pagedllm.model.rope_scaling import LENGTH_DEPENDENT_TYPES, dynamic_ntk_inv_freq, inv_freq
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    kind = scaling["rope_type"]
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        return _llama3_scale(inv_freq, scaling)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: llama3, linear")
-
-
-def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1's scaling: long wavelengths slowed by `factor`, short kept, a smooth blend between."""
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, blended, scaled)
+def _cos_sin_table(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float) -> torch.Tensor:
+    """[len(positions), rotary_dim] float32: cos of each angle, then sin (scaled as yarn and longrope do).
+    inv_freq: [rotary_dim / 2], or one row per position."""
+    angles = positions.float()[:, None] * inv_freq
+    return torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_factor
 
 
 @dataclass
 class Rotation:
     """One step's rotary embedding: built once per step, applied by every layer."""
-    positions: torch.Tensor   # [tokens] int64
-    table: torch.Tensor       # [max_positions, head_dim] float32: cos of each angle, then sin
+    rows: torch.Tensor        # [tokens] int64: each token's row of table
+    table: torch.Tensor       # [rows, rotary_dim] float32: cos of each angle, then sin
     _cos_sin_by_dtype: dict = field(default_factory=dict, repr=False)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim] -> rotated by the rotate-half rule (in place on CPU)."""
-        if on_cpu_kernel(x, 32) and x.stride(-1) == 1:
-            _C.rotary_embedding(x, self.positions, self.table)
+        """x: [tokens, heads, head_dim] -> its first rotary_dim dimensions rotated by the rotate-half rule
+        (in place on CPU)."""
+        rotary_dim = self.table.shape[-1]
+        part = x[..., :rotary_dim]
+        if on_cpu_kernel(part, 32) and x.stride(-1) == 1:
+            _C.rotary_embedding(part, self.rows, self.table)
             return x
         cos, sin = self._cos_sin(x.dtype)
-        return x * cos + _rotate_half(x) * sin
+        rotated = part * cos + _rotate_half(part) * sin
+        return rotated if rotary_dim == x.shape[-1] else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
     def _cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[tokens, 1, head_dim] each, in the model dtype, as Hugging Face applies them."""
+        """[tokens, 1, rotary_dim] each, in the model dtype, as Hugging Face applies them."""
         if dtype not in self._cos_sin_by_dtype:
-            cos, sin = self.table[self.positions].chunk(2, dim=-1)
+            cos, sin = self.table[self.rows].chunk(2, dim=-1)
             self._cos_sin_by_dtype[dtype] = (torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype),
                                              torch.cat((sin, sin), dim=-1).unsqueeze(1).to(dtype))
         return self._cos_sin_by_dtype[dtype]
 
 
 class RotaryEmbedding:
-    """cos/sin of every position's angles up to max_positions, float32."""
+    """cos/sin of every position's angles up to max_positions, float32.
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+    longrope and dynamic NTK choose their frequencies by the sequence's length once it passes the
+    original context. As transformers runs them, a step's tokens use the length of the sequence at the
+    step's end (the prompt's, for prompt tokens): `at` takes that length per token (rope_lengths)
+    wherever max_positions passes the original context (needs_lengths)."""
+
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  device: torch.device):
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.table = torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
+        self.rotary_dim, self.theta, self.scaling = rotary_dim, theta, scaling
+        kind = None if scaling is None else scaling["rope_type"]
+        self.attention_factor = 1.0 if scaling is None else scaling.get("attention_factor", 1.0)
+        self.original = None if scaling is None else scaling.get("original_max_position_embeddings")
+        self.needs_lengths = kind in LENGTH_DEPENDENT_TYPES and max_positions > self.original
+        self.kind = kind
+        positions = torch.arange(max_positions)
+        tables = [_cos_sin_table(positions, inv_freq(rotary_dim, theta, scaling), self.attention_factor)]
+        if kind == "longrope" and self.needs_lengths:   # the long set's rows follow the short set's
+            tables.append(_cos_sin_table(positions, inv_freq(rotary_dim, theta, scaling, long=True),
+                                         self.attention_factor))
+        self.table = torch.cat(tables).to(device)
+        self.max_positions = max_positions
 
-    def at(self, positions: torch.Tensor) -> Rotation:
-        return Rotation(positions, self.table)
+    def at(self, positions: torch.Tensor, rope_lengths: torch.Tensor | None = None) -> Rotation:
+        """rope_lengths: [tokens], each token's sequence length as needs_lengths says (None: position + 1)."""
+        if not self.needs_lengths:
+            return Rotation(positions, self.table)
+        lengths = positions + 1 if rope_lengths is None else torch.maximum(rope_lengths, positions + 1)
+        if self.kind == "longrope":
+            return Rotation(positions + (lengths > self.original) * self.max_positions, self.table)
+        frequencies = dynamic_ntk_inv_freq(self.rotary_dim, self.theta, self.scaling, lengths)
+        table = _cos_sin_table(positions, frequencies, self.attention_factor)
+        return Rotation(torch.arange(len(positions), device=positions.device), table)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

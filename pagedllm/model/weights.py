@@ -6,10 +6,12 @@ import json
 import mmap
 import re
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import safetensors
 import torch
 
@@ -35,6 +37,13 @@ _GGUF_BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per architecture, GGUF block tensors named otherwise: Phi-3's ffn_up holds gate and up rows together.
+_GGUF_ARCH_BLOCK_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# GGUF tensors that are model facts, read into the config (model_config_from_gguf), not weights.
+GGUF_ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
+# Checkpoint tensors that hold several of the model's weights stacked by rows (Phi-3's), in row order.
+_FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 _GGUF_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GGUF_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 _SHOWN_NAMES = 5
@@ -127,6 +136,49 @@ def check_weight_shapes(shapes: Mapping[str, tuple[int, ...]], config: ModelConf
     return list(expected)
 
 
+@dataclass(frozen=True)
+class StoredRows:
+    """Where a weight lies in the checkpoint: rows [start, stop) of the stored tensor `source`, which has
+    source_rows rows (all of them, but for a weight stored stacked with others in one tensor)."""
+    source: str
+    start: int
+    stop: int
+    source_rows: int
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.source_rows
+
+
+def locate_weights(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig,
+                   expected: Mapping[str, tuple[int, ...]] | None = None
+                   ) -> tuple[dict[str, tuple[int, ...]], dict[str, StoredRows]]:
+    """The checkpoint's tensors as the model's weights: fused tensors (Phi-3's qkv_proj, gate_up_proj)
+    split into their parts by rows. Returns each weight's shape and where it is stored."""
+    expected = expected_weight_shapes(config) if expected is None else expected
+    weight_shapes, stored = {}, {}
+    for name, shape in shapes.items():
+        stem, _, kind = name.rpartition(".")
+        fused = next((fused for fused in _FUSED_PARTS if stem.endswith("." + fused)), None)
+        if fused is None:
+            weight_shapes[name] = shape
+            stored[name] = StoredRows(name, 0, shape[0] if shape else 0, shape[0] if shape else 0)
+            continue
+        start = 0
+        for member in _FUSED_PARTS[fused]:
+            part = f"{stem.removesuffix(fused)}{member}.{kind}"
+            if part not in expected:
+                raise ValueError(f"Checkpoint has weight {name}, whose part {part} the model does not use")
+            rows = expected[part][0]
+            weight_shapes[part] = (rows, *shape[1:])
+            stored[part] = StoredRows(name, start, start + rows, shape[0])
+            start += rows
+        if start != shape[0]:
+            raise ValueError(f"Weight {name} has {shape[0]} rows, expected {start} "
+                             f"({' + '.join(_FUSED_PARTS[fused])})")
+    return weight_shapes, stored
+
+
 def load_safetensors_weights(folder: Path, config: ModelConfig,
                              expected: Mapping[str, tuple[int, ...]] | None = None,
                              unused: Callable[[str], bool] = lambda name: False) -> CheckpointWeights:
@@ -148,16 +200,22 @@ def load_safetensors_weights(folder: Path, config: ModelConfig,
                 handles[name], shapes[name], formats[name] = handle, tuple(part.get_shape()), part.get_dtype()
         except safetensors.SafetensorError as exc:
             raise ValueError(f"{folder / file} is not a readable safetensors file: {exc}") from exc
-    names = check_weight_shapes(shapes, config, expected, unused)
+    weight_shapes, stored = locate_weights(shapes, config, expected)
+    names = check_weight_shapes(weight_shapes, config, expected, unused)
 
     def read(name: str, shard: Shard | None) -> torch.Tensor:
-        if shard is None:
+        rows = stored[name]
+        if shard is None and rows.whole:
             return handles[name].get_tensor(name)
-        start, stop = shard.bounds(shapes[name][shard.dim])   # reads this part of the file only
-        part = handles[name].get_slice(name)
-        return part[start:stop] if shard.dim == 0 else part[:, start:stop]
+        part = handles[rows.source].get_slice(rows.source)   # reads this part of the file only
+        if shard is None:
+            return part[rows.start:rows.stop]
+        start, stop = shard.bounds(weight_shapes[name][shard.dim])
+        if shard.dim == 0:
+            return part[rows.start + start:rows.start + stop]
+        return part[rows.start:rows.stop, start:stop]
 
-    return CheckpointWeights(read, {name: formats[name] for name in names})
+    return CheckpointWeights(read, {name: formats[stored[name].source] for name in names})
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
@@ -178,8 +236,10 @@ def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, keep_quantiz
     """A GGUF's tensors under their HF names and shapes, with llama.cpp's q/k row permutation undone.
     keep_quantized: 2-D tensors of a type with an exact internal format (quantization.py) come as
     QuantizedWeight; everything else is dequantized to float32."""
-    tensors = {_hf_name(tensor.name): tensor for tensor in reader.tensors}
-    shapes = {name: tuple(int(dim) for dim in reversed(tensor.shape)) for name, tensor in tensors.items()}
+    tensors = {_hf_name(tensor.name, config.architecture): tensor for tensor in reader.tensors
+               if tensor.name not in GGUF_ROPE_FACTOR_TENSORS}
+    shapes, stored = locate_weights(
+        {name: tuple(int(dim) for dim in reversed(tensor.shape)) for name, tensor in tensors.items()}, config)
     names = check_weight_shapes(shapes, config)
     row_orders = {}
     if config.architecture == "llama":
@@ -191,16 +251,19 @@ def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, keep_quantiz
         try:
             return read_tensor(name, shard)
         finally:
-            _drop_mapped_pages(reader, tensors[name])
+            _drop_mapped_pages(reader, tensors[stored[name].source])
 
     def read_tensor(name: str, shard: Shard | None) -> torch.Tensor | QuantizedWeight:
-        tensor = tensors[name]
+        rows = stored[name]
+        tensor = tensors[rows.source]
         if keep_quantized and tensor.tensor_type.name in GGUF_QUANTIZED_TYPES and len(shapes[name]) == 2:
-            return from_gguf(tensor.data, tensor.tensor_type.name, shapes[name], row_orders.get(name), shard)
+            blocks = tensor.data.reshape(rows.source_rows, -1)[rows.start:rows.stop]
+            return from_gguf(blocks, tensor.tensor_type.name, shapes[name], row_orders.get(name), shard)
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:
             raise ValueError(f"GGUF tensor {tensor.name}: {exc}") from exc
+        values = values.reshape(rows.source_rows, -1)[rows.start:rows.stop]
         if not values.flags.writeable:
             # F32 tensors come back as read-only views of the memory-mapped file; tensors must own memory.
             values = values.copy()
@@ -208,7 +271,13 @@ def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, keep_quantiz
         weight = weight[row_orders[name]] if name in row_orders else weight
         return weight if shard is None else shard.of(weight)
 
-    return CheckpointWeights(read, {name: tensors[name].tensor_type.name for name in names})
+    return CheckpointWeights(read, {name: tensors[stored[name].source].tensor_type.name for name in names})
+
+
+def read_gguf_rope_factors(reader: gguf.GGUFReader) -> dict[str, list[float]]:
+    """A longrope model's long and short factors, which llama.cpp stores as tensors ({} if none)."""
+    return {GGUF_ROPE_FACTOR_TENSORS[tensor.name]: [float(x) for x in np.asarray(tensor.data).reshape(-1)]
+            for tensor in reader.tensors if tensor.name in GGUF_ROPE_FACTOR_TENSORS}
 
 
 def _drop_mapped_pages(reader: gguf.GGUFReader, tensor) -> None:
@@ -222,11 +291,12 @@ def _drop_mapped_pages(reader: gguf.GGUFReader, tensor) -> None:
     mapping.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, architecture: str) -> str:
     if block := _GGUF_BLOCK_TENSOR.fullmatch(gguf_name):
         layer, part, kind = block.groups()
-        if part in _GGUF_BLOCK_NAMES:
-            return f"model.layers.{layer}.{_GGUF_BLOCK_NAMES[part]}.{kind}"
+        names = _GGUF_BLOCK_NAMES | _GGUF_ARCH_BLOCK_NAMES.get(architecture, {})
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     elif (single := _GGUF_GLOBAL_TENSOR.fullmatch(gguf_name)) and single.group(1) in _GGUF_GLOBAL_NAMES:
         return f"{_GGUF_GLOBAL_NAMES[single.group(1)]}.{single.group(2)}"
     raise ValueError(f"Unknown GGUF tensor {gguf_name!r}")

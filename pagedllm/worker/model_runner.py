@@ -159,10 +159,11 @@ class ModelRunner:
         drafting_started = time.perf_counter()
         spec = self._propose(scheduler_output) if scheduler_output.num_spec_tokens else None
         drafting_seconds = time.perf_counter() - drafting_started   # the draft model's passes: model time
-        input_ids, positions, meta, logits_indices, sampling_rows, prompt_plan = self._prepare(scheduler_output, spec)
+        input_ids, positions, meta, logits_indices, sampling_rows, prompt_plan, rope_lengths = self._prepare(
+            scheduler_output, spec)
         prepared = time.perf_counter()
         prepare_seconds = prepared - started - drafting_seconds
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices, rope_lengths)
         if logits is None:   # tensor-parallel ranks > 0 get no logits: rank 0 samples
             return ModelRunnerOutput([], [], [], prepare_seconds=prepare_seconds)
         prompt_logprobs = None
@@ -272,7 +273,8 @@ class ModelRunner:
     def _prepare(self, scheduler_output: SchedulerOutput, spec: SpecRows | None):
         """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; the
         batch rows that sample, in the order of the logits rows; after them every speculating request's
-        1 + k rows; and last the rows prompt logprobs add."""
+        1 + k rows; and last the rows prompt logprobs add. For rope kinds that choose frequencies by the
+        sequence's length: each token's prompt length (None otherwise)."""
         batch, staging = self.input_batch, self.staging
         rows, num_new = batch.step_rows(scheduler_output)
         max_blocks = int(batch.num_blocks[rows].max())
@@ -290,8 +292,11 @@ class ModelRunner:
                                                   batch.num_computed_tokens, batch.num_prompt_tokens, batch.token_ids)
         if prompt_plan is not None:
             logits_indices = np.concatenate([logits_indices, prompt_plan.token_indices])
+        rope_lengths = None
+        if self.model.rope.needs_lengths:
+            rope_lengths = staging.to_device("rope_lengths", batch.num_prompt_tokens[rows][token_row].astype(np.int64))
         return (staging.to_device("input_ids", input_ids), staging.to_device("positions", positions), meta,
-                staging.to_device("logits_indices", logits_indices), sampling_rows, prompt_plan)
+                staging.to_device("logits_indices", logits_indices), sampling_rows, prompt_plan, rope_lengths)
 
     def attention_metadata(self, block_tables: np.ndarray, context: np.ndarray, num_new: np.ndarray
                            ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
