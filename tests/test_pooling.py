@@ -107,6 +107,18 @@ def test_cross_encoder_scores_equal_sentence_transformers(tmp_path, hf_tokenizer
         llm.embed("x")
 
 
+def test_cross_encoder_saved_with_its_activation(tmp_path, hf_tokenizer_dir):
+    """A CrossEncoder saved with activation_fn Identity scores by the raw logit, as CrossEncoder does."""
+    reference = CrossEncoder(str(cross_encoder_folder(tmp_path, "bert", hf_tokenizer_dir)), device="cpu",
+                             activation_fn=torch.nn.Identity())
+    reference.save(str(tmp_path / "saved"))
+    expected = reference.predict([(QUERY, document) for document in DOCUMENTS])
+    assert (expected < 0).any() or (expected > 1).any(), "raw logits, not probabilities"
+    llm = LLM(str(tmp_path / "saved"), dtype="float32", kv_cache_memory=KV)
+    scores = [output.outputs.score for output in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+    np.testing.assert_allclose(scores, expected, atol=TOLERANCE, rtol=0)
+
+
 def test_embedding_model_scores_by_cosine(bert_folder, tmp_path):
     folder = save_sentence_transformer(bert_folder, tmp_path / "st", "mean")
     reference = SentenceTransformer(str(folder), device="cpu")

@@ -16,14 +16,24 @@ from pagedllm.model.attention import AttentionMetadata, CacheTensor, write_kv
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: CacheTensor,
                       v_cache: CacheTensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q, k, v: [tokens, heads, head_dim] of the step's sequences, laid out one after another as
-    meta.query_starts says; returns the attention output in q's shape."""
+    meta.query_starts says; returns the attention output in q's shape.
+
+    The sequences are padded to the longest into one [sequences, heads, length, head_dim] batch, the padding
+    keys masked out: one SDPA call per layer for the whole step (a loop over a step's hundreds of short
+    sequences cost more than their attention)."""
+    num_tokens = meta.slot_mapping.shape[0]
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
-    starts = meta.query_starts.tolist()
-    for start, end in zip(starts, starts[1:]):
-        rows = slice(start, end)
-        # A batch dimension of one: PyTorch's flash-attention kernel serves.
-        out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
-                                                   v[rows].transpose(0, 1)[None], is_causal=False,
-                                                   scale=scale)[0].transpose(0, 1)
-    return out
+    starts = meta.query_starts
+    lengths = starts[1:] - starts[:-1]
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths, output_size=num_tokens)
+    position = torch.arange(num_tokens, device=q.device) - starts[sequence]
+
+    def padded(rows: torch.Tensor) -> torch.Tensor:
+        batch = rows.new_zeros(len(lengths), meta.max_query_len, *rows.shape[1:])
+        batch[sequence, position] = rows
+        return batch.transpose(1, 2)
+
+    keys = torch.arange(meta.max_query_len, device=q.device)[None, :] < lengths[:, None]
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=keys[:, None, None, :],
+                                         scale=scale)
+    return out.transpose(1, 2)[sequence, position]

@@ -88,7 +88,8 @@ def load_pooling_checkpoint(folder: Path, hf_config: dict, generation_config: di
         config = model_config_from_hf({**hf_config, "architectures": [_causal_architecture(architecture)]},
                                       generation_config)
         weights = _decoder_weights(folder, config, num_labels)
-    info = PoolingModelInfo(pooler=pooler, num_labels=num_labels, score_activation=_score_activation(hf_config),
+    info = PoolingModelInfo(pooler=pooler, num_labels=num_labels,
+                            score_activation=_score_activation(folder, hf_config),
                             hidden_size=config.hidden_size, matryoshka_dimensions=_matryoshka(folder, hf_config),
                             encoder=encoder)
     return config, weights, info
@@ -211,10 +212,14 @@ def _matryoshka(folder: Path, hf_config: dict) -> tuple[int, ...] | None:
     return None
 
 
-def _score_activation(hf_config: dict) -> str:
-    """What a cross-encoder's one logit becomes as a score: CrossEncoder's activation_fn as saved in config.json,
-    else its default (sigmoid)."""
-    saved = (hf_config.get("sentence_transformers") or {}).get("activation_fn")
+def _score_activation(folder: Path, hf_config: dict) -> str:
+    """What a cross-encoder's one logit becomes as a score: CrossEncoder's activation_fn as it saved it (in
+    config_sentence_transformers.json from version 6, in config.json before, or under its pre-4 key), else its
+    default (sigmoid)."""
+    st_file = folder / "config_sentence_transformers.json"
+    saved = (json.loads(st_file.read_text()) if st_file.is_file() else {}).get("activation_fn") \
+        or (hf_config.get("sentence_transformers") or {}).get("activation_fn") \
+        or hf_config.get("sbert_ce_default_activation_function")
     if saved is None:
         return "sigmoid"
     if saved not in _ST_ACTIVATIONS:
