@@ -1,7 +1,6 @@
 """Dense references for the paged-attention kernels, shared by their tests: what a cache of each dtype holds,
 caches of noise, causal SDPA, and the tolerance each query dtype earns."""
 import torch
-import torch.nn.functional as F
 
 from pagedllm.model.attention import CacheTensor
 
