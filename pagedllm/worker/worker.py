@@ -18,6 +18,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import (SINGLE_PROCESS, TensorParallelGroup,
                                                  destroy_tensor_parallel_group, init_tensor_parallel_group)
 from pagedllm.model.llama import CausalLM
+from pagedllm.model.quantized_matmul import QuantizedMatmul
 from pagedllm.model.loader import Checkpoint, load_checkpoint
 from pagedllm.model.tensor_parallel import weight_shards
 from pagedllm.spec_decode.draft_model import DraftModelProposer
@@ -60,7 +61,8 @@ class Worker:
         weights = checkpoint.weights
         if tp_size > 1:   # read as this rank's parts, each cut as it is read
             weights = weights.sharded(weight_shards(checkpoint.config, rank, tp_size))
-        model = CausalLM(checkpoint.config, weights, args.dtype, self.device, args.max_model_len, self.group)
+        matmul = QuantizedMatmul(config.activation_dtype, config.batch_invariant)
+        model = CausalLM(checkpoint.config, weights, args.dtype, self.device, args.max_model_len, self.group, matmul)
         del checkpoint, weights
         self.model_runner = ModelRunner(model, args.num_blocks, config.block_size, args.kv_cache_dtype,
                                         self.device, config.seed, args.max_model_len, config.max_num_seqs,
@@ -77,7 +79,9 @@ class Worker:
             raise ValueError("draft_model speculation needs kv_cache_memory set: the KV pool is not sized by a "
                              "profile run when a draft model shares it")
         checkpoint = load_checkpoint(spec.model, spec.quantization)
-        model = CausalLM(checkpoint.config, checkpoint.weights, args.dtype, self.device, args.max_model_len)
+        matmul = QuantizedMatmul(batch_invariant=args.engine_config.batch_invariant)
+        model = CausalLM(checkpoint.config, checkpoint.weights, args.dtype, self.device, args.max_model_len,
+                         matmul=matmul)
         return DraftModelProposer(model, args.num_blocks, args.engine_config.block_size, args.kv_cache_dtype,
                                   self.device)
 
