@@ -73,15 +73,25 @@ inline void check_matmul(const at::Tensor& out, const at::Tensor& x, const at::T
               name, ": bias must be [out_features] in x's dtype");
 }
 
-// Calls fn with the format's bit count and scale type as template arguments.
+// Calls fn(bits as a std::integral_constant, scales, mins) with the scales and mins (nullptr if none) as
+// pointers of their type (float16 or float32).
 template <typename Fn>
-void dispatch_format(int64_t bits, const at::Tensor& scales, Fn&& fn) {
+void dispatch_format(int64_t bits, const at::Tensor& scales, const c10::optional<at::Tensor>& mins, Fn&& fn) {
+  auto with_type = [&](auto bits_constant, auto scale_type) {
+    using scale_t = decltype(scale_type);
+    const scale_t* no_mins = nullptr;
+    fn(bits_constant, static_cast<const scale_t*>(scales.data_ptr<scale_t>()), mins ? mins->data_ptr<scale_t>() : no_mins);
+  };
   const bool half = scales.scalar_type() == at::kHalf;
   if (bits == 4) {
-    half ? fn(std::integral_constant<int, 4>{}, c10::Half{}) : fn(std::integral_constant<int, 4>{}, float{});
+    half ? with_type(std::integral_constant<int, 4>{}, c10::Half{}) : with_type(std::integral_constant<int, 4>{}, float{});
   } else {
-    half ? fn(std::integral_constant<int, 8>{}, c10::Half{}) : fn(std::integral_constant<int, 8>{}, float{});
+    half ? with_type(std::integral_constant<int, 8>{}, c10::Half{}) : with_type(std::integral_constant<int, 8>{}, float{});
   }
 }
+
+// The scale type behind dispatch_format's pointers.
+template <typename pointer_t>
+using scale_type_of = std::remove_const_t<std::remove_pointer_t<pointer_t>>;
 
 }  // namespace pagedllm

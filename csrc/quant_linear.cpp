@@ -12,6 +12,7 @@
 #include "vectors.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -35,6 +36,7 @@ using pagedllm::vfloat;
 using pagedllm::check_format;
 using pagedllm::check_matmul;
 using pagedllm::dispatch_format;
+using pagedllm::scale_type_of;
 using pagedllm::kTileRows;
 using pagedllm::param;
 using pagedllm::TileLayout;
@@ -247,19 +249,18 @@ void untile(uint8_t* dst, const uint8_t* tile, int64_t cols) {
 
 void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                            c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
+  RECORD_FUNCTION("pagedllm::quantized_linear_int8", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
   check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_int8");
   const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int8", [&] {
     const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, cols, group);
     scalar_t* result = out.data_ptr<scalar_t>();
     const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    dispatch_format(bits, scales, [&](auto bits_constant, auto scale_type) {
+    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       constexpr int kBits = decltype(bits_constant)::value;
-      using scale_t = decltype(scale_type);
+      using scale_t = scale_type_of<decltype(all_scales)>;
       const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
       const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
-      const scale_t* all_scales = scales.data_ptr<scale_t>();
-      const scale_t* all_mins = mins ? mins->data_ptr<scale_t>() : nullptr;
       at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         float dots[kRowBlock][kTileRows];
         for (int64_t t = begin; t < end; ++t) {
@@ -288,14 +289,12 @@ void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::opti
   TORCH_CHECK(out.is_contiguous() && out.size(0) == tiles * kTileRows, "dequantize: out must be contiguous [tiles * 16, cols]");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize", [&] {
     scalar_t* result = out.data_ptr<scalar_t>();
-    dispatch_format(bits, scales, [&](auto bits_constant, auto scale_type) {
+    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       constexpr int kBits = decltype(bits_constant)::value;
-      using scale_t = decltype(scale_type);
+      using scale_t = scale_type_of<decltype(all_scales)>;
       using q_t = std::conditional_t<kBits == 4, uint8_t, int8_t>;
       const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1), groups = cols / group;
       const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
-      const scale_t* all_scales = scales.data_ptr<scale_t>();
-      const scale_t* all_mins = mins ? mins->data_ptr<scale_t>() : nullptr;
       at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         std::vector<q_t> values(kTileRows * cols);   // one tile's q, row-major
         for (int64_t t = begin; t < end; ++t) {

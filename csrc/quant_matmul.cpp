@@ -16,6 +16,7 @@
 #include "quant_format.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 
@@ -32,6 +33,7 @@ namespace {
 
 using pagedllm::check_matmul;
 using pagedllm::dispatch_format;
+using pagedllm::scale_type_of;
 using pagedllm::kTileRows;
 
 // Weight rows per vector: a whole tile on AVX-512, half of one elsewhere (the register file of AVX2
@@ -217,6 +219,7 @@ constexpr int64_t kBlockRows = 64;    // brgemm's M: activation rows per call
 
 void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                            c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
+  RECORD_FUNCTION("pagedllm::quantized_linear_rows", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
   check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_rows");
   const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
   const Weights weights = weights_of(qweight, scales, cols, group);
@@ -227,11 +230,9 @@ void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
     const float* activations = as_floats<scalar_t>(x, holder);
     scalar_t* result = out.data_ptr<scalar_t>();
     const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    dispatch_format(bits, scales, [&](auto bits_constant, auto scale_type) {
+    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       constexpr int kBits = decltype(bits_constant)::value;
-      using scale_t = decltype(scale_type);
-      const scale_t* all_scales = scales.data_ptr<scale_t>();
-      const scale_t* all_mins = mins ? mins->data_ptr<scale_t>() : nullptr;
+      using scale_t = scale_type_of<decltype(all_scales)>;
       at::parallel_for(0, (tiles + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> block(kRowBlock * chunk * kTileRows);
         const int64_t ld_block = chunk * kTileRows;
@@ -255,6 +256,7 @@ void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
 
 void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                              c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
+  RECORD_FUNCTION("pagedllm::quantized_linear_brgemm", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
   check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_brgemm");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "quantized_linear_brgemm: x must be bfloat16 or float32, got ", x.scalar_type());
@@ -266,11 +268,9 @@ void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, a
     const scalar_t* activations = x.data_ptr<scalar_t>();
     scalar_t* result = out.data_ptr<scalar_t>();
     const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    dispatch_format(bits, scales, [&](auto bits_constant, auto scale_type) {
+    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       constexpr int kBits = decltype(bits_constant)::value;
-      using scale_t = decltype(scale_type);
-      const scale_t* all_scales = scales.data_ptr<scale_t>();
-      const scale_t* all_mins = mins ? mins->data_ptr<scale_t>() : nullptr;
+      using scale_t = scale_type_of<decltype(all_scales)>;
       at::parallel_for(0, (tiles + kBlockTiles - 1) / kBlockTiles, 1, [&](int64_t begin, int64_t end) {
         std::vector<scalar_t> b(cols * kBlockTiles * kTileRows);
         std::vector<float> c(kBlockRows * kBlockTiles * kTileRows);

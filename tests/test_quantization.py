@@ -343,3 +343,12 @@ def test_the_default_answers_as_the_float_path_does():
                [0].outputs[0].text for quantization in ("auto", "none")]
     assert answers[0] == answers[1]
     assert "Paris" in answers[0]
+
+
+@needs_kernels
+def test_the_profiler_names_the_kernel_that_ran(monkeypatch):
+    monkeypatch.delenv(FORCE_VARIABLE, raising=False)
+    layer = QuantizedLinear(quantize(torch.randn(32, 64), 4), matmul=QuantizedMatmul())
+    with torch.profiler.profile() as profile:
+        layer(torch.randn(2, 64))
+    assert "pagedllm::quantized_linear_rows" in {event.key for event in profile.key_averages()}

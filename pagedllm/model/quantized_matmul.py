@@ -30,9 +30,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # grow with the weight's size, so the crossover is the same for every layer shape.
 BRGEMM_FROM_ROWS = {
     (torch.bfloat16, "avx512_core_amx"): 5,
-    (torch.bfloat16, "avx512_core_bf16"): 17,
-    (torch.float32, "avx512_core"): 17,
-    (torch.float32, "avx2"): 17,
+    (torch.bfloat16, "avx512_core_bf16"): 8,
+    (torch.float32, "avx512_core"): 10,
+    (torch.float32, "avx2"): 10,
 }
 
 
