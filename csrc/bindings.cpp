@@ -39,7 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "Residual add, then RMSNorm (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "Rotary position embedding in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
-  m.def("quantized_linear", &quantized_linear, "Linear over group-quantized weights, int8 dot products (CPU)");
   m.def("dequantize", &dequantize, "Group-quantized weights to floats (CPU)");
   m.def("logits_summary", &logits_summary, "Per-row logsumexp and argmax of float32 logits (CPU)");
+  // Quantized matmuls (quant_matmul.cpp, quant_linear.cpp).
+  m.def("quantized_linear_rows", &quantized_linear_rows, "Quantized linear, float activations, few rows (CPU)");
+  m.def("quantized_linear_brgemm", &quantized_linear_brgemm, "Quantized linear, dequantized tiles through oneDNN brgemm (CPU)");
+  m.def("quantized_linear_int8", &quantized_linear_int8, "Quantized linear, int8 activations and dot products (CPU)");
 }

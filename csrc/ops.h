@@ -62,10 +62,17 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up);
 // argmax (first position of the maximum, as torch.argmax). Logits must not hold NaN.
 void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logits);
 
-// Group-quantized weights (formats in quant_linear.cpp): out [rows, out_features] = x [rows, cols] @ weight^T (+ bias),
-// through int8 dot products on x quantized per row and group. For few rows (decode).
-void quantized_linear(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
-                      c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group);
+// Group-quantized weights (formats in quant_format.h): out [rows, out_features] = x [rows, cols] @ weight^T (+ bias).
+// _rows: float activations against weights dequantized in registers, up to 8 rows per pass over the weights
+// (few rows; each row's result independent of the others). _brgemm: blocks of weights dequantized to x's
+// dtype (bfloat16 or float32) and multiplied by oneDNN's brgemm micro-kernel (many rows). _int8: x quantized
+// to int8 per row and group, integer dot products (the opt-in activation_dtype="int8").
+void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                           c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group);
+void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                             c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group);
+void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                           c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group);
 
 // The weight as floats: out [rows, cols] = scale * q + min, exactly as gguf's dequantization computes it.
 void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,

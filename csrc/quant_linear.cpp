@@ -1,21 +1,18 @@
-// Linear layers over group-quantized weights in the tiled layout of pagedllm/model/quantization.py:
-// value = scale * q + min (min optional), groups of `group` columns; rows in tiles of 16, and in a
-// tile the 16 rows' weights of 4 consecutive columns together (a 64-byte "slot"):
-//   8 bits: int8 [tiles, cols / 4 slots, 16 rows, 4 cols];
-//   4 bits: uint8 [tiles, cols / 8, 64]: slot 2p in the low nibbles, slot 2p + 1 in the high ones.
-// Scales and mins: [tiles, groups, 16 rows], float16 or float32 (float32 where float16 cannot hold
-// the source's scale exactly, e.g. Q4_K's d * sub-scale).
+// The opt-in int8-activation matmul (activation_dtype="int8") over the weights of quant_format.h, and
+// dequantize.
 //
-// quantized_linear quantizes the activations to int8 per row and group (absmax / 127, as
+// quantized_linear_int8 quantizes the activations to int8 per row and group (absmax / 127, as
 // llama.cpp's Q8 activations) and multiplies in integers: one instruction takes a slot (16 rows x
 // 4 columns of weights) against 4 activations broadcast, each 32-bit lane summing one output row,
 // so a group's sums come out per row with no horizontal reduction and are scaled once (VNNI
-// vpdpbusd on AVX-512, maddubs on AVX2). A tile's weights are unpacked once and met by several
-// activation rows. dequantize writes float rows for the float-matmul path that very large batches take.
+// vpdpbusd on AVX-512, maddubs on AVX2). A tile's weights are unpacked once and met by up to 8
+// activation rows. dequantize writes float rows (the reference the tests hold every path to).
 #include "ops.h"
+#include "quant_format.h"
 #include "vectors.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -36,8 +33,20 @@ using pagedllm::kLanes;
 using pagedllm::narrow;
 using pagedllm::vfloat;
 
-constexpr int64_t kTileRows = 16;
-constexpr int kRowBlock = 4;   // activation rows that meet a tile's unpacked weights together
+using pagedllm::check_format;
+using pagedllm::check_matmul;
+using pagedllm::dispatch_format;
+using pagedllm::scale_type_of;
+using pagedllm::kTileRows;
+using pagedllm::param;
+using pagedllm::TileLayout;
+
+// Activation rows that meet a tile's unpacked weights together: as many as the registers hold (AVX2 has 16).
+#if defined(__AVX512F__)
+constexpr int kRowBlock = 8;
+#else
+constexpr int kRowBlock = 4;
+#endif
 
 // Activation rows quantized per group: q in -127..127 (so negating one cannot overflow), scale =
 // absmax / 127, and scale * sum(q) for the weights' min term.
@@ -69,27 +78,6 @@ QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64
     }
   });
   return out;
-}
-
-// The weights' byte layout within one tile.
-template <int bits>
-struct TileLayout {
-  static constexpr int64_t tile_bytes(int64_t cols) { return bits == 4 ? cols * 8 : cols * 16; }
-  // q of (row, col) in a tile: the scalar path and dequantize read through this.
-  static int32_t value(const uint8_t* tile, int64_t row, int64_t col) {
-    const int64_t slot = col / 4, within = row * 4 + col % 4;
-    if constexpr (bits == 4) {
-      const uint8_t byte = tile[(slot / 2) * 64 + within];
-      return slot % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
-    } else {
-      return reinterpret_cast<const int8_t*>(tile)[slot * 64 + within];
-    }
-  }
-};
-
-template <typename scale_t>
-inline float param(const scale_t* params, int64_t group, int64_t row) {
-  return static_cast<float>(params[group * kTileRows + row]);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -257,58 +245,22 @@ void untile(uint8_t* dst, const uint8_t* tile, int64_t cols) {
   }
 }
 
-void check_format(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                  int64_t bits, int64_t group, int64_t cols) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quantized weights: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(bits == 8 ? (group == 32 || group == 16) : group == 32,
-              "quantized weights: group size must be 32 (or 16 for 8 bits), got ", group);
-  TORCH_CHECK(cols % 32 == 0, "quantized weights: columns must be a multiple of 32, got ", cols);
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous(), "quantized weights: tensors must be contiguous");
-  TORCH_CHECK(qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "quantized weights: 4 bits are uint8, 8 bits int8");
-  TORCH_CHECK(qweight.size(1) == (bits == 4 ? TileLayout<4>::tile_bytes(cols) : TileLayout<8>::tile_bytes(cols)),
-              "quantized weights: tile width does not match the columns");
-  TORCH_CHECK(scales.size(0) == qweight.size(0) && scales.size(1) == cols / group * kTileRows,
-              "quantized weights: scales must be [tiles, groups * 16]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat, "quantized weights: float16 or float32 scales");
-  if (mins) {
-    TORCH_CHECK(mins->is_contiguous() && mins->sizes() == scales.sizes() && mins->scalar_type() == scales.scalar_type(),
-                "quantized weights: mins must match the scales");
-  }
-}
-
-// Calls fn with the format's bit count and scale type as template arguments.
-template <typename Fn>
-void dispatch_format(int64_t bits, const at::Tensor& scales, Fn&& fn) {
-  const bool half = scales.scalar_type() == at::kHalf;
-  if (bits == 4) {
-    half ? fn(std::integral_constant<int, 4>{}, c10::Half{}) : fn(std::integral_constant<int, 4>{}, float{});
-  } else {
-    half ? fn(std::integral_constant<int, 8>{}, c10::Half{}) : fn(std::integral_constant<int, 8>{}, float{});
-  }
-}
-
 }  // namespace
 
-void quantized_linear(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
-                      c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
+void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                           c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
+  RECORD_FUNCTION("pagedllm::quantized_linear_int8", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
+  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_int8");
   const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
-  check_format(qweight, scales, mins, bits, group, cols);
-  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.size(0) == rows && out.scalar_type() == x.scalar_type() &&
-              out_features <= tiles * kTileRows && out_features > (tiles - 1) * kTileRows,
-              "quantized_linear: x [rows, cols] and out [rows, out_features] in one dtype, out_features in the last tile");
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features && bias->scalar_type() == x.scalar_type()),
-              "quantized_linear: bias must be [out_features] in x's dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int8", [&] {
     const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, cols, group);
     scalar_t* result = out.data_ptr<scalar_t>();
     const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    dispatch_format(bits, scales, [&](auto bits_constant, auto scale_type) {
+    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       constexpr int kBits = decltype(bits_constant)::value;
-      using scale_t = decltype(scale_type);
+      using scale_t = scale_type_of<decltype(all_scales)>;
       const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
       const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
-      const scale_t* all_scales = scales.data_ptr<scale_t>();
-      const scale_t* all_mins = mins ? mins->data_ptr<scale_t>() : nullptr;
       at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         float dots[kRowBlock][kTileRows];
         for (int64_t t = begin; t < end; ++t) {
@@ -337,14 +289,12 @@ void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::opti
   TORCH_CHECK(out.is_contiguous() && out.size(0) == tiles * kTileRows, "dequantize: out must be contiguous [tiles * 16, cols]");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize", [&] {
     scalar_t* result = out.data_ptr<scalar_t>();
-    dispatch_format(bits, scales, [&](auto bits_constant, auto scale_type) {
+    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       constexpr int kBits = decltype(bits_constant)::value;
-      using scale_t = decltype(scale_type);
+      using scale_t = scale_type_of<decltype(all_scales)>;
       using q_t = std::conditional_t<kBits == 4, uint8_t, int8_t>;
       const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1), groups = cols / group;
       const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
-      const scale_t* all_scales = scales.data_ptr<scale_t>();
-      const scale_t* all_mins = mins ? mins->data_ptr<scale_t>() : nullptr;
       at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         std::vector<q_t> values(kTileRows * cols);   // one tile's q, row-major
         for (int64_t t = begin; t < end; ++t) {

@@ -14,6 +14,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # auto: a GGUF keeps its own quantization, float checkpoints stay float; none: everything dequantized;
 # int8 / int4: float weights quantized group-wise at load (pagedllm/model/quantization.py).
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# What quantized layers multiply (as pagedllm/model/quantized_matmul.py's): auto, the model dtype's activations;
+# int8, activations quantized per row and 32-column group (faster for small batches, less accurate).
+ACTIVATION_DTYPES = ("auto", "int8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: the model dtype
 # vLLM's: mp runs one engine in this process (its tensor parallel workers as subprocesses);
@@ -49,6 +52,10 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     quantization: str = "auto"
+    activation_dtype: str = "auto"
+    # Results of a request bitwise independent of its batch (quantized layers: one kernel for every row count).
+    # Off by default: the row kernel alone is slower for prefill (README "Quantized weights").
+    batch_invariant: bool = False
     kv_cache_dtype: str = "auto"
     device: str | None = None
     block_size: int = 16
@@ -79,6 +86,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"activation_dtype must be one of {', '.join(ACTIVATION_DTYPES)}, "
+                             f"got {self.activation_dtype!r}")
+        if self.activation_dtype == "int8" and self.quantization == "none":
+            raise ValueError("activation_dtype 'int8' multiplies quantized weights, and quantization 'none' leaves none: "
+                             "use quantization auto (a quantized GGUF), int8 or int4")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -97,7 +110,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_cascade_attention"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_cascade_attention", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

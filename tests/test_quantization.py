@@ -10,12 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.cli import parse_args
 from pagedllm.model import linear
 from pagedllm.model.kernels import kernels as compiled
 from pagedllm.model.linear import ConcatLinear, Embedding, QuantizedLinear, fused_linear
 from pagedllm.model.quantization import GGUF_QUANTIZED_TYPES, QuantizedWeight, from_gguf, quantize
+from pagedllm.model.quantized_matmul import BRGEMM_FROM_ROWS, FORCE_VARIABLE, QuantizedMatmul, brgemm_isa
 
 # Byte offsets of each block type's float16 scale fields (gguf.quants' layouts): random bytes elsewhere
 # are valid quants, random float16 scales would be NaN or huge.
@@ -86,6 +88,32 @@ def dot_product_bound(x: torch.Tensor, weight: torch.Tensor, group_size: int) ->
     return half_steps @ weight_sums.T + 1e-5 * (x.float().abs() @ weight.abs().T) + 1e-6
 
 
+FLOAT32_UNIT = 2.0 ** -24    # float32's unit roundoff
+BFLOAT16_UNIT = 2.0 ** -8    # bfloat16's (8 significant bits)
+
+
+def path_bound(path: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int
+               ) -> torch.Tensor:
+    """Worst-case error of a path against F.linear(x, W, bias) in float32 (W: the exact dequantized weight), per
+    output element. With S = |x| @ |W|^T + |bias|, each of the two float32 sums of K + 1 terms errs by at most
+    gamma S, gamma = (K + 1) u / (1 - (K + 1) u) (recursive summation, any order, u float32's unit roundoff).
+    brgemm in bfloat16 multiplies the weights rounded to bfloat16: + u_bf16 |x| @ |W|^T. int8 activations:
+    dot_product_bound. A bfloat16 output rounds the result once: + u_bf16 |result|."""
+    terms = x.shape[1] + 1
+    gamma = terms * FLOAT32_UNIT / (1 - terms * FLOAT32_UNIT)
+    products = x.float().abs() @ weight.abs().T
+    total = products + (bias.float().abs() if bias is not None else 0)
+    bound = 2 * gamma * total
+    if path == "int8":
+        bound = bound + dot_product_bound(x, weight, group_size)
+    if path == "brgemm" and x.dtype == torch.bfloat16:
+        bound = bound + BFLOAT16_UNIT * products
+    if x.dtype == torch.bfloat16:
+        exact = F.linear(x.float(), weight, None if bias is None else bias.float()).abs()
+        bound = bound + BFLOAT16_UNIT * (exact + bound)
+    return bound
+
+
 def quantized_weights(seed: int, rows: int, cols: int) -> list[QuantizedWeight]:
     """One weight of each format: the GGUF types and int8/int4 round-to-nearest."""
     gguf_types = [name for name in sorted(GGUF_QUANTIZED_TYPES) if cols % 256 == 0 or not name.endswith("_K")]
@@ -94,48 +122,71 @@ def quantized_weights(seed: int, rows: int, cols: int) -> list[QuantizedWeight]:
     return weights + [quantize(dense, 8), quantize(dense, 4)]
 
 
+def runnable_paths(dtype: torch.dtype) -> list[str]:
+    """The compiled matmul paths this machine runs for activations of dtype."""
+    if compiled is None:
+        return []
+    return ["rows", "int8"] + (["brgemm"] if brgemm_isa(dtype) is not None else [])
+
+
+def forced(path: str, monkeypatch) -> QuantizedMatmul:
+    monkeypatch.setenv(FORCE_VARIABLE, path)
+    return QuantizedMatmul()
+
+
+ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 33, 63, 64, 65, 128, 200, 511, 512]
+
+
 @pytest.mark.kernels
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 9, 16, 33, 128, 512])
+@pytest.mark.parametrize("num_rows", ROW_COUNTS)
 @pytest.mark.parametrize("shape", [(33, 256), (96, 512), (7, 32)])
-def test_quantized_linear_against_float_reference(num_rows, shape):
-    """QuantizedLinear (the dot-product kernel at every row count): every format, odd row counts and output sizes
-    (the last row tile padded), with and without bias."""
+def test_quantized_linear_against_float_reference(num_rows, shape, monkeypatch):
+    """Every compiled path in float32, every format, odd row counts and output sizes (the last row tile
+    padded), with and without bias, against the float reference within the path's derived bound."""
     out_features, in_features = shape
     generator = torch.Generator().manual_seed(num_rows)
     x = torch.randn(num_rows, in_features, generator=generator)
-    x[0, :7] *= 20   # outliers inside a group: its activation scale grows, the bound with it
+    x[0, :7] *= 20   # outliers inside a group: the int8 path's activation scale grows, its bound with it
     bias = torch.randn(out_features, generator=generator)
-    for weight in quantized_weights(num_rows, out_features, in_features):
-        dense = weight.dequantize()
-        for layer_bias in (None, bias):
-            out = QuantizedLinear(weight, layer_bias)(x)
-            reference = F.linear(x, dense, layer_bias)
-            bound = dot_product_bound(x, dense, weight.group_size)
-            assert ((out - reference).abs() <= bound).all(), (weight.source, (out - reference).abs().max())
+    weights = quantized_weights(num_rows, out_features, in_features)
+    for path in runnable_paths(torch.float32):
+        matmul = forced(path, monkeypatch)
+        for weight in weights:
+            dense = weight.dequantize()
+            for layer_bias in (None, bias):
+                out = QuantizedLinear(weight, layer_bias, matmul)(x)
+                error = (out - F.linear(x, dense, layer_bias)).abs()
+                assert (error <= path_bound(path, x, dense, layer_bias, weight.group_size)).all(), (
+                    path, weight.source, error.max())
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("num_rows", [1, 6, 40, 65, 200])
-def test_quantized_linear_in_bfloat16(num_rows):
+@pytest.mark.parametrize("num_rows", [1, 5, 6, 8, 9, 17, 40, 64, 65, 200, 511])
+def test_quantized_linear_in_bfloat16(num_rows, monkeypatch):
     x = torch.randn(num_rows, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
-    for weight in quantized_weights(4, 24, 256):
-        dense = weight.dequantize()
-        out = QuantizedLinear(weight)(x)
-        assert out.dtype == torch.bfloat16
-        reference = x.float() @ dense.T
-        bound = dot_product_bound(x, dense, weight.group_size) + 2 ** -8 * reference.abs()   # + output rounding
-        assert ((out.float() - reference).abs() <= bound).all(), weight.source
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(4)).bfloat16()
+    for path in runnable_paths(torch.bfloat16):
+        matmul = forced(path, monkeypatch)
+        for weight in quantized_weights(4, 40, 256):
+            dense = weight.dequantize()
+            out = QuantizedLinear(weight, bias, matmul)(x)
+            assert out.dtype == torch.bfloat16
+            error = (out.float() - F.linear(x.float(), dense, bias.float())).abs()
+            assert (error <= path_bound(path, x, dense, bias, weight.group_size)).all(), (path, weight.source)
 
 
 @pytest.mark.kernels
-def test_a_row_does_not_depend_on_the_batch_it_shares():
-    """A request's logits must not change with the batch around it (prefill or decode, recomputed
-    after preemption or not): each row's result is its own, bit for bit."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation_dtype", ["auto", "int8"])
+def test_batch_invariant_rows_do_not_depend_on_the_batch_they_share(dtype, activation_dtype):
+    """With batch_invariant=True a request's logits cannot change with the batch around it (prefill or
+    decode, recomputed after preemption or not): each row's result is its own, bit for bit, at every row count."""
     weight = quantize(torch.randn(40, 128), 4)
-    rows = torch.randn(300, 128).bfloat16()
-    layer = QuantizedLinear(weight)
+    rows = torch.randn(300, 128).to(dtype)
+    layer = QuantizedLinear(weight, matmul=QuantizedMatmul(activation_dtype, batch_invariant=True))
     alone = torch.cat([layer(rows[i:i + 1]) for i in range(0, 300, 37)])
-    assert torch.equal(layer(rows)[::37], alone)
+    for count in (300, 64, 9, 5):
+        assert torch.equal(layer(rows[:count])[::37], alone[:len(range(0, count, 37))])
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -176,8 +227,7 @@ def test_projections_of_different_formats_run_side_by_side():
     dense = torch.cat([q.dequantize(), q.dequantize(), v.dequantize()])
     out = layer(x)
     assert out.shape == (3, 80)
-    if compiled is not None:
-        assert ((out - x @ dense.T).abs() <= dot_product_bound(x, dense, 16)).all()
+    assert ((out - x @ dense.T).abs() <= path_bound("rows", x, dense, None, 16)).all()
 
 
 def test_quantization_must_be_a_known_value():
@@ -209,3 +259,92 @@ def test_the_bundled_gguf_runs_quantized_by_default():
     assert model.weight_bytes() < 110 * 10**6
     float_llm = LLM(None, quantization="none", dtype="float32", kv_cache_memory="16MiB")
     assert float_llm.llm_engine.runner.model.weight_bytes() > 500 * 10**6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_path_is_chosen_once_per_dtype_and_row_count(dtype, monkeypatch):
+    """Default: the rows kernel below brgemm's crossover row count, brgemm from it (where oneDNN runs it for
+    dtype); batch_invariant: the rows kernel at every row count; activation_dtype int8: the int8 kernel."""
+    monkeypatch.delenv(FORCE_VARIABLE, raising=False)
+    matmul, isa = QuantizedMatmul(), brgemm_isa(dtype)
+    if compiled is None:
+        assert matmul.kernel(dtype, 1) is matmul.kernel(dtype, 4096) is None
+        return
+    if isa is None:
+        assert matmul.kernel(dtype, 1) is matmul.kernel(dtype, 4096) is compiled.quantized_linear_rows
+    else:
+        crossover = BRGEMM_FROM_ROWS[dtype, isa]
+        assert matmul.kernel(dtype, crossover - 1) is compiled.quantized_linear_rows
+        assert matmul.kernel(dtype, crossover) is matmul.kernel(dtype, 4096) is compiled.quantized_linear_brgemm
+        assert matmul.describe(dtype) == (f"rows below {crossover} rows, brgemm (oneDNN {isa}) from {crossover}")
+    invariant = QuantizedMatmul(batch_invariant=True)
+    assert invariant.kernel(dtype, 1) is invariant.kernel(dtype, 4096) is compiled.quantized_linear_rows
+    int8 = QuantizedMatmul("int8")
+    assert int8.kernel(dtype, 1) is int8.kernel(dtype, 4096) is compiled.quantized_linear_int8
+    assert int8.describe(dtype) == "int8 for every row count"
+
+
+def test_forcing_a_path(monkeypatch):
+    monkeypatch.setenv(FORCE_VARIABLE, "tiles")
+    with pytest.raises(ValueError, match="PAGEDLLM_MATMUL_PATH must be one of rows, brgemm, int8, torch, got 'tiles'"):
+        QuantizedMatmul()
+    monkeypatch.setenv(FORCE_VARIABLE, "torch")
+    assert QuantizedMatmul().kernel(torch.float32, 1) is None   # dequantized per call, F.linear
+    x, weight = torch.randn(3, 64), quantize(torch.randn(16, 64), 8)
+    assert torch.allclose(QuantizedLinear(weight, matmul=QuantizedMatmul())(x), x @ weight.dequantize().T)
+
+
+def test_activation_dtype_and_batch_invariant_are_checked(make_tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="activation_dtype must be one of auto, int8, got 'fp8'"):
+        EngineConfig(activation_dtype="fp8")
+    with pytest.raises(ValueError, match="activation_dtype must be one of auto, int8, got 'int4'"):
+        QuantizedMatmul("int4")
+    with pytest.raises(ValueError, match="activation_dtype 'int8' multiplies quantized weights, and quantization "
+                                         "'none' leaves none"):
+        EngineConfig(activation_dtype="int8", quantization="none")
+    with pytest.raises(ValueError, match="batch_invariant must be True or False, got 'yes'"):
+        EngineConfig(batch_invariant="yes")
+    folder = str(make_tiny_model_dir(tmp_path, "llama"))
+    with pytest.raises(ValueError, match="activation_dtype 'int8' multiplies quantized weights, and this model has none"):
+        LLM(folder, activation_dtype="int8", dtype="float32", kv_cache_memory="8MiB")
+    with pytest.raises(ValueError, match="batch_invariant=True covers quantized layers .* holds float weights"):
+        LLM(folder, batch_invariant=True, dtype="float32", kv_cache_memory="8MiB")
+
+
+def test_the_flags_and_yaml_keys_set_the_fields(tmp_path):
+    args = parse_args(["generate", "Hi", "--activation-dtype", "int8", "--batch-invariant"])
+    assert args.engine_config == EngineConfig(activation_dtype="int8", batch_invariant=True)
+    path = tmp_path / "config.yaml"
+    path.write_text("activation_dtype: int8\nbatch_invariant: true\n")
+    assert parse_args(["serve", "--config", str(path)]).engine_config == EngineConfig(activation_dtype="int8",
+                                                                                       batch_invariant=True)
+
+
+@pytest.mark.kernels
+def test_int8_activations_run_on_request(make_tiny_model_dir, tmp_path, caplog):
+    folder = str(make_tiny_model_dir(tmp_path, "llama"))
+    with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
+        llm = LLM(folder, quantization="int8", activation_dtype="int8", dtype="float32", kv_cache_memory="8MiB")
+    assert "quantized matmuls (float32 activations): int8 for every row count" in caplog.text
+    layer = llm.llm_engine.runner.model.layers[0].qkv_proj
+    assert layer.matmul.kernel(torch.float32, 1) is compiled.quantized_linear_int8
+
+
+def test_the_default_answers_as_the_float_path_does():
+    """The default engine (the bundled Q4_1 GGUF run quantized, activations in the default dtype) gives the
+    chat answer of the same weights dequantized: the int8 rounding of activations once turned it into French."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    answers = [LLM(None, quantization=quantization, kv_cache_memory="16MiB").chat(question, params, use_tqdm=False)
+               [0].outputs[0].text for quantization in ("auto", "none")]
+    assert answers[0] == answers[1]
+    assert "Paris" in answers[0]
+
+
+@pytest.mark.kernels
+def test_the_profiler_names_the_kernel_that_ran(monkeypatch):
+    monkeypatch.delenv(FORCE_VARIABLE, raising=False)
+    layer = QuantizedLinear(quantize(torch.randn(32, 64), 4), matmul=QuantizedMatmul())
+    with torch.profiler.profile() as profile:
+        layer(torch.randn(2, 64))
+    assert "pagedllm::quantized_linear_rows" in {event.key for event in profile.key_averages()}

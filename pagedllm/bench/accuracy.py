@@ -8,7 +8,8 @@ holding the same token.
 With --quantizations, teacher-forced in the same way (below), the model with quantized weights
 against the same weights dequantized (quantization=none), float32 activations: for a GGUF, auto
 (its own formats); for a float checkpoint (--float-bundled: the bundled model's weights as a
-float safetensors folder), int8 and int4.
+float safetensors folder), int8 and int4. Each quantization runs with each --activation-dtypes value
+(auto: float activations against the weights; int8: the opt-in int8 activations), in --dtype.
 
 With --kv-cache-dtypes, teacher-forced, per KV cache dtype against kv_cache_dtype=auto, the
 weights float32 throughout: each of 16 chat prompts is continued by the float32 model itself
@@ -24,7 +25,7 @@ import argparse
 import statistics
 
 from pagedllm.bench.workload import random_workload
-from pagedllm.config import KV_CACHE_DTYPES
+from pagedllm.config import ACTIVATION_DTYPES, KV_CACHE_DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantizations", nargs="+", choices=("auto", "int8", "int4"), metavar="QUANTIZATION",
                         help="instead: teacher-forced comparison of the model run with these quantization values "
                              "against quantization=none (its weights dequantized), float32 activations")
+    parser.add_argument("--activation-dtypes", nargs="+", choices=ACTIVATION_DTYPES, default=list(ACTIVATION_DTYPES),
+                        metavar="ACTIVATION_DTYPE",
+                        help="with --quantizations: run each with these activation_dtype values (default: all: "
+                             f"{', '.join(ACTIVATION_DTYPES)})")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="with --quantizations: the quantized runs' dtype (the reference stays float32)")
     parser.add_argument("--float-bundled", action="store_true",
                         help="with --quantizations: use a float safetensors copy of the bundled model (its GGUF "
                              "weights dequantized, written once under ~/.cache/pagedllm) as the model")
@@ -160,9 +167,7 @@ def teacher_sequences(llm, continuation_len: int) -> list[list[int]]:
 
 def compare_quantizations(args: argparse.Namespace) -> None:
     """Top-1 agreement and mean KL(dequantized || quantized) per token, teacher-forced as for the KV
-    cache dtypes: the same sequences, read in one prefill by each model, float32 activations and cache."""
-    import torch
-
+    cache dtypes: the same sequences, read in one prefill by each model (the quantized ones in args.dtype)."""
     from pagedllm import LLM
     from pagedllm.worker.model_runner import allocate_kv_caches
 
@@ -174,27 +179,32 @@ def compare_quantizations(args: argparse.Namespace) -> None:
 
     def logprobs_of(llm) -> list:
         engine = llm.llm_engine
-        caches = allocate_kv_caches(engine.model_config, num_blocks, runner.block_size, torch.float32, runner.device)
+        caches = allocate_kv_caches(engine.model_config, num_blocks, runner.block_size, engine.kv_cache_dtype,
+                                    runner.device)
         return [sequence_logprobs(engine.runner, sequence, caches) for sequence in sequences]
 
     references = logprobs_of(reference_llm)
     rows = []
     for quantization in args.quantizations:
-        llm = LLM(model, dtype="float32", quantization=quantization, kv_cache_memory="1GiB")
-        agreeing, divergence = 0, 0.0
-        for reference, candidate in zip(references, logprobs_of(llm)):
-            agreeing += int((candidate.argmax(-1) == reference.argmax(-1)).sum())
-            divergence += float((reference.exp() * (reference - candidate)).sum())
-        rows.append((quantization, llm.llm_engine.runner.model.weight_summary(), agreeing, divergence))
-        del llm
+        for activation_dtype in args.activation_dtypes:
+            llm = LLM(model, dtype=args.dtype, quantization=quantization, activation_dtype=activation_dtype,
+                      kv_cache_memory="1GiB")
+            agreeing, divergence = 0, 0.0
+            for reference, candidate in zip(references, logprobs_of(llm)):
+                agreeing += int((candidate.argmax(-1) == reference.argmax(-1)).sum())
+                divergence += float((reference.exp() * (reference - candidate)).sum())
+            rows.append((quantization, activation_dtype, llm.llm_engine.runner.model.weight_summary(), agreeing,
+                         divergence))
+            del llm
     positions = sum(map(len, sequences))
     print(f"{model or 'bundled model'}: {len(sequences)} chat prompts, each continued by {args.continuation_len} "
-          f"tokens the dequantized model sampled ({positions} positions); float32 activations and KV cache; "
-          "each quantization against quantization=none")
-    print("| quantization | weights | top-1 agreement | mean KL per token (nats) |")
-    print("|---|---|---|---|")
-    for quantization, summary, agreeing, divergence in rows:
-        print(f"| {quantization} | {summary} | {agreeing / positions:.2%} | {divergence / positions:.2e} |")
+          f"tokens the dequantized model sampled ({positions} positions); the reference: quantization=none, float32 "
+          f"activations and KV cache; the quantized runs in {args.dtype}")
+    print("| quantization | activation_dtype | weights | top-1 agreement | mean KL per token (nats) |")
+    print("|---|---|---|---|---|")
+    for quantization, activation_dtype, summary, agreeing, divergence in rows:
+        print(f"| {quantization} | {activation_dtype} | {summary} | {agreeing / positions:.2%} "
+              f"| {divergence / positions:.2e} |")
 
 
 def float_copy_of_bundled_model():

@@ -160,6 +160,9 @@ class LLMEngine:
                     str(self.kv_cache_dtype).removeprefix("torch."), num_blocks, config.block_size,
                     num_blocks * config.block_size)
         logger.info("weights (quantization=%s): %s", config.quantization, model.weight_summary())
+        if model.has_quantized_layers:
+            logger.info("quantized matmuls (%s activations): %s", str(self.dtype).removeprefix("torch."),
+                        model.matmul.describe(self.dtype))
         if config.speculative_config is not None:
             logger.info("speculative decoding: %s", config.speculative_config)
         if self.pooling is not None:

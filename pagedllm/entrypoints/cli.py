@@ -16,8 +16,9 @@ import sys
 from pagedllm.bench import (accuracy, cascade, dashboard_cost, embed, kernels, latency, load, logit_controls, memory,
                             scheduling, serving, structured_outputs, sweep, throughput)
 from pagedllm.bench.reliability import suite as reliability
-from pagedllm.config import (ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES,
-                             POOLING_CHOICES, QUANTIZATIONS, RUNNERS, SCHEDULING_POLICIES, EngineConfig)
+from pagedllm.config import (ACTIVATION_DTYPES, ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES,
+                             KV_CACHE_DTYPES, POOLING_CHOICES, QUANTIZATIONS, RUNNERS, SCHEDULING_POLICIES,
+                             EngineConfig)
 from pagedllm.entrypoints.config_file import merge_config
 from pagedllm.entrypoints.openai.server_config import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES, ServerConfig
 
@@ -53,6 +54,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="auto keeps a GGUF's quantized weights quantized and float checkpoints float; none "
                             "dequantizes; int8/int4 quantize float weights at load "
                             f"{_default(EngineConfig, 'quantization')}")
+    group.add_argument("--activation-dtype", choices=ACTIVATION_DTYPES, default=_UNSET,
+                       help="what quantized layers multiply: auto, --dtype's activations against the weights "
+                            "dequantized on the fly; int8, activations quantized to int8 per row and 32 columns "
+                            "(faster decode of small batches, less accurate) "
+                            f"{_default(EngineConfig, 'activation_dtype')}")
+    group.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=_UNSET,
+                       help="a request's results bitwise independent of the batch it shares (quantized weights: "
+                            f"one matmul kernel for every row count) {_default(EngineConfig, 'batch_invariant')}")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_UNSET,
                        help="precision of the KV cache: auto is --dtype's; int8 keeps a scale per token and kv head "
                             f"{_default(EngineConfig, 'kv_cache_dtype')}")

@@ -4,11 +4,10 @@ Float: on CPUs with fast bfloat16, oneDNN matmuls against a pre-reordered (block
 1.2-2x faster for the small batches of decode steps than F.linear, which reorders the
 weight on every call; results are bitwise the same. Elsewhere (float32, CUDA) F.linear.
 
-Quantized (quantization.py): the compiled int8 dot-product kernel for every row count. Each
-row's result depends on that row alone, so a request's tokens do not change with the batch it
-shares (prefill or decode, preempted and recomputed or not); float tiles through oneDNN's bfloat16
-matmul were faster for prefill-sized batches on bf16 CPUs but made results batch-dependent. Without the kernels (CUDA, no
-build) the weight is dequantized per call: correct, not fast.
+Quantized (quantization.py): the compiled kernel that quantized_matmul.py chose for the activation dtype
+and row count (few rows: weights dequantized in registers; many: dequantized tiles through oneDNN's brgemm;
+opt-in: int8 activations). Without the kernels (CUDA, no build) the weight is dequantized per call:
+correct, not fast.
 """
 from __future__ import annotations
 
@@ -16,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.kernels import kernels as _C
 from pagedllm.model.quantization import QuantizedWeight, stack_rows
+from pagedllm.model.quantized_matmul import QuantizedMatmul
 
 # oneDNN picks its blocked layout for this many rows; measured good from 8 to 2048 rows.
 _BATCH_SIZE_HINT = 64
@@ -61,8 +60,10 @@ class Linear(nn.Module):
 
 
 class QuantizedLinear(nn.Module):
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                 matmul: QuantizedMatmul | None = None):
         super().__init__()
+        self.matmul = matmul or QuantizedMatmul()
         self.format = weight.source
         self.bits, self.group_size = weight.bits, weight.group_size
         self.out_features, self.in_features = weight.shape
@@ -77,11 +78,11 @@ class QuantizedLinear(nn.Module):
                                self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _C is None or not x.is_cpu:
+        kernel = self.matmul.kernel(x.dtype, x.shape[0]) if x.is_cpu else None
+        if kernel is None:
             return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
         out = x.new_empty(x.shape[0], self.out_features)
-        _C.quantized_linear(out, x.contiguous(), self.qweight, self.scales, self.mins, self.bias, self.bits,
-                            self.group_size)
+        kernel(out, x.contiguous(), self.qweight, self.scales, self.mins, self.bias, self.bits, self.group_size)
         return out
 
 
@@ -97,10 +98,10 @@ class ConcatLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-def fused_linear(weights: list[torch.Tensor | QuantizedWeight], bias: list[torch.Tensor] | None = None
-                 ) -> nn.Module:
+def fused_linear(weights: list[torch.Tensor | QuantizedWeight], bias: list[torch.Tensor] | None = None,
+                 matmul: QuantizedMatmul | None = None) -> nn.Module:
     """One layer computing the weights' outputs side by side (Q/K/V, gate/up): consecutive weights
-    of one format are stacked into one matmul."""
+    of one format are stacked into one matmul. matmul: the kernels of quantized weights."""
     runs: list[tuple[list, list]] = []   # (weights, biases) that stack
     for weight, part_bias in zip(weights, bias or [None] * len(weights)):
         if runs and _stacking_key(runs[-1][0][0]) == _stacking_key(weight):
@@ -108,7 +109,7 @@ def fused_linear(weights: list[torch.Tensor | QuantizedWeight], bias: list[torch
             runs[-1][1].append(part_bias)
         else:
             runs.append(([weight], [part_bias]))
-    layers = [_stacked(run_weights, run_biases) for run_weights, run_biases in runs]
+    layers = [_stacked(run_weights, run_biases, matmul) for run_weights, run_biases in runs]
     return layers[0] if len(layers) == 1 else ConcatLinear(layers)
 
 
@@ -120,11 +121,11 @@ def _stacking_key(weight: torch.Tensor | QuantizedWeight) -> tuple:
     return weight.format, id(weight) if weight.padded else None
 
 
-def _stacked(weights: list, biases: list) -> nn.Module:
+def _stacked(weights: list, biases: list, matmul: QuantizedMatmul | None) -> nn.Module:
     bias = None if biases[0] is None else torch.cat(biases)
     if isinstance(weights[0], torch.Tensor):
         return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
-    return QuantizedLinear(stack_rows(weights) if len(weights) > 1 else weights[0], bias)
+    return QuantizedLinear(stack_rows(weights) if len(weights) > 1 else weights[0], bias, matmul)
 
 
 class Embedding(nn.Module):

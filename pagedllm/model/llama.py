@@ -22,6 +22,7 @@ from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_line
 from pagedllm.model.ops import rms_norm, silu_and_mul
 from pagedllm.model.parallel_linear import parallel_lm_head, row_parallel, vocab_parallel_embedding
 from pagedllm.model.quantization import QuantizedWeight
+from pagedllm.model.quantized_matmul import QuantizedMatmul
 from pagedllm.model.rope import Rotation, RotaryEmbedding
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
 
@@ -57,7 +58,7 @@ class RMSNorm(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, w: WeightTaker, prefix: str, group: TensorParallelGroup,
-                 sliding_window: int | None):
+                 sliding_window: int | None, matmul: QuantizedMatmul):
         super().__init__()
         self.num_heads = config.num_attention_heads // group.world_size   # this rank's heads
         self.num_kv_heads = num_kv_heads_per_rank(config, group.world_size)
@@ -65,13 +66,14 @@ class DecoderLayer(nn.Module):
         self.attention = LayerAttention(config.head_dim ** -0.5, sliding_window)
         attn = prefix + "self_attn."
         self.qkv_proj = fused_linear([w(attn + n + "_proj.weight") for n in "qkv"],
-                                     [w(attn + n + "_proj.bias") for n in "qkv"] if config.attention_bias else None)
-        self.o_proj = row_parallel(fused_linear([w(attn + "o_proj.weight")]), group)
+                                     [w(attn + n + "_proj.bias") for n in "qkv"] if config.attention_bias else None,
+                                     matmul)
+        self.o_proj = row_parallel(fused_linear([w(attn + "o_proj.weight")], matmul=matmul), group)
         self.q_norm = RMSNorm(w(attn + "q_norm.weight"), config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(w(attn + "k_norm.weight"), config.rms_norm_eps) if config.qk_norm else None
         mlp = prefix + "mlp."
-        self.gate_up_proj = fused_linear([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")])
-        self.down_proj = row_parallel(fused_linear([w(mlp + "down_proj.weight")]), group)
+        self.gate_up_proj = fused_linear([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")], matmul=matmul)
+        self.down_proj = row_parallel(fused_linear([w(mlp + "down_proj.weight")], matmul=matmul), group)
         self.input_norm = RMSNorm(w(prefix + "input_layernorm.weight"), config.rms_norm_eps)
         self.post_attention_norm = RMSNorm(w(prefix + "post_attention_layernorm.weight"), config.rms_norm_eps)
 
@@ -105,30 +107,46 @@ class CausalLM(nn.Module):
 
     Under tensor parallelism (group of more than one rank) `weights` reads as this rank's parts
     (CheckpointWeights.sharded) and the logits come back on rank 0 only. Without an LM head
-    (with_lm_head False: pooling models) only hidden_states serves.
+    (with_lm_head False: pooling models) only hidden_states serves. matmul: the kernels of the
+    quantized layers (quantized_matmul.py; default: float activations, the fastest path per row count).
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor | QuantizedWeight],
                  dtype: torch.dtype, device: torch.device, max_positions: int,
-                 group: TensorParallelGroup = SINGLE_PROCESS, with_lm_head: bool = True):
+                 group: TensorParallelGroup = SINGLE_PROCESS, with_lm_head: bool = True,
+                 matmul: QuantizedMatmul | None = None):
         super().__init__()
         self.config = config
+        self.matmul = matmul = matmul or QuantizedMatmul()
         self.num_kv_heads = num_kv_heads_per_rank(config, group.world_size)
         w = WeightTaker(weights, dtype, device)
         embedding = w("model.embed_tokens.weight")
         self.embed_tokens = vocab_parallel_embedding(Embedding(embedding, dtype), group, config.vocab_size)
         self.lm_head = parallel_lm_head(
-            fused_linear([embedding if config.tie_word_embeddings else w("lm_head.weight")]),
+            fused_linear([embedding if config.tie_word_embeddings else w("lm_head.weight")], matmul=matmul),
             group) if with_lm_head else None
         del embedding
         self.layers = nn.ModuleList(
-            DecoderLayer(config, w, f"model.layers.{i}.", group, window)
+            DecoderLayer(config, w, f"model.layers.{i}.", group, window, matmul)
             for i, window in enumerate(config.windows_within(max_positions)))
         self.attention_layers = tuple(layer.attention for layer in self.layers)
         self.norm = RMSNorm(w("model.norm.weight"), config.rms_norm_eps)
         self.rope = RotaryEmbedding(config.rotary_dim, max_positions, config.rope_theta,
                                     config.rope_scaling, device)
         self.pads_batch = any(isinstance(module, Linear) and module.prepacked for module in self.modules())
+        self.has_quantized_layers = any(isinstance(module, QuantizedLinear) for module in self.modules())
+        self._check_matmul_options()
+
+    def _check_matmul_options(self) -> None:
+        """activation_dtype and batch_invariant act on quantized layers: refused where there are none to act on."""
+        float_layers = [name for name, module in self.named_modules() if isinstance(module, Linear)]
+        if self.matmul.activation_dtype == "int8" and not self.has_quantized_layers:
+            raise ValueError("activation_dtype 'int8' multiplies quantized weights, and this model has none: use "
+                             "quantization int8 or int4, or a quantized GGUF")
+        if self.matmul.batch_invariant and float_layers:
+            raise ValueError(f"batch_invariant=True covers quantized layers (one row kernel for every batch), and "
+                             f"{float_layers[0]} holds float weights, whose oneDNN/BLAS matmuls round by batch shape: "
+                             f"use quantization int8 or int4, or a quantized GGUF")
 
     def weight_summary(self) -> str:
         """Each kind of layer's weight format and the bytes of weights held, for the start-up log."""

@@ -18,6 +18,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import (SINGLE_PROCESS, TensorParallelGroup,
                                                  destroy_tensor_parallel_group, init_tensor_parallel_group)
 from pagedllm.model.llama import CausalLM
+from pagedllm.model.quantized_matmul import QuantizedMatmul
 from pagedllm.model.loader import Checkpoint, load_checkpoint
 from pagedllm.model.pooling_checkpoint import build_pooling_model
 from pagedllm.model.tensor_parallel import weight_shards
@@ -65,8 +66,9 @@ class Worker:
             weights = weights.sharded(weight_shards(checkpoint.config, rank, tp_size))
         # The runner kind follows the checkpoint, chosen once when it was loaded.
         if checkpoint.pooling is None:
+            matmul = QuantizedMatmul(config.activation_dtype, config.batch_invariant)
             model, runner_class = CausalLM(checkpoint.config, weights, args.dtype, self.device, args.max_model_len,
-                                           self.group), ModelRunner
+                                           self.group, matmul=matmul), ModelRunner
         else:
             model, runner_class = build_pooling_model(checkpoint.config, checkpoint.pooling, weights, args.dtype,
                                                       self.device, args.max_model_len), PoolingModelRunner
@@ -86,7 +88,9 @@ class Worker:
             raise ValueError("draft_model speculation needs kv_cache_memory set: the KV pool is not sized by a "
                              "profile run when a draft model shares it")
         checkpoint = load_checkpoint(spec.model, spec.quantization)
-        model = CausalLM(checkpoint.config, checkpoint.weights, args.dtype, self.device, args.max_model_len)
+        matmul = QuantizedMatmul(batch_invariant=args.engine_config.batch_invariant)
+        model = CausalLM(checkpoint.config, checkpoint.weights, args.dtype, self.device, args.max_model_len,
+                         matmul=matmul)
         return DraftModelProposer(model, args.num_blocks, args.engine_config.block_size, args.kv_cache_dtype,
                                   self.device)
 

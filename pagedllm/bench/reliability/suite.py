@@ -50,8 +50,9 @@ QUICK = SuiteSettings(clients=16, load_requests=48, soak_requests=300, soak_wave
                       kv_cache_memory="64MiB")
 
 # The soak and the storm compare answers with the same request's answer alone: float weights (quantization
-# none), since the quantized path's int8 activation rounding turns the tiny differences between a decode
-# step and its recomputation by prefill attention into an occasional flipped near-tie.
+# none), as when quantized layers quantized their activations to int8, whose rounding turned the tiny
+# differences between a decode step and its recomputation by prefill attention into an occasional flipped
+# near-tie (int8 activations are now opt-in: activation_dtype).
 MAIN_SERVER_FLAGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "512", "--quantization", "none",
                      "--served-model-name", MODEL)
 STORM_SERVER_FLAGS = ("--kv-cache-memory", "12MiB", "--dtype", "float32", "--quantization", "none",

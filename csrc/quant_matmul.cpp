@@ -1,0 +1,295 @@
+// The default quantized matmuls: float (or bfloat16) activations against the weights of quant_format.h,
+// dequantized on the fly (W4A16 / W8A16), so only the weights' own rounding separates them from the float
+// path. int8 activations (quant_linear.cpp) are an opt-in speed mode: their rounding flipped answers.
+//
+// quantized_linear_rows, for few rows (decode): a tile's q values are widened to floats in registers
+// (each 32-bit lane of a slot is one weight row, so 16 rows x 4 columns come out per load with shifts,
+// no shuffles), dequantized once (scale * q + min) and met by up to 8 activation rows. Each output is one
+// chain of fused multiply-adds over the columns in order, whatever the rows or tiles it was computed with:
+// a row's result does not depend on the batch it shares.
+//
+// quantized_linear_brgemm, for many rows (prefill, large batches): blocks of 32 weight rows are
+// dequantized into a bfloat16 (VNNI pairs) or float buffer that stays in cache while every activation
+// row meets it through oneDNN's batch-reduce GEMM micro-kernel (at::native::cpublas::brgemm), which
+// oneDNN generates for AMX where the CPU has it and for AVX-512 (BF16) or AVX2 (float) elsewhere.
+#include "ops.h"
+#include "quant_format.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using pagedllm::check_matmul;
+using pagedllm::dispatch_format;
+using pagedllm::scale_type_of;
+using pagedllm::kTileRows;
+
+// Weight rows per vector: a whole tile on AVX-512, half of one elsewhere (the register file of AVX2
+// holds 8 rows' accumulators of 8 lanes, not of 16).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+constexpr int kParts = kTileRows / kLanes;
+constexpr int kRowBlock = 8;   // activation rows that meet a tile's dequantized weights together
+typedef float wfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint32_t wuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef int32_t wint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+template <typename T>
+inline T load(const void* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// kLanes consecutive scales or mins as floats.
+inline wfloat load_params(const float* p) { return load<wfloat>(p); }
+inline wfloat load_params(const c10::Half* p) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  wfloat v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+#endif
+  return load<wfloat>(&v);
+}
+
+// The dequantized weights of 8 consecutive columns c0..c0+7 (c0 a multiple of 8, one group), rows
+// part * kLanes onwards of the tile: w[c] lane n = scale * q + min of (row, c0 + c).
+template <int bits>
+inline void dequantize_8_columns(wfloat (&w)[8], const uint8_t* tile, int64_t c0, int part, wfloat scale,
+                                 wfloat min) {
+  const int64_t lanes_at = part * kLanes * 4;
+  if constexpr (bits == 4) {   // the pair of slots c0 / 4 and c0 / 4 + 1 shares 64 bytes: low and high nibbles
+    const wuint packed = load<wuint>(tile + (c0 / 8) * 64 + lanes_at);
+    const wuint low = packed & 0x0F0F0F0Fu, high = (packed >> 4) & 0x0F0F0F0Fu;
+    for (int c = 0; c < 4; ++c) {
+      w[c] = __builtin_convertvector((low >> (8 * c)) & 0xFFu, wfloat) * scale + min;
+      w[c + 4] = __builtin_convertvector((high >> (8 * c)) & 0xFFu, wfloat) * scale + min;
+    }
+  } else {   // signed bytes: shifted to the top of the lane, then arithmetically back down
+    for (int half = 0; half < 2; ++half) {
+      const wint slot = load<wint>(tile + (c0 / 4 + half) * 64 + lanes_at);
+      for (int c = 0; c < 4; ++c) w[4 * half + c] = __builtin_convertvector((slot << (24 - 8 * c)) >> 24, wfloat) * scale + min;
+    }
+  }
+}
+
+struct Weights {   // one quantized weight's tensors, as the kernels read them
+  const uint8_t* q;
+  int64_t tile_bytes, params_per_tile, cols, group;
+};
+
+// out[r][t * 16 + n] = sum over columns of x[r][c] * w[t][n][c] for kRows activation rows (float, row
+// stride cols) and kTiles tiles from `first_tile`; out's row stride is ld_out.
+template <int bits, typename scale_t, int kRows, int kTiles>
+void rows_times_tiles(float* out, int64_t ld_out, const float* x, const Weights& weights, const scale_t* scales,
+                      const scale_t* mins, int64_t first_tile) {
+  const int64_t cols = weights.cols, group = weights.group;
+  for (int part = 0; part < kParts; ++part) {
+    wfloat acc[kTiles][kRows] = {};
+    for (int64_t g = 0; g < cols / group; ++g) {
+      wfloat scale[kTiles], min[kTiles];
+      for (int t = 0; t < kTiles; ++t) {
+        const int64_t at = (first_tile + t) * weights.params_per_tile + g * kTileRows + part * kLanes;
+        scale[t] = load_params(scales + at);
+        min[t] = mins != nullptr ? load_params(mins + at) : wfloat{};
+      }
+      for (int64_t c0 = g * group; c0 < (g + 1) * group; c0 += 8) {
+        for (int t = 0; t < kTiles; ++t) {
+          wfloat w[8];
+          dequantize_8_columns<bits>(w, weights.q + (first_tile + t) * weights.tile_bytes, c0, part, scale[t], min[t]);
+          for (int c = 0; c < 8; ++c) {
+            for (int r = 0; r < kRows; ++r) acc[t][r] += w[c] * x[r * cols + c0 + c];
+          }
+        }
+      }
+    }
+    for (int t = 0; t < kTiles; ++t) {
+      for (int r = 0; r < kRows; ++r) std::memcpy(out + r * ld_out + t * kTileRows + part * kLanes, &acc[t][r], sizeof(wfloat));
+    }
+  }
+}
+
+// `rows` (<= kRowBlock) activation rows against `tiles` tiles: the tiles in groups as wide as the
+// registers allow for that many rows (one row alone would leave the FMA units waiting on one chain).
+template <int bits, typename scale_t, int kRows>
+void row_block(float* out, int64_t ld_out, const float* x, const Weights& weights, const scale_t* scales,
+               const scale_t* mins, int64_t first_tile, int64_t tiles) {
+  constexpr int kTiles = kRows >= 4 ? 1 : (kRows == 1 && kLanes == 16) ? 4 : 2;
+  int64_t t = 0;
+  for (; t + kTiles <= tiles; t += kTiles) {
+    rows_times_tiles<bits, scale_t, kRows, kTiles>(out + t * kTileRows, ld_out, x, weights, scales, mins, first_tile + t);
+  }
+  for (; t < tiles; ++t) {
+    rows_times_tiles<bits, scale_t, kRows, 1>(out + t * kTileRows, ld_out, x, weights, scales, mins, first_tile + t);
+  }
+}
+
+template <int bits, typename scale_t, int... kRows>
+void any_row_block(int rows, float* out, int64_t ld_out, const float* x, const Weights& weights,
+                   const scale_t* scales, const scale_t* mins, int64_t first_tile, int64_t tiles,
+                   std::integer_sequence<int, kRows...>) {
+  ((rows == kRows + 1 ? row_block<bits, scale_t, kRows + 1>(out, ld_out, x, weights, scales, mins, first_tile, tiles)
+                      : void()), ...);
+}
+
+// The float results of a block of rows x columns written out, bias added, in the output dtype.
+template <typename scalar_t>
+void store(scalar_t* out, int64_t ld_out, const float* block, int64_t ld_block, int64_t rows, int64_t cols,
+           const scalar_t* bias) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t n = 0; n < cols; ++n) {
+      const float value = block[r * ld_block + n] + (bias != nullptr ? static_cast<float>(bias[n]) : 0.f);
+      out[r * ld_out + n] = static_cast<scalar_t>(value);
+    }
+  }
+}
+
+// x as floats (a copy unless it is float already).
+template <typename scalar_t>
+const float* as_floats(const at::Tensor& x, at::Tensor& holder) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return x.data_ptr<float>();
+  } else {
+    holder = x.to(at::kFloat);
+    return holder.data_ptr<float>();
+  }
+}
+
+Weights weights_of(const at::Tensor& qweight, const at::Tensor& scales, int64_t cols, int64_t group) {
+  return {static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), scales.size(1), cols, group};
+}
+
+// One block of tiles dequantized for brgemm's B [cols, tiles * 16]: bfloat16 in VNNI pairs ([cols / 2,
+// width, 2]: columns 2k and 2k + 1 of a weight row side by side), float plainly ([cols, width]).
+template <int bits, typename scale_t, typename scalar_t>
+void dequantize_block(scalar_t* b, const Weights& weights, const scale_t* scales, const scale_t* mins,
+                      int64_t first_tile, int64_t tiles) {
+  const int64_t width = tiles * kTileRows;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* tile = weights.q + (first_tile + t) * weights.tile_bytes;
+    for (int part = 0; part < kParts; ++part) {
+      const int64_t n0 = t * kTileRows + part * kLanes;
+      for (int64_t g = 0; g < weights.cols / weights.group; ++g) {
+        const int64_t at = (first_tile + t) * weights.params_per_tile + g * kTileRows + part * kLanes;
+        const wfloat scale = load_params(scales + at), min = mins != nullptr ? load_params(mins + at) : wfloat{};
+        for (int64_t c0 = g * weights.group; c0 < (g + 1) * weights.group; c0 += 8) {
+          wfloat w[8];
+          dequantize_8_columns<bits>(w, tile, c0, part, scale, min);
+          for (int c = 0; c < 8; c += 2) {
+            if constexpr (std::is_same_v<scalar_t, float>) {
+              std::memcpy(b + (c0 + c) * width + n0, &w[c], sizeof(wfloat));
+              std::memcpy(b + (c0 + c + 1) * width + n0, &w[c + 1], sizeof(wfloat));
+            } else {   // round to nearest even, keep the top halves: one 32-bit lane per weight row holds the pair
+              auto bf16_bits = [](wfloat v) {
+                const wuint u = load<wuint>(&v);
+                return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+              };
+              const wuint pairs = bf16_bits(w[c]) | (bf16_bits(w[c + 1]) << 16);
+              std::memcpy(b + ((c0 + c) / 2 * width + n0) * 2, &pairs, sizeof(pairs));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+constexpr int64_t kBlockTiles = 2;    // brgemm's N: 32 weight rows dequantized at a time
+constexpr int64_t kBlockRows = 64;    // brgemm's M: activation rows per call
+
+}  // namespace
+
+void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                           c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
+  RECORD_FUNCTION("pagedllm::quantized_linear_rows", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
+  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_rows");
+  const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
+  const Weights weights = weights_of(qweight, scales, cols, group);
+  // Tiles per task: up to 4, fewer where that would leave threads without work.
+  const int64_t chunk = std::clamp<int64_t>(tiles / (4 * at::get_num_threads()), 1, 4);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_rows", [&] {
+    at::Tensor holder;
+    const float* activations = as_floats<scalar_t>(x, holder);
+    scalar_t* result = out.data_ptr<scalar_t>();
+    const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
+      constexpr int kBits = decltype(bits_constant)::value;
+      using scale_t = scale_type_of<decltype(all_scales)>;
+      at::parallel_for(0, (tiles + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> block(kRowBlock * chunk * kTileRows);
+        const int64_t ld_block = chunk * kTileRows;
+        for (int64_t c = begin; c < end; ++c) {
+          const int64_t first_tile = c * chunk, num_tiles = std::min(chunk, tiles - first_tile);
+          const int64_t first_out = first_tile * kTileRows;
+          const int64_t valid = std::min(num_tiles * kTileRows, out_features - first_out);
+          for (int64_t r = 0; r < rows; r += kRowBlock) {
+            const int block_rows = static_cast<int>(std::min<int64_t>(kRowBlock, rows - r));
+            any_row_block<kBits, scale_t>(block_rows, block.data(), ld_block, activations + r * cols, weights,
+                                          all_scales, all_mins, first_tile, num_tiles,
+                                          std::make_integer_sequence<int, kRowBlock>{});
+            store(result + r * out_features + first_out, out_features, block.data(), ld_block, block_rows, valid,
+                  bias_values ? bias_values + first_out : nullptr);
+          }
+        }
+      });
+    });
+  });
+}
+
+void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                             c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
+  RECORD_FUNCTION("pagedllm::quantized_linear_brgemm", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
+  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_brgemm");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "quantized_linear_brgemm: x must be bfloat16 or float32, got ", x.scalar_type());
+  const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
+  const Weights weights = weights_of(qweight, scales, cols, group);
+  auto run = [&](auto dtype) {
+    using scalar_t = decltype(dtype);
+    constexpr bool kVnni = std::is_same_v<scalar_t, c10::BFloat16>;   // float B is plain, bfloat16 B in pairs
+    const scalar_t* activations = x.data_ptr<scalar_t>();
+    scalar_t* result = out.data_ptr<scalar_t>();
+    const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
+      constexpr int kBits = decltype(bits_constant)::value;
+      using scale_t = scale_type_of<decltype(all_scales)>;
+      at::parallel_for(0, (tiles + kBlockTiles - 1) / kBlockTiles, 1, [&](int64_t begin, int64_t end) {
+        std::vector<scalar_t> b(cols * kBlockTiles * kTileRows);
+        std::vector<float> c(kBlockRows * kBlockTiles * kTileRows);
+        for (int64_t nb = begin; nb < end; ++nb) {
+          const int64_t first_tile = nb * kBlockTiles, num_tiles = std::min(kBlockTiles, tiles - first_tile);
+          const int64_t width = num_tiles * kTileRows, first_out = first_tile * kTileRows;
+          const int64_t valid = std::min(width, out_features - first_out);
+          dequantize_block<kBits, scale_t, scalar_t>(b.data(), weights, all_scales, all_mins, first_tile, num_tiles);
+          for (int64_t r = 0; r < rows; r += kBlockRows) {
+            const int64_t block_rows = std::min(kBlockRows, rows - r);
+            at::native::cpublas::brgemm(block_rows, width, cols, cols, width, width, false, activations + r * cols,
+                                        b.data(), c.data(), kVnni);
+            store(result + r * out_features + first_out, out_features, c.data(), width, block_rows, valid,
+                  bias_values ? bias_values + first_out : nullptr);
+          }
+        }
+        at::native::cpublas::brgemm_release(kVnni);
+      });
+    });
+  };
+  x.scalar_type() == at::kBFloat16 ? run(c10::BFloat16{}) : run(float{});
+}

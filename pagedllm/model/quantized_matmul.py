@@ -1,0 +1,120 @@
+"""Which kernel multiplies activations by quantized weights, per activation dtype and row count: chosen once,
+when a model is built, and logged; a call only looks its row count up.
+
+The paths (csrc/quant_matmul.cpp, csrc/quant_linear.cpp):
+  rows    float or bfloat16 activations against weights dequantized in registers, 8 rows per pass over
+          the weights; each row's result independent of the batch (few rows: decode)
+  brgemm  blocks of weights dequantized to bfloat16 or float32, oneDNN's brgemm micro-kernel (many rows:
+          prefill, large batches); oneDNN generates it for AMX, AVX-512 (BF16) or AVX2
+  int8    activations quantized to int8 per row and 32-column group, integer dot products: the opt-in
+          activation_dtype="int8" (faster for small decode batches, less accurate; README "Quantized weights")
+  torch   the weight dequantized per call and F.linear: where the kernels are not built, or not on CPU
+PAGEDLLM_MATMUL_PATH=<path> forces one path for every row count (tests use it to check each).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.model.kernels import kernels as _C
+
+ACTIVATION_DTYPES = ("auto", "int8")   # auto: the model dtype
+PATHS = ("rows", "brgemm", "int8", "torch")
+FORCE_VARIABLE = "PAGEDLLM_MATMUL_PATH"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# The row count from which brgemm beats the rows kernel, per activation dtype and the ISA oneDNN generates
+# brgemm for (`pagedllm bench kernels` measures both; docs/quantized_matmul.md has the figures). Both costs
+# grow with the weight's size, so the crossover is the same for every layer shape.
+BRGEMM_FROM_ROWS = {
+    (torch.bfloat16, "avx512_core_amx"): 5,
+    (torch.bfloat16, "avx512_core_bf16"): 8,
+    (torch.float32, "avx512_core"): 10,
+    (torch.float32, "avx2"): 10,
+}
+
+
+def brgemm_isa(dtype: torch.dtype) -> str | None:
+    """The ISA oneDNN's brgemm runs dtype on here (its names), or None where pagedllm does not use it
+    (bfloat16 without AVX512-BF16 is emulated: slower than the rows kernel; float16 needs AVX512-FP16)."""
+    if _C is None or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return None
+    if dtype == torch.bfloat16:
+        if torch.cpu._is_amx_tile_supported():
+            return "avx512_core_amx"
+        return "avx512_core_bf16" if torch.cpu._is_avx512_bf16_supported() else None
+    if dtype == torch.float32:
+        if torch.cpu._is_avx512_supported():
+            return "avx512_core"
+        return "avx2" if torch.cpu._is_avx2_supported() else None
+    return None
+
+
+@dataclass(frozen=True)
+class Route:
+    """The path below `many_from` rows and the path from there on, for one activation dtype."""
+    few: str
+    many: str
+    many_from: int
+    isa: str | None   # brgemm's, where it is one of the paths
+
+    def describe(self) -> str:
+        def named(path: str) -> str:
+            return f"brgemm (oneDNN {self.isa})" if path == "brgemm" else path
+        if self.few == self.many:
+            return f"{named(self.few)} for every row count"
+        return f"{named(self.few)} below {self.many_from} rows, {named(self.many)} from {self.many_from}"
+
+
+class QuantizedMatmul:
+    """The kernels of one model's quantized layers. batch_invariant: one path for every row count (the rows
+    kernel, or int8), so a row's result is bitwise the same whatever batch it shares."""
+
+    def __init__(self, activation_dtype: str = "auto", batch_invariant: bool = False):
+        if activation_dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"activation_dtype must be one of {', '.join(ACTIVATION_DTYPES)}, got {activation_dtype!r}")
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        self.activation_dtype, self.batch_invariant = activation_dtype, batch_invariant
+        forced = os.environ.get(FORCE_VARIABLE) or None
+        if forced is not None and forced not in PATHS:
+            raise ValueError(f"{FORCE_VARIABLE} must be one of {', '.join(PATHS)}, got {forced!r}")
+        self.routes = {dtype: self._route(dtype, forced) for dtype in _DTYPES}
+        self._kernels = {dtype: (_kernel(route.few), _kernel(route.many), route.many_from)
+                         for dtype, route in self.routes.items()}
+
+    def _route(self, dtype: torch.dtype, forced: str | None) -> Route:
+        isa = brgemm_isa(dtype)
+        if forced is not None:
+            if forced != "torch" and _C is None:
+                raise ValueError(f"{FORCE_VARIABLE}={forced}: the C++ kernels are not built")
+            if forced == "brgemm" and isa is None and dtype != torch.float16:
+                raise ValueError(f"{FORCE_VARIABLE}=brgemm: oneDNN's brgemm does not run {dtype} on this CPU")
+            if forced == "brgemm" and isa is None:   # float16 activations: no brgemm anywhere; the rows kernel
+                return Route("rows", "rows", 1, None)
+            return Route(forced, forced, 1, isa)
+        if _C is None:
+            return Route("torch", "torch", 1, None)
+        if self.activation_dtype == "int8":
+            return Route("int8", "int8", 1, None)
+        if self.batch_invariant or isa is None:
+            return Route("rows", "rows", 1, None)
+        return Route("rows", "brgemm", BRGEMM_FROM_ROWS[dtype, isa], isa)
+
+    def kernel(self, dtype: torch.dtype, num_rows: int):
+        """The compiled function for this many rows of dtype, or None: dequantize and F.linear."""
+        found = self._kernels.get(dtype)
+        if found is None:
+            return None
+        few, many, many_from = found
+        return many if num_rows >= many_from else few
+
+    def describe(self, dtype: torch.dtype) -> str:
+        route = self.routes.get(dtype)
+        return "torch (weights dequantized per call)" if route is None else route.describe()
+
+
+def _kernel(path: str):
+    return None if path == "torch" else getattr(_C, f"quantized_linear_{path}")
