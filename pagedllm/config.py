@@ -54,7 +54,7 @@ class EngineConfig:
     quantization: str = "auto"
     activation_dtype: str = "auto"
     # Results of a request bitwise independent of its batch (quantized layers: one kernel for every row count).
-    # Off by default: the row kernel alone is slower for prefill (README "Quantized weights").
+    # Off by default: the row kernel alone is slower for prefill (docs/quantized_matmul.md).
     batch_invariant: bool = False
     kv_cache_dtype: str = "auto"
     device: str | None = None
@@ -68,7 +68,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # Sequences sharing leading KV blocks read them once per step (CPU kernels; model/cascade.py). Off by
-    # default until it measures faster end to end (README "Shared-prefix (cascade) attention").
+    # default until it measures faster end to end (docs/kv-cache.md, "Shared-prefix (cascade) attention").
     enable_cascade_attention: bool = False
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1   # ranks splitting each layer; the KV cache memory is per rank

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 # Smaller groups are left to the plain kernels: the cascade's second pass and merge cost more than
-# the reads it saves (`pagedllm bench cascade`, README "Shared-prefix (cascade) attention"): 4 and 8
+# the reads it saves (`pagedllm bench cascade`, docs/kv-cache.md, "Shared-prefix (cascade) attention"): 4 and 8
 # sequences break even at ~128 shared keys, 64 at ~64; pairs did not pay at any length up to 1024.
 MIN_SHARED_TOKENS = 128
 MIN_GROUP_SIZE = 4

@@ -7,7 +7,7 @@ The paths (csrc/quant_matmul.cpp, csrc/quant_linear.cpp):
   brgemm  blocks of weights dequantized to bfloat16 or float32, oneDNN's brgemm micro-kernel (many rows:
           prefill, large batches); oneDNN generates it for AMX, AVX-512 (BF16) or AVX2
   int8    activations quantized to int8 per row and 32-column group, integer dot products: the opt-in
-          activation_dtype="int8" (faster for small decode batches, less accurate; README "Quantized weights")
+          activation_dtype="int8" (faster for small decode batches, less accurate; docs/quantized_matmul.md)
   torch   the weight dequantized per call and F.linear: where the kernels are not built, or not on CPU
 PAGEDLLM_MATMUL_PATH=<path> forces one path for every row count (tests use it to check each).
 """

@@ -4,7 +4,7 @@ A declared field is honoured by the code that reads it, so declaring a field in 
 takes to honour it (its entry here is then never consulted). An undeclared field that OpenAI's or
 vLLM's API defines is either accepted as a documented no-op (it changes nothing about the output) or
 refused with a 400 naming it; any other field is logged once per name and ignored, as vLLM does.
-README.md ("Request fields") lists them all.
+docs/serving.md ("Request fields") lists them all.
 """
 from __future__ import annotations
 
