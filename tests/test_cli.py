@@ -150,4 +150,4 @@ def test_scheduling_policy_flag_and_its_choices(capsys):
     assert parse_args(["generate", "Hi"]).engine_config.scheduling_policy == "fcfs"
     with pytest.raises(SystemExit):
         parse_args(["serve", "--scheduling-policy", "lifo"])
-    assert "invalid choice: 'lifo' (choose from fcfs, priority)" in capsys.readouterr().err
+    assert "--scheduling-policy: invalid choice: 'lifo'" in capsys.readouterr().err
