@@ -32,31 +32,11 @@ def run_bench(capsys, *argv: str) -> str:
     return capsys.readouterr().out
 
 
-def test_latency_prints_a_row_per_batch_size(tiny_dir, capsys):
-    out = run_bench(capsys, "latency", tiny_dir, "--batch-size", "1,3", "--input-len", "8", "--output-len", "4",
-                    "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32")
-    rows = table_rows(out, "| quantization | dtype | speculative | dataset | batch |")
-    assert [row.split("|")[5].strip() for row in rows] == ["1", "3"]
-
-
 def test_throughput_prints_a_row_per_quantization(tiny_dir, capsys):
     out = run_bench(capsys, "throughput", tiny_dir, "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
                     "--dtype", "float32", "--quantization", "none,int8", "--kv-cache-memory", "8MiB")
     rows = table_rows(out, "| backend | dtype | wall s | req/s | output tok/s | total tok/s |")
     assert len(rows) == 2 and all(row.split("|")[1].strip().startswith("pagedllm") for row in rows)
-
-
-def test_sweep_prints_a_row_per_block_size(tiny_dir, capsys, tmp_path):
-    plot = tmp_path / "sweep.png"
-    out = run_bench(capsys, "sweep", tiny_dir, "--dtype", "float32", "--block-sizes", "8", "16", "--plot", str(plot))
-    rows = table_rows(out, "| block size | output tok/s | KV waste |")
-    assert [row.split("|")[1].strip() for row in rows] == ["8", "16"] and plot.stat().st_size > 0
-
-
-def test_scheduling_prints_its_step_breakdown(tiny_dir, capsys):
-    out = run_bench(capsys, "scheduling", tiny_dir, "--num-seqs", "4", "--steps", "3", "--prompt-len", "8",
-                    "--dtype", "float32")
-    assert table_rows(out, "| per step | median | p99 | share of step time |")
 
 
 def test_memory_prints_its_utilisation_tables(capsys):
