@@ -1,4 +1,5 @@
-"""The `pagedllm` command line: --config files merged under flags, serve's help, the terminal chat."""
+"""The `pagedllm` command line: --config files merged under flags, serve's help, generate and the terminal chat run
+end to end against the offline API."""
 from __future__ import annotations
 
 import subprocess
@@ -6,7 +7,7 @@ import sys
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import parse_args
 from pagedllm.entrypoints.config_file import load_config_file, merge_config
@@ -20,6 +21,19 @@ engine_args:
   gpu_memory_utilization: 0.9
 """
 KNOWN = EngineConfig.field_names() | ServerConfig.field_names()
+# The offline reference of the end-to-end runs, with their flags: float32, the exact path, so a run that
+# computes a prefix anew and one that finds it cached cannot part ways on a near tie.
+LLM_SETTINGS = dict(kv_cache_memory="64MiB", dtype="float32")
+ENGINE_FLAGS = ("--kv-cache-memory", "64MiB", "--dtype", "float32")
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def run_cli(*argv: str, stdin: str | None = None) -> str:
+    """`pagedllm ARGV` in a process of its own; its standard output."""
+    result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", *argv], input=stdin,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
 @pytest.fixture
@@ -94,22 +108,46 @@ def test_generate_and_chat_share_the_engine_flags(brief_config):
         assert args.engine_config == EngineConfig(max_num_seqs=256, block_size=32, seed=5)
 
 
-def test_chat_streams_answers_and_keeps_the_conversation():
+def test_chat_streams_answers_and_keeps_the_conversation(llm):
     questions = ["My name is Ada.", "What is my name?"]
-    # float32: the second turn reuses the first's cached prefix, the offline run below computes it anew;
-    # in bfloat16 the two roundings may part ways on a near tie.
-    result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "chat", "--temperature", "0",
-                             "--max-tokens", "12", "--kv-cache-memory", "64MiB", "--dtype", "float32"],
-                            input="\n".join([*questions, "/exit", "never read"]) + "\n",
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    prompts = result.stdout.split("> ")
+    out = run_cli("chat", "--temperature", "0", "--max-tokens", "12", *ENGINE_FLAGS,
+                  stdin="\n".join([*questions, "/exit", "never read"]) + "\n")
+    prompts = out.split("> ")
     assert prompts[0] == "" and prompts[-1] == ""   # the last prompt read /exit
     answers = [answer.removesuffix("\n") for answer in prompts[1:-1]]
     assert len(answers) == 2 and all(answers)
     # The second answer is the one the offline API gives with the first exchange in the conversation.
     history = [{"role": "user", "content": questions[0]}, {"role": "assistant", "content": answers[0]},
                {"role": "user", "content": questions[1]}]
-    expected = LLM(kv_cache_memory="64MiB", dtype="float32").chat(history, SamplingParams(temperature=0, max_tokens=12),
-                                                 use_tqdm=False)[0].outputs[0].text
-    assert answers[1] == expected
+    assert answers[1] == llm.chat(history, GREEDY, use_tqdm=False)[0].outputs[0].text
+
+
+def test_chat_system_prompt_starts_the_conversation(llm):
+    system, question = "You answer in French only.", "What colour is the sky?"
+    out = run_cli("chat", "--system-prompt", system, "--temperature", "0", "--max-tokens", "12", *ENGINE_FLAGS,
+                  stdin=f"{question}\n")
+    conversation = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    expected = llm.chat(conversation, GREEDY, use_tqdm=False)[0].outputs[0].text
+    without_system = llm.chat(conversation[1:], GREEDY, use_tqdm=False)[0].outputs[0].text
+    assert expected != without_system, "the system prompt changes nothing here: the test would prove nothing"
+    assert out.split("> ")[1].removesuffix("\n") == expected
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_generate_prints_the_greedy_answer(llm, chat):
+    prompt = "What is the capital of France?"
+    out = run_cli("generate", prompt, "--max-tokens", "12", "--temperature", "0", *ENGINE_FLAGS,
+                  *(() if chat else ("--no-chat",)))
+    if chat:
+        expected = llm.chat([{"role": "user", "content": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].text
+    else:
+        expected = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].text
+    assert out == expected + "\n"
+
+
+def test_scheduling_policy_flag_and_its_choices(capsys):
+    assert parse_args(["serve", "--scheduling-policy", "priority"]).engine_config.scheduling_policy == "priority"
+    assert parse_args(["generate", "Hi"]).engine_config.scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--scheduling-policy", "lifo"])
+    assert "--scheduling-policy: invalid choice: 'lifo'" in capsys.readouterr().err

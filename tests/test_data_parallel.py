@@ -8,7 +8,6 @@ import asyncio
 import json
 import logging
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from pagedllm.engine.async_llm import EngineRequestError
 from pagedllm.engine.stats import EngineStats, StepStats
 from pagedllm.entrypoints.cli import parse_args
 from pagedllm.kv.manager import KVCacheUsage
+from tests.utils import collect, greedy, random_prompts
 
 ENGINE_SETTINGS = dict(dtype="float32", kv_cache_memory="16MiB")
 TIMEOUT = 120          # seconds: a stream or a cluster that never answers fails the test, not hangs it
@@ -162,19 +162,6 @@ def run(coroutine):
     async def bounded():
         return await asyncio.wait_for(coroutine, TIMEOUT)
     return asyncio.run(bounded())
-
-
-def random_prompts(count, seed=0):
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(3, 256) for _ in range(rng.randint(2, 40))]} for _ in range(count)]
-
-
-def greedy(max_tokens):
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-async def collect(llm, prompt, params, request_id):
-    return [output async for output in llm.generate(prompt, params, request_id)]
 
 
 async def first_output(stream):

@@ -12,10 +12,10 @@ import textwrap
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.reliability.server import ServerProcess
 
 MODEL = "smollm2"
 ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512")
+SERVER_FLAGS = (*ENGINE_FLAGS, "--served-model-name", MODEL)
 TOLERANCE = 1e-4
 
 QUESTIONS = [
@@ -65,14 +65,6 @@ def write_tasks(folder) -> None:
         metric_list:
           - metric: exact_match
         """))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    process = ServerProcess(tmp_path_factory.mktemp("lm-eval-server") / "server.log", *ENGINE_FLAGS,
-                            "--served-model-name", MODEL)
-    yield process
-    process.stop()
 
 
 @pytest.fixture(scope="module")

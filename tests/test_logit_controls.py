@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.engine.bad_words import bad_words_token_ids
 from pagedllm.worker.input_batch import SamplingColumns
 from pagedllm.worker.sampler import SamplingBatch, sample
@@ -95,9 +95,7 @@ def test_invalid_controls_are_refused_naming_the_field(field, value, message):
 PROMPT = "The lighthouse keeper climbed the stairs and"
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(kv_cache_memory="64MiB", max_model_len=256)
+LLM_SETTINGS = dict(kv_cache_memory="64MiB", max_model_len=256)
 
 
 def greedy(llm, max_tokens: int = 12, **controls) -> list[int]:

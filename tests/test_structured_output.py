@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import jsonschema
 import pytest
 
-from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm import SamplingParams, StructuredOutputsParams
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv.manager import KVCacheManager
@@ -26,10 +26,8 @@ PERSON = {"type": "object",
 CHAT = [{"role": "user", "content": "Describe a person."}]
 
 
-@pytest.fixture(scope="module")
-def llm():
-    # float32: the exact path, so a plain row's tokens cannot depend on the batch through rounding.
-    return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
+# float32: the exact path, so a plain row's tokens cannot depend on the batch through rounding.
+LLM_SETTINGS = dict(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
 
 
 def _texts(llm, params_list):

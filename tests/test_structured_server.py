@@ -20,6 +20,7 @@ from pagedllm.bench.reliability.server import ServerProcess
 
 MODEL = "smollm2"
 FLAGS = ("--kv-cache-memory", "1GiB", "--max-model-len", "1024", "--served-model-name", MODEL)
+SERVER_FLAGS = (*FLAGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
 ASK = [{"role": "user", "content": "Fill in the JSON object."}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -37,19 +38,6 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", '
                r'"unit": "celsius"\}\}\n</tool_call>')
 THINKING = r"<think>\n[a-z ]{5,40}\n</think>\n\n[A-Z][a-z ]{3,30}\."
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    process = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", *FLAGS, "--enable-auto-tool-choice",
-                            "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def _error(http_response: httpx.Response) -> dict:
@@ -338,3 +326,39 @@ def test_auto_tool_choice_needs_the_server_flag(template_server):
         "messages": ASK_WEATHER, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200, "temperature": 0})
     for call in answer.json()["choices"][0]["message"]["tool_calls"]:
         jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+# ---- the llama3_json tool parser, on a server of its own ----
+
+# A Llama 3 answer that is a call: one JSON object with "name" and "parameters", nothing around it.
+LLAMA3_CALL = r'\{"name": "get_weather", "parameters": \{"city": "Paris", "unit": "celsius"\}\}'
+
+
+@pytest.fixture(scope="module")
+def llama3_client(tmp_path_factory):
+    process = ServerProcess(tmp_path_factory.mktemp("llama3-server") / "server.log", *FLAGS,
+                            "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+    yield process.openai_client(300)
+    process.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_llama3_json_answers_become_tool_calls(llama3_client, stream):
+    """A grammar makes the model answer with a Llama 3 JSON call: the server returns it as a tool call (its
+    parameters as the arguments), with no content; an answer that only mentions JSON stays content."""
+    request = dict(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="auto", max_tokens=60,
+                   temperature=0, extra_body={"guided_regex": LLAMA3_CALL})
+    if stream:
+        calls, content, finish = _streamed(llama3_client, **{k: v for k, v in request.items() if k != "model"})
+    else:
+        message = llama3_client.chat.completions.create(**request).choices[0]
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in _assert_valid_calls(
+            message.message)]
+        content, finish = message.message.content or "", message.finish_reason
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})]
+    assert content == "" and finish == "tool_calls"
+    text = "The answer is {\"name\": \"x\"}"
+    plain = llama3_client.chat.completions.create(**{**request, "extra_body": {"guided_regex": re.escape(text)}})
+    assert plain.choices[0].message.content == text and not plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == "stop"

@@ -32,6 +32,8 @@ SEED = 0
 FUZZ_EXAMPLES = 200
 SCHEMATHESIS_EXAMPLES = 15   # per operation and generation mode (schema-valid, schema-invalid)
 REQUEST_TIMEOUT = 60.0
+SERVER_FLAGS = FUZZ_SERVER_FLAGS
+SERVER_API_KEY = "fuzz-key"
 GREEDY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
 
 
@@ -196,13 +198,6 @@ def test_sampling_params_construct_or_refuse_naming_the_field(kwargs):
 # ---------------------------------------------------------------- the real server
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    process = ServerProcess(tmp_path_factory.mktemp("fuzz") / "server.log", *FUZZ_SERVER_FLAGS, api_key="fuzz-key")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
 def greedy_before(server) -> dict:
     """The greedy answer before any fuzzing (its prompt is under one KV block: no prefix cache in play)."""
     response = httpx.post(f"{server.url}/v1/completions", json=GREEDY, headers=server.headers, timeout=REQUEST_TIMEOUT)
@@ -210,21 +205,33 @@ def greedy_before(server) -> dict:
     return response.json()["choices"][0]
 
 
-def test_schemathesis_against_the_servers_own_schema(server, greedy_before):
-    result = run_schemathesis(server.url, server.headers, SCHEMATHESIS_EXAMPLES, seed=SEED,
-                              request_timeout=REQUEST_TIMEOUT)
+@pytest.fixture(scope="module")
+def schemathesis_result(server, greedy_before):
+    return run_schemathesis(server.url, server.headers, SCHEMATHESIS_EXAMPLES, seed=SEED,
+                            request_timeout=REQUEST_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def fuzz_result(server, greedy_before):
+    return run_fuzz(server.url, server.headers, FUZZ_EXAMPLES, SEED, REQUEST_TIMEOUT)
+
+
+def test_schemathesis_against_the_servers_own_schema(server, schemathesis_result):
+    result = schemathesis_result
     assert result.violations == [], _report(result, server)
     assert result.status_counts.get("2xx") and result.status_counts.get("4xx"), _report(result)
 
 
-def test_generated_completion_and_chat_requests(server, greedy_before):
-    result = run_fuzz(server.url, server.headers, FUZZ_EXAMPLES, SEED, REQUEST_TIMEOUT)
+def test_generated_completion_and_chat_requests(server, fuzz_result):
+    result = fuzz_result
     assert result.violations == [], _report(result, server)
     # Not vacuous: requests were both served and refused.
     assert result.status_counts.get("2xx", 0) >= 10 and result.status_counts.get("4xx", 0) >= 10, _report(result)
 
 
-def test_after_fuzzing_the_same_greedy_answer_and_a_whole_kv_pool(server, greedy_before):
+def test_after_fuzzing_the_same_greedy_answer_and_a_whole_kv_pool(server, greedy_before, schemathesis_result,
+                                                                  fuzz_result):
+    """Runs after both fuzzers whatever the order or selection of tests (it asks for their results)."""
     response = httpx.post(f"{server.url}/v1/completions", json=GREEDY, headers=server.headers, timeout=REQUEST_TIMEOUT)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0] == greedy_before

@@ -3,18 +3,21 @@ blocks are never shared with one another (counted from /metrics), and --max-wait
 with Retry-After at once instead of queueing without bound.
 
 One server serves the module: two tenants' keys, an admin --api-key, at most one running sequence and
-MAX_WAITING waiting requests.
+MAX_WAITING waiting requests, run by the fault-injection launcher so that a request can be held mid-prefill.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import httpx
 import openai
 import pytest
 
-from pagedllm.bench.reliability.server import ServerProcess, metric
+from pagedllm.bench.reliability import faults
+from pagedllm.bench.reliability.fault_injection import HOLD_FAULT
+from pagedllm.bench.reliability.server import ServerProcess, metric, poll
 from pagedllm.entrypoints.cli import parse_args
 
 MODEL = "smollm2"
@@ -24,6 +27,7 @@ MAX_WAITING = 3
 BLOCK_SIZE = 16
 # 10 full blocks and a bit: a shared prefix would show as 160 hit tokens.
 PROMPT = " ".join(f"word{i}" for i in range(90))
+STEP_TOKENS = 64   # a step's token budget: a prompt of a few hundred tokens takes several steps to prefill
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +38,8 @@ def server(tmp_path_factory):
     process = ServerProcess(folder / "server.log", "--api-keys-file", str(keys_file), "--max-num-seqs", "1",
                             "--max-waiting-requests", str(MAX_WAITING), "--max-model-len", "2048",
                             "--kv-cache-memory", "128MiB", "--block-size", str(BLOCK_SIZE),
-                            "--served-model-name", MODEL, api_key=ADMIN_KEY)
+                            "--max-num-batched-tokens", str(STEP_TOKENS), "--served-model-name", MODEL,
+                            api_key=ADMIN_KEY, fault_injection=True)
     yield process
     process.stop()
 
@@ -97,20 +102,20 @@ def test_a_bad_keys_file_stops_the_server_before_it_loads(tmp_path, capsys, cont
 
 
 def test_past_max_waiting_requests_new_requests_get_503_with_retry_after(server):
-    """One long request holds the only running seat (max-num-seqs 1), so every other request waits: of a
-    burst of clients, MAX_WAITING are queued and the rest refused at once with 503 + Retry-After, a
-    streamed one too. Once the long request leaves, the queued ones finish; no error but those 503s."""
+    """One request, held by the launcher part-way through its prefill, keeps the only running seat
+    (max-num-seqs 1) for as long as the test needs it, so every other request waits: of a burst of
+    clients, MAX_WAITING are queued and the rest refused at once with 503 + Retry-After, a streamed one
+    too. Once the held request's client leaves, the queued ones finish; no error but those 503s."""
     burst = 8
 
     async def main() -> tuple[list[httpx.Response], httpx.Response, float]:
         async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"},
                                      timeout=120) as http:
-            long_body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 2000, "ignore_eos": True,
-                         "stream": True}
-            async with http.stream("POST", "/v1/completions", json=long_body) as long_stream:
-                lines = long_stream.aiter_lines()
-                while not (await anext(lines)).startswith("data:"):   # running now: it holds the seat
-                    pass
+            prompt = f"{faults.unique_prompt(random.Random(4), 5 * STEP_TOKENS)} {HOLD_FAULT}"
+            long_body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=long_body):
+                held = await asyncio.to_thread(poll, lambda: faults.hold_counts(server)["held"], bool, 120)
+                assert held, "the launcher never held the long request"
                 short = [asyncio.create_task(http.post("/v1/completions", json=short_body(index)))
                          for index in range(burst)]
                 while sum(task.done() for task in short) < burst - MAX_WAITING:   # the refusals come first
@@ -118,7 +123,7 @@ def test_past_max_waiting_requests_new_requests_get_503_with_retry_after(server)
                                        return_when=asyncio.FIRST_COMPLETED)
                 waiting = metric(server.metrics_text(), "pagedllm:num_requests_waiting")
                 streamed = await http.post("/v1/completions", json={**short_body(burst), "stream": True})
-            # The long stream is closed, which aborts its request: the queued ones run now.
+            # The held stream is closed, which aborts its request and ends the hold: the queued ones run now.
             return [await task for task in short], streamed, waiting
 
     def short_body(index: int) -> dict:

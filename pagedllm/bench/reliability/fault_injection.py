@@ -8,7 +8,7 @@ some of its functions, and the app builder, before the server starts.
   fails with an error, and the engine must keep serving the requests that come after.
 - A prompt containing HOLD_FAULT (one at a time, longer than one step's token budget) holds the engine
   part-way through its prefill, so a scenario can act at that point however fast the machine is. GET
-  HOLDS_ROUTE tells when the hold starts and how it ended.
+  HOLDS_ROUTE tells when the hold starts, how it ended, and how many requests arrived during holds.
 """
 from __future__ import annotations
 
@@ -40,18 +40,19 @@ class Holds:
     While one is held the engine skips its steps, yet the calls queued on its thread between steps still
     run: /metrics answers (showing the request running, its blocks in use) and aborts go through. The hold
     ends when its request is aborted (its client left: counted as `left`) or after HOLD_TIMEOUT (`timed_out`).
-    A marked request whose prefill ends or that ends before it could be held counts as `missed`.
+    A marked request whose prefill ends or that ends before it could be held counts as `missed`. Requests
+    added while the engine is held count as `arrived`: none of them can run a step before the hold ends.
     """
 
     def __init__(self):
         self.pending: list[Request] = []
         self.held: Request | None = None
         self.release_at = 0.0
-        self.left = self.timed_out = self.missed = 0
+        self.left = self.timed_out = self.missed = self.arrived = 0
 
     def counts(self) -> dict[str, int]:
         return {"held": int(self.held is not None), "left": self.left, "timed_out": self.timed_out,
-                "missed": self.missed}
+                "missed": self.missed, "arrived": self.arrived}
 
     def holding(self) -> bool:
         """Whether the engine must skip this step; ends the hold when its request was aborted or time is up."""
@@ -89,6 +90,7 @@ def install() -> None:
 
     def marking_add_request(self, request_id, *args, **kwargs):
         add_request(self, request_id, *args, **kwargs)
+        holds.arrived += holds.held is not None
         parent = self.parents[request_id]
         prompt = self.tokenizer.decode(parent.prompt_token_ids, skip_special_tokens=False)
         if REQUEST_FAULT in prompt:

@@ -19,7 +19,7 @@ import openai
 
 from pagedllm.bench.reliability.clients import RequestSpec, async_client, send
 from pagedllm.bench.reliability.fault_injection import HOLD_FAULT, HOLDS_ROUTE, REQUEST_FAULT, STEP_FAULT
-from pagedllm.bench.reliability.server import ServerProcess, poll
+from pagedllm.bench.reliability.server import ServerProcess, metric, poll
 
 RECOVERY_TIMEOUT = 30.0   # seconds the server gets to free everything after a fault
 CLIENT_TIMEOUT = 120.0    # a request still open after this long counts as hanging
@@ -86,14 +86,27 @@ def disconnect_mid_stream(server: ServerProcess, model: str, clients: int = 8, e
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=CLIENT_TIMEOUT) as http:
             return await asyncio.gather(*(leave_after_events(http, index) for index in range(clients)))
 
+    ran_to_the_end = functools.partial(_finished_by_length, server)
+    before = ran_to_the_end()
     seen = asyncio.run(main())
     problems = [f"only {sum(s == events for s in seen)}/{clients} streams started"] if min(seen) < events else []
+    problems += idle_problems(server)   # every request has ended: aborted, or (wrongly) run to its end
+    finished = ran_to_the_end() - before
+    if finished:
+        problems.append(f"{finished:.0f}/{clients} requests ran to max_tokens after their client left")
     return _result("disconnect mid-stream", server, model, problems,
-                   f"{clients} streams of 1000 tokens left after {events} events")
+                   f"{clients} streams of 1000 tokens left after {events} events, all aborted")
+
+
+def _finished_by_length(server: ServerProcess) -> float:
+    """Requests the server has answered to their max_tokens so far."""
+    return metric(server.metrics_text(), "pagedllm:request_success_total", finished_reason="length")
 
 
 def disconnect_before_first_token(server: ServerProcess, model: str, clients: int = 16) -> FaultResult:
-    """Raw connections send a whole request and close at once, before any answer can exist."""
+    """While the launcher holds the engine part-way through another prefill (no step runs, so no answer can
+    exist), raw connections send a whole request and close at once: each must reach the engine and leave
+    its queue, aborted, before the hold ends."""
 
     async def send_and_close(index: int) -> None:
         body = (f'{{"model": "{model}", "prompt": "Count to a thousand, take {index}:", "max_tokens": 1000, '
@@ -109,9 +122,21 @@ def disconnect_before_first_token(server: ServerProcess, model: str, clients: in
     async def main() -> None:
         await asyncio.gather(*(send_and_close(index) for index in range(clients)))
 
-    asyncio.run(main())
-    return _result("disconnect before first token", server, model, [],
-                   f"{clients} connections closed right after sending (1000-token requests)")
+    arrived_before = hold_counts(server)["arrived"]
+    with held_prefill(server, model, unique_prompt(random.Random(2), PREFILL_WORDS)) as held:
+        problems = [] if held else ["the launcher never held the engine"]
+        if held:
+            asyncio.run(main())
+            arrived = poll(lambda: hold_counts(server)["arrived"] - arrived_before, lambda n: n == clients,
+                           RECOVERY_TIMEOUT)
+            waiting = poll(server.engine_figures, lambda figures: figures.waiting == 0, RECOVERY_TIMEOUT).waiting
+            if arrived != clients:
+                problems.append(f"{arrived}/{clients} requests reached the held engine")
+            if waiting:
+                problems.append(f"{waiting:.0f} requests whose client left still wait in the held engine")
+    return _result("disconnect before first token", server, model, problems,
+                   f"{clients} connections closed right after sending, while the engine was held: all aborted "
+                   "before any step")
 
 
 def hold_counts(server: ServerProcess) -> dict[str, int]:

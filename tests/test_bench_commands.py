@@ -1,0 +1,56 @@
+"""Each `pagedllm bench` subcommand that makes a README figure, run on a tiny setting: it prints its table,
+with the header the README shows and one row per setting asked for (counted here from the arguments).
+The figures themselves are timings and are not checked."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.entrypoints import cli
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(make_tiny_model_dir, tmp_path_factory):
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("bench"), "llama"))
+
+
+def table_rows(out: str, header: str) -> list[str]:
+    """The data rows of the markdown table that starts with header."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    assert lines[start + 1].startswith("|---"), lines[start:start + 2]
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+def run_bench(capsys, *argv: str) -> str:
+    args = cli.parse_args(["bench", *argv])
+    args.handler(args)
+    return capsys.readouterr().out
+
+
+def test_throughput_prints_a_row_per_quantization(tiny_dir, capsys):
+    out = run_bench(capsys, "throughput", tiny_dir, "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+                    "--dtype", "float32", "--quantization", "none,int8", "--kv-cache-memory", "8MiB")
+    rows = table_rows(out, "| backend | dtype | wall s | req/s | output tok/s | total tok/s |")
+    assert len(rows) == 2 and all(row.split("|")[1].strip().startswith("pagedllm") for row in rows)
+
+
+def test_memory_prints_its_utilisation_tables(capsys):
+    out = run_bench(capsys, "memory", "--skip-model", "--kv-budget-tokens", "2048", "--max-model-len", "256")
+    assert table_rows(out, "| block size | paged | reserve max_model_len (256) | reserve prompt+max_tokens |")
+
+
+def test_cascade_prints_a_row_per_group_and_prefix(capsys):
+    out = run_bench(capsys, "cascade", "--group-sizes", "2,4", "--shared-lens", "32", "--reps", "1")
+    rows = table_rows(out, "| sequences | shared keys | plain µs | cascade µs | speed-up |")
+    assert [row.split("|")[1:3] for row in rows] == [[" 2 ", " 32 "], [" 4 ", " 32 "]]
+
+
+def test_kernels_prints_a_row_per_shape_format_and_row_count(capsys):
+    out = run_bench(capsys, "kernels", "--rows", "1,3", "--min-time", "0.001")
+    rows = table_rows(out, "| out x in | format | rows | dot products | dequantized matmul | float layer | best |")
+    assert rows and {row.split("|")[3].strip() for row in rows} == {"1", "3"}
