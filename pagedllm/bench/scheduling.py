@@ -48,6 +48,9 @@ def seconds_per_block_hash(token_lists: list[list[int]], block_size: int, hash_f
 def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM, SamplingParams
 
+    if args.prompt_len < args.block_size:   # the block-hash figure needs full blocks
+        raise ValueError(f"--prompt-len must be >= --block-size ({args.block_size}), got {args.prompt_len}")
+
     llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.num_seqs,
               max_num_batched_tokens=max(2048, args.num_seqs * args.prompt_len))
     engine = llm.llm_engine
