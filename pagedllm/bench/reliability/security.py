@@ -34,6 +34,7 @@ MODEL_NAME = "smollm2"
 SERVER_FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "256", "--served-model-name", MODEL_NAME)
 BODY_LIMIT = 64 * 1024
 # Named so that a route the app forgot to list in its OpenAPI schema is still tried.
+ANTHROPIC_ROUTES = "/v1/messages"   # these answer in Anthropic's error shape
 GUARDED_ROUTES = (
     ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/oauth2-redirect"), ("GET", "/redoc"),
     ("GET", "/metrics"), ("GET", "/version"), ("GET", "/v1/models"), ("POST", "/tokenize"),
@@ -175,7 +176,8 @@ def api_key_on_every_route(server: ServerProcess) -> str:
         for method, path in routes:
             for case, (headers, code) in refused_authorizations(server.api_key).items():
                 response = client.request(method, path, headers=headers, json={} if method == "POST" else None)
-                require_auth_error(response, code, f"{method} {path} with {case}")
+                require_auth_error(response, code, f"{method} {path} with {case}",
+                                   anthropic=path.startswith(ANTHROPIC_ROUTES))
         for case, headers in accepted_authorizations(server.api_key).items():
             response = client.get("/v1/models", headers=headers)
             require(response.status_code == 200, f"GET /v1/models with {case} {server.api_key!r}: "
@@ -190,12 +192,19 @@ def api_key_on_every_route(server: ServerProcess) -> str:
     return f"{len(routes)} routes refuse {kinds} kinds of bad credentials; /health is open"
 
 
-def require_auth_error(response: httpx.Response, code: str, what: str) -> None:
-    """A 401 with OpenAI's error body and a Bearer challenge, echoing none of the credentials sent."""
+def require_auth_error(response: httpx.Response, code: str, what: str, anthropic: bool = False) -> None:
+    """A 401 with OpenAI's error body (Anthropic's on its routes) and a Bearer challenge, echoing none of
+    the credentials sent."""
     require(response.status_code == 401, f"{what}: got {response.status_code}, expected 401")
-    error = response.json().get("error", {})
-    require(set(error) == ERROR_FIELDS and error["type"] == "authentication_error" and error["code"] == code,
-            f"{what}: not an OpenAI authentication error with code {code}: {response.text[:200]}")
+    body = response.json()
+    error = body.get("error", {})
+    if anthropic:
+        require(body.get("type") == "error" and set(error) == {"type", "message"}
+                and error["type"] == "authentication_error",
+                f"{what}: not an Anthropic authentication error: {response.text[:200]}")
+    else:
+        require(set(error) == ERROR_FIELDS and error["type"] == "authentication_error" and error["code"] == code,
+                f"{what}: not an OpenAI authentication error with code {code}: {response.text[:200]}")
     require(response.headers.get("www-authenticate") == "Bearer", f"{what}: no 'WWW-Authenticate: Bearer'")
     authorization = response.request.headers.get("authorization", "")
     for sent in (authorization, authorization.partition(" ")[2]):
