@@ -105,7 +105,7 @@ def _finished_by_length(server: ServerProcess) -> float:
 
 def disconnect_before_first_token(server: ServerProcess, model: str, clients: int = 16) -> FaultResult:
     """While the launcher holds the engine part-way through another prefill (no step runs, so no answer can
-    exist), raw connections send a whole request and close at once: each must reach the engine and leave
+    exist), raw connections send a whole request and close at once: each that reaches the engine must leave
     its queue, aborted, before the hold ends."""
 
     async def send_and_close(index: int) -> None:
@@ -130,13 +130,12 @@ def disconnect_before_first_token(server: ServerProcess, model: str, clients: in
             arrived = poll(lambda: hold_counts(server)["arrived"] - arrived_before, lambda n: n == clients,
                            RECOVERY_TIMEOUT)
             waiting = poll(server.engine_figures, lambda figures: figures.waiting == 0, RECOVERY_TIMEOUT).waiting
-            if arrived != clients:
-                problems.append(f"{arrived}/{clients} requests reached the held engine")
             if waiting:
                 problems.append(f"{waiting:.0f} requests whose client left still wait in the held engine")
     return _result("disconnect before first token", server, model, problems,
-                   f"{clients} connections closed right after sending, while the engine was held: all aborted "
-                   "before any step")
+                   f"{clients} connections closed right after sending, while the engine was held: "
+                   f"{arrived if held else 0} reached it and were aborted before any step (a client may close "
+                   "before its request leaves the HTTP layer, which then drops it)")
 
 
 def hold_counts(server: ServerProcess) -> dict[str, int]:
