@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.attention import AttentionMetadata, CacheTensor
+from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention
 from pagedllm.model.encoder_attention import encoder_attention
 from pagedllm.model.linear import Linear
 from pagedllm.model.llama import CausalLM, WeightTaker
@@ -151,6 +151,9 @@ class EncoderPoolingModel(nn.Module):
         self.embedding_norm = LayerNorm(w, p + "LayerNorm", encoder.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(w, f"{encoder.prefix}encoder.layer.{i}.", config.num_attention_heads,
                                                  encoder) for i in range(config.num_hidden_layers))
+        # What the runner's backend choice reads: full attention, no window or soft-cap (SDPA runs it, non-causal).
+        self.attention_layers = tuple(LayerAttention(config.head_dim ** -0.5) for _ in self.layers)
+        self.has_quantized_layers = False   # encoders load float safetensors only
         if encoder.head == "bert":
             self.head_dense, self.head_out = _linear(w, encoder.prefix + "pooler.dense"), _linear(w, "classifier")
         elif encoder.head == "roberta":

@@ -127,6 +127,7 @@ def _encoder_model_config(hf_config: dict, architecture: str) -> ModelConfig:
         architecture=architecture, vocab_size=hf_config["vocab_size"], hidden_size=hidden,
         intermediate_size=hf_config["intermediate_size"], num_hidden_layers=hf_config["num_hidden_layers"],
         num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads, rotary_dim=0,
+        layer_windows=(None,) * hf_config["num_hidden_layers"],
         rms_norm_eps=float(hf_config.get("layer_norm_eps", 1e-12)), rope_theta=0.0, rope_scaling=None,
         max_position_embeddings=positions, tie_word_embeddings=False, attention_bias=True, qk_norm=False,
         torch_dtype=hf_config.get("dtype") or hf_config.get("torch_dtype"), bos_token_id=None, eos_token_ids=())
