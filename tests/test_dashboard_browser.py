@@ -15,12 +15,12 @@ import pytest
 
 from pagedllm.bench.reliability.server import ServerProcess, poll
 
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (scripts/setup.sh installs it)")
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (scripts/setup.sh --tests installs it)")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
                                 reason="Chromium and chromedriver are absent (apt-get install chromium "
-                                       "chromium-driver; scripts/setup.sh does it where apt works)")
+                                       "chromium-driver; scripts/setup.sh --tests does it where apt works)")
 
 API_KEY = "dashboard-key"
 TIMEOUT = 120   # seconds: a generous bound for what the page must come to show
