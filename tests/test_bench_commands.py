@@ -28,6 +28,14 @@ def table_rows(out: str, header: str) -> list[str]:
     return rows
 
 
+def tiny_workload(tmp_path) -> str:
+    """A workload file in the shared format, with token ids inside the tiny model's vocabulary."""
+    workload = tmp_path / "workload.jsonl"
+    workload.write_text("".join(json.dumps({"prompt_token_ids": list(range(10 + i, 30 + i)), "max_tokens": 4}) + "\n"
+                                for i in range(4)))
+    return str(workload)
+
+
 def run_bench(capsys, *argv: str) -> str:
     args = cli.parse_args(["bench", *argv])
     args.handler(args)
@@ -35,11 +43,7 @@ def run_bench(capsys, *argv: str) -> str:
 
 
 def test_throughput_prints_a_row_per_quantization(tiny_dir, capsys, tmp_path):
-    # A workload file in the shared format, with token ids inside the tiny model's vocabulary.
-    workload = tmp_path / "workload.jsonl"
-    workload.write_text("".join(json.dumps({"prompt_token_ids": list(range(10 + i, 18 + i)), "max_tokens": 4}) + "\n"
-                                for i in range(4)))
-    out = run_bench(capsys, "throughput", tiny_dir, "--dataset", str(workload),
+    out = run_bench(capsys, "throughput", tiny_dir, "--dataset", str(tiny_workload(tmp_path)),
                     "--dtype", "float32", "--quantization", "none,int8", "--kv-cache-memory", "8MiB")
     rows = table_rows(out, "| backend | dtype | wall s | req/s | output tok/s | total tok/s |")
     assert len(rows) == 2 and all(row.split("|")[1].strip().startswith("pagedllm") for row in rows)
@@ -71,8 +75,8 @@ def test_latency_prints_a_row_per_batch_size(tiny_dir, capsys):
 
 def test_sweep_prints_a_row_per_block_size_and_writes_its_plot(tiny_dir, capsys, tmp_path):
     plot = tmp_path / "sweep.png"
-    out = run_bench(capsys, "sweep", tiny_dir, "--num-prompts", "3", "--input-len", "20", "--output-len", "3",
-                    "--dtype", "float32", "--block-sizes", "8", "16", "--plot", str(plot))
+    out = run_bench(capsys, "sweep", tiny_dir, "--dataset", tiny_workload(tmp_path), "--dtype", "float32",
+                    "--block-sizes", "8", "16", "--plot", str(plot))
     rows = table_rows(out, "| block size | output tok/s | KV waste |")
     assert [row.split("|")[1].strip() for row in rows] == ["8", "16"]
     assert plot.stat().st_size > 0

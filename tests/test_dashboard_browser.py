@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 from pagedllm.bench.reliability import faults
-from pagedllm.bench.reliability.fault_injection import HOLD_FAULT
 from pagedllm.bench.reliability.server import ServerProcess, poll
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (scripts/setup.sh --tests installs it)")

@@ -207,6 +207,8 @@ def hold_after_first_output(llm, *request_ids: str) -> None:
     """Every replica holds its engine once one of request_ids has had its first output."""
     import ray
 
+    # The gate's code travels by value: a replica's worker process need not import this test module.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.get([replica.actor.__ray_call__.remote(install_gate, set(request_ids)) for replica in llm.replicas],
             timeout=TIMEOUT)
 
