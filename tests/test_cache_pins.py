@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.engine.request import CachePin, Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv.manager import KVCacheManager
-from tests.test_kv_manager import new_request
-from tests.test_scheduler import EOS, PLAIN, MAX_MODEL_LEN, FakeModel, step
 from pagedllm.worker.model_free_runner import ModelFreeRunner
+from tests.test_kv_manager import new_request
+from tests.test_scheduler import EOS, MAX_MODEL_LEN, PLAIN, FakeModel, step
 
 BLOCK = 4
 
@@ -171,3 +172,31 @@ def test_a_request_that_only_pins_block_drops_them_instead_of_waiting():
     assert "big" in plan.num_scheduled_tokens
     assert sched.kv_manager.usage().num_pinned_blocks == 0
     run_until_idle(sched, runner)
+
+
+# ---------------------------------------------------------------- the prompt key, offline
+
+@pytest.fixture(scope="module")
+def tiny_dir(make_tiny_model_dir, tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-pins"), "llama")
+
+
+def test_the_cache_pins_prompt_key_pins_and_reports_the_pinned_tokens(tiny_dir):
+    llm = LLM(str(tiny_dir), dtype="float32", kv_cache_memory="8MiB", block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    tokens = list(range(60, 90))                                   # 3 full blocks of 8 + 6 tokens
+    (output,) = llm.generate({"prompt_token_ids": tokens, "cache_pins": [CachePin(20, 60), CachePin(27, 30)]},
+                             params, use_tqdm=False)
+    assert output.num_pinned_tokens == 24                          # 27 tokens: 3 full blocks
+    assert llm.llm_engine.kv_manager.usage().num_pinned_blocks == 3
+    (again,) = llm.generate({"prompt_token_ids": tokens}, params, use_tqdm=False)
+    assert (again.num_cached_tokens, again.num_pinned_tokens) == (24, 0)
+    for pins, message in (([CachePin(31, 60)], "num_tokens must be an integer from 0 to the prompt's 30"),
+                          ([CachePin(8, 0)], "ttl_s must be a positive number"),
+                          ([CachePin(8, float("inf"))], "ttl_s must be a positive number"),
+                          ([(8, 60)], "cache_pins must be a list of CachePin")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate({"prompt_token_ids": tokens, "cache_pins": pins}, params, use_tqdm=False)
+    unpinned = LLM(str(tiny_dir), dtype="float32", kv_cache_memory="8MiB", block_size=8, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="enable_prefix_caching=False"):
+        unpinned.generate({"prompt_token_ids": tokens, "cache_pins": [CachePin(8, 60)]}, params, use_tqdm=False)

@@ -9,6 +9,7 @@ The server's KV pool is small, so that a few filler requests evict every idle ca
 from __future__ import annotations
 
 import random
+from importlib import resources
 
 import anthropic
 import httpx
@@ -31,7 +32,6 @@ GENERATION_PROMPT = "<|im_start|>assistant\n"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from importlib import resources
     template = resources.files("pagedllm.entrypoints.openai") / "chat_templates" / "chatml_hermes_tools.jinja"
     process = ServerProcess(tmp_path_factory.mktemp("cache-control") / "server.log", "--served-model-name", MODEL,
                             "--kv-cache-memory", "32MiB", "--max-model-len", "2048", "--max-num-seqs", "1",
