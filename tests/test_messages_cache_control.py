@@ -120,6 +120,8 @@ def test_the_top_level_cache_control_marks_the_last_block(server, claude, tokeni
     system, user = request["system"][0]["text"], request["messages"][0]["content"][0]["text"]
     plain = dict(request, system=system, messages=[{"role": "user", "content": user}])
     assert split(claude.messages.create(**plain).usage) == (0, 0, prompt)   # no breakpoint: nothing written
+    assert claude.messages.count_tokens(model=MODEL, system=system, messages=plain["messages"],
+                                        cache_control={"type": "ephemeral"}).input_tokens == prompt
     marked = claude.messages.create(**plain, cache_control={"type": "ephemeral"})
     # The first request cached the blocks already: read, and nothing left to write.
     assert split(marked.usage) == (0, full_blocks(prefix), prompt - full_blocks(prefix))

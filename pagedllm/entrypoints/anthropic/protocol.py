@@ -137,6 +137,9 @@ class CountTokensRequest(RequestModel):
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    cache_control: CacheControl | None = None  # marks the last block (one of the 4 breakpoints)
+    output_config: OutputConfig | None = None
+    speed: Literal["standard"] | None = None   # one speed: "fast" is not a mode this server has
 
 
 class MessagesRequest(CountTokensRequest):
@@ -148,10 +151,7 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None   # one tier: a no-op
-    speed: Literal["standard"] | None = None   # one speed: "fast" is not a mode this server has
     inference_geo: str | None = None           # where it runs is where this server is: a no-op
-    cache_control: CacheControl | None = None  # marks the last block (one of the 4 breakpoints)
-    output_config: OutputConfig | None = None
 
 
 # ---- response ----

@@ -80,7 +80,7 @@ def _chat_messages(message: MessageParam) -> list[dict]:
     return messages
 
 
-def _response_format(body: MessagesRequest) -> dict | None:
+def _response_format(body: CountTokensRequest) -> dict | None:
     """output_config.format as chat's response_format (json_schema: the grammar enforces the schema)."""
     config = body.output_config
     if config is None:
@@ -120,12 +120,12 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     _refuse_unsupported(body)
     messages, tools = _template_input(body)
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "tool_choice": _tool_choice(body),
-                              "tools": tools}
+                              "tools": tools, "response_format": _response_format(body)}
     if body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use:
         fields["parallel_tool_calls"] = False
     if isinstance(body, MessagesRequest):
         fields.update(max_completion_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
-                      top_p=body.top_p, top_k=body.top_k, response_format=_response_format(body))
+                      top_p=body.top_p, top_k=body.top_k)
     return chat_request_from(fields)
 
 
@@ -149,7 +149,7 @@ def _marked_prefixes(body: CountTokensRequest) -> list[tuple[str, CacheControl, 
                 content = message.content[:block_index] + [cut]
                 marked.append((control[0], control[1], body.model_copy(update={
                     "messages": body.messages[:index] + [message.model_copy(update={"content": content})]})))
-    if isinstance(body, MessagesRequest) and body.cache_control is not None:
+    if body.cache_control is not None:
         marked.append(("cache_control", body.cache_control, body))
     return marked
 
