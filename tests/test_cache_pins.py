@@ -38,9 +38,9 @@ def finished(kv: KVCacheManager, request_id: str, tokens: list[int], pin_tokens:
     return pinned
 
 
-def hit_tokens(kv: KVCacheManager, tokens: list[int]) -> int:
+def hit_tokens(kv: KVCacheManager, tokens: list[int], cache_salt: str | None = None) -> int:
     """The prefix-cache hit a new request of these tokens would get (looked up, not taken)."""
-    hits = len(kv.get_computed_blocks("probe", tokens)) * BLOCK
+    hits = len(kv.get_computed_blocks("probe", tokens, cache_salt)) * BLOCK
     kv.free("probe")   # forgets the probe's hashes
     return hits
 
@@ -99,6 +99,23 @@ def test_overlapping_pins_and_running_requests_compose_by_count():
     assert kv.usage().num_free_blocks == 16 - 4
     kv.free("reader")
     assert kv.usage().num_free_blocks == 16
+
+
+def test_pins_follow_the_salted_hashes_so_tenants_pin_apart():
+    """The same tokens under two salts are two prefixes: each tenant's pin holds its own blocks, and one
+    tenant's pin gives the other no hit."""
+    kv, _ = manager(num_blocks=16)
+    for tenant in ("alice", "bob"):
+        assert new_request(kv, tenant, PINNED, cache_salt=tenant) == 0
+        kv.cache_full_blocks(tenant, PINNED, len(PINNED))
+    assert kv.pin_prefix("alice", PINNED, 12, ttl_s=60) == 12
+    alice_blocks = set(kv.get_block_table("alice")[:3])
+    kv.free("alice")
+    kv.free("bob")
+    assert {block.block_id for block in kv.pool.blocks if block.pin_count} == alice_blocks
+    assert kv.allocate_slots("wave", 13 * BLOCK, 0)                # every unpinned block, bob's cached ones too
+    assert hit_tokens(kv, PINNED, "bob") == hit_tokens(kv, PINNED) == 0
+    assert hit_tokens(kv, PINNED, "alice") == 12
 
 
 def test_the_bound_shortens_a_pin_to_the_blocks_that_fit():
