@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.kv_map import kv_map_snapshot
 from pagedllm.engine.request import CachePin, Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv.manager import KVCacheManager
@@ -206,6 +207,11 @@ def test_the_cache_pins_prompt_key_pins_and_reports_the_pinned_tokens(tiny_dir):
                              params, use_tqdm=False)
     assert output.num_pinned_tokens == 24                          # 27 tokens: 3 full blocks
     assert llm.llm_engine.kv_manager.usage().num_pinned_blocks == 3
+    snapshot = kv_map_snapshot(llm.llm_engine)                     # /v1/kv_map shows them
+    assert snapshot["figures"]["num_pinned_blocks"] == 3
+    pinned = [block for block in snapshot["blocks"] if block["pin_count"]]
+    assert [(block["pin_count"], block["cached"], block["ref_count"]) for block in pinned] == [(2, True, 0)] * 2 + [
+        (1, True, 0)]                                              # the 20-token pin covers the first 2 blocks
     (again,) = llm.generate({"prompt_token_ids": tokens}, params, use_tqdm=False)
     assert (again.num_cached_tokens, again.num_pinned_tokens) == (24, 0)
     for pins, message in (([CachePin(31, 60)], "num_tokens must be an integer from 0 to the prompt's 30"),
