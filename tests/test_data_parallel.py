@@ -74,7 +74,8 @@ def test_flags_and_yaml_reach_the_config(tmp_path):
 
 def _stats(num_blocks, used, running, waiting, hits, queries, step):
     kv = KVCacheUsage(num_blocks=num_blocks, num_used_blocks=used, num_free_blocks=num_blocks - used,
-                      num_cached_idle_blocks=1, num_shared_blocks=0, num_logical_blocks=used, num_tokens_stored=used,
+                      num_pinned_blocks=0, num_cached_idle_blocks=1, num_shared_blocks=0, num_logical_blocks=used,
+                      num_tokens_stored=used,
                       block_size=16, prefix_cache_queries=queries, prefix_cache_hits=hits)
     return EngineStats(kv_cache=kv, num_running=running, num_waiting=waiting, num_preemptions=1, last_step=step)
 
