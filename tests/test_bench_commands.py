@@ -9,6 +9,9 @@ import pytest
 
 from pagedllm.entrypoints import cli
 
+# The module's server (conftest's `server` fixture), started only for the serving benchmark's test.
+SERVER_FLAGS = ("--kv-cache-memory", "32MiB", "--max-model-len", "256", "--served-model-name", "smollm2")
+
 
 @pytest.fixture(scope="module")
 def tiny_dir(make_tiny_model_dir, tmp_path_factory):
@@ -100,3 +103,11 @@ def test_structured_prints_a_row_per_mode(tiny_dir, capsys):
 def test_accuracy_prints_its_agreement_table(tiny_dir, capsys):
     out = run_bench(capsys, "accuracy", tiny_dir, "--num-prompts", "2", "--max-tokens", "4", "--no-chat")
     assert len(table_rows(out, "| identical sequences | mean common prefix | same token at a position |")) == 1
+
+
+def test_serving_counts_every_request_and_prints_its_latency_table(server, capsys):
+    out = run_bench(capsys, "serving", "--base-url", server.url, "--num-prompts", "3", "--input-len", "8",
+                    "--output-len", "4", "--max-concurrency", "2")
+    assert "3 requests (closed loop, 2 clients): 3 completed, 0 errors" in out
+    rows = table_rows(out, "| ms | mean | p50 | p90 | p99 |")
+    assert [row.split("|")[1].strip() for row in rows] == ["TTFT", "TPOT", "ITL", "E2E latency"]
