@@ -320,3 +320,16 @@ def test_penalties_move_the_greedy_choice_as_their_formula_says(client, penalty)
             return   # the runs part here: what follows has other contexts
         generated.append(token)
     pytest.fail(f"the {penalty} never changed the greedy choice: the test proved nothing")
+
+
+def test_repetition_penalty_reaches_the_sampler(http, llm):
+    """The sampler's rule (positive logits of prompt and output tokens divided by the penalty, negative ones
+    multiplied) is held to hand-computed logits in test_sampling.py; here the server's field must be that
+    rule: its greedy answer is the offline engine's with the same penalty, and not the plain one."""
+    fields = dict(max_tokens=16, ignore_eos=True)
+    plain = greedy_completion(http, **fields)["text"]
+    penalised = greedy_completion(http, repetition_penalty=1.5, **fields)["text"]
+    offline = llm.generate(PROMPT, SamplingParams(temperature=0, repetition_penalty=1.5, **fields),
+                           use_tqdm=False)[0].outputs[0].text
+    assert penalised == offline
+    assert penalised != plain, "the penalty changed nothing: the test would prove nothing"
