@@ -166,10 +166,12 @@ def test_block_tables_hold_ceil_of_length_while_running(tiny_llama_dir):
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
 
 
-@pytest.mark.parametrize("arch, gguf_arch", [("phi3", "phi3"), ("phi3-longrope", "phi3"), ("qwen2-yarn", "qwen2")])
+@pytest.mark.parametrize("arch, gguf_arch", [("phi3", "phi3"), ("phi3-longrope", "phi3"), ("qwen2-yarn", "qwen2"),
+                                            ("gemma2", "gemma2"), ("gemma3", "gemma3")])
 def test_gguf_written_from_the_folder_gives_its_logits(arch, gguf_arch, make_tiny_model_dir, bundled_gguf_path,
                                                        tmp_path):
-    """llama.cpp's layout (Phi-3's fused qkv and gate_up, longrope factors as tensors, yarn keys) read back
+    """llama.cpp's layout (Phi-3's fused qkv and gate_up, longrope factors as tensors, yarn keys, Gemma's norms
+    with the +1 added, its soft-caps, window pattern and local rope base) read back
     to the same model: greedy tokens and logprobs equal to the safetensors folder's, past the original context."""
     folder = make_tiny_model_dir(tmp_path, arch)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
