@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from gguf_files import write_gguf
 from pagedllm import LLM, SamplingParams
+from pagedllm.model import attention
 
 MAX_NEW_TOKENS = 64
 LOGPROB_TOLERANCE = 1e-4
@@ -213,18 +214,72 @@ def test_sliding_window_holds_through_prefix_hits_chunks_speculation_and_preempt
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv_manager.prefix_cache_hits > 0
+    assert_greedy_matches(folder, prompts, outputs, 24)
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
+
+
+def assert_greedy_matches(folder, prompts, outputs, max_new_tokens):
+    """Each output's tokens equal to transformers' greedy ones, and the chosen tokens' logprobs within tolerance."""
     for prompt, output in zip(prompts, outputs):
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        ref_tokens, ref_logprobs = reference_greedy(reference, prompt, 24)
+        ref_tokens, ref_logprobs = reference_greedy(reference, prompt, max_new_tokens)
         completion = output.outputs[0]
         assert completion.token_ids == ref_tokens
         ours = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, ref_tokens)])
         theirs = ref_logprobs[torch.arange(len(ref_tokens)), torch.tensor(ref_tokens)]
         torch.testing.assert_close(ours, theirs, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+@pytest.fixture
+def cascade_calls(monkeypatch):
+    """How many times the cascade kernel served (wrapped, still run)."""
+    calls = []
+    kernel = attention._cascade_attention
+
+    def counted(*args):
+        calls.append(args[-1])   # the layer it attended for
+        return kernel(*args)
+    monkeypatch.setattr(attention, "_cascade_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("attention_backend, speculation", [("cpu", "ngram"), ("cpu", None), ("torch", "ngram")])
+def test_gemma_windows_hold_through_prefix_hits_chunks_cascade_speculation_and_preemption(
+        arch, attention_backend, speculation, make_tiny_model_dir, tmp_path, cascade_calls):
+    """Gemma's sliding layers (window 20) beside a full-attention one: prompts sharing a cached 136-token
+    head (prefix-cache hits on blocks outside the window), prefill in chunks of 24, a pool of 32 blocks of 8
+    (preemption), and n-gram speculation (rollback) or, without it on the cpu backend, cascade groups (in
+    the full layer only: windowed layers run the plain kernels) still give transformers' greedy tokens and
+    logprobs. No block is released early: the full layer needs them all."""
+    folder = make_tiny_model_dir(tmp_path, arch)
+    generator = torch.Generator().manual_seed(4)
+    head = torch.randint(3, 256, (136,), generator=generator).tolist()
+    prompts = [head + torch.randint(3, 256, (n,), generator=generator).tolist() for n in (1, 9, 30)]
+    prompts.append(head + head[:8] * 3)   # repeats: n-gram proposals get accepted
+    # 3 layers x (K, V) x 2 kv heads x 16 x 8 slots x 4 bytes = 6 KiB per block.
+    llm = LLM(str(folder), dtype="float32", block_size=8, kv_cache_memory="192KiB", max_num_batched_tokens=24,
+              max_num_seqs=4, attention_backend=attention_backend, enable_cascade_attention=True,
+              speculative_config=speculation and {"method": speculation, "num_speculative_tokens": 3,
+                                                  "prompt_lookup_max": 3})
+    engine = llm.llm_engine
+    assert engine.kv_manager.sliding_window is None
+    assert engine.kv_manager.pool.num_blocks == 32
+    llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=1), use_tqdm=False)   # caches the head
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_manager.prefix_cache_hits >= len(prompts) * len(head)
+    if attention_backend == "cpu" and speculation is None:
+        assert cascade_calls and all(layer.sliding_window is None for layer in cascade_calls)
+    assert_greedy_matches(folder, prompts, outputs, 24)
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
 
 
-def test_triton_refuses_sliding_windows_at_start_up(make_tiny_model_dir, tmp_path):
-    folder = make_tiny_model_dir(tmp_path, "qwen2-window")
-    with pytest.raises(ValueError, match=r"'triton' cannot run this model's sliding-window attention \(layers \[1\]\)"):
+def test_triton_refuses_gemma_2_soft_capping_at_start_up(make_tiny_model_dir, tmp_path):
+    """Gemma 2's attention soft-cap applies to every layer, windowed or not (and a window wider than the
+    context is no window): the Triton kernels cannot cap, so it is refused before a step runs."""
+    folder = make_tiny_model_dir(tmp_path, "gemma2", sliding_window=4096)
+    with pytest.raises(ValueError, match=r"'triton' cannot run this model's attention logit soft-capping "
+                                         r"\(layers \[0, 1, 2\]\)"):
         LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", attention_backend="triton")
