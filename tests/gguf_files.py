@@ -42,9 +42,11 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
-               extra: dict[str, np.ndarray] | None = None, tokenizer_from: Path | None = None) -> None:
+               extra: dict[str, np.ndarray] | None = None, tokenizer_from: Path | None = None,
+               quantized: str | None = None) -> None:
     """A float32 GGUF of arch (llama.cpp's architecture name), plus extra tensors named as in GGUF;
-    tokenizer_from: a GGUF whose tokenizer keys are copied (so the file runs on its own)."""
+    tokenizer_from: a GGUF whose tokenizer keys are copied (so the file runs on its own); quantized: a GGML
+    type (Q8_0, Q4_0, ...) its 2-D tensors are quantized to by gguf's own quantizer (gguf_round_trip)."""
     writer = gguf.GGUFWriter(path, arch)
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -81,7 +83,11 @@ def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
                 values = llama_cpp_permute(values, hf_config.num_key_value_heads)
         else:
             name = f"{names[stem]}.{kind}"
-        writer.add_tensor(name, np.ascontiguousarray(values))
+        if quantized is not None and values.ndim == 2:
+            kind = gguf.GGMLQuantizationType[quantized]
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values))
     for name, values in {**tensors, **(extra or {})}.items():
         writer.add_tensor(name, values)
     if tokenizer_from is not None:
@@ -93,6 +99,13 @@ def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def gguf_round_trip(weight: torch.Tensor, type_name: str) -> torch.Tensor:
+    """A weight as a GGUF of that type holds it: quantized and dequantized by gguf's own code."""
+    kind = gguf.GGMLQuantizationType[type_name]
+    values = gguf.quants.dequantize(gguf.quants.quantize(weight.float().numpy(), kind), kind)
+    return torch.from_numpy(values.reshape(weight.shape).copy())
 
 
 def _gemma_metadata(writer: gguf.GGUFWriter, hf_config, rope: dict, head_dim: int) -> dict:

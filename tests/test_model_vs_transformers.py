@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from gguf_files import write_gguf
+from gguf_files import gguf_round_trip, write_gguf
 from pagedllm import LLM, SamplingParams
 from pagedllm.model import attention
 
@@ -191,6 +191,29 @@ def test_gguf_written_from_the_folder_gives_its_logits(arch, gguf_arch, make_tin
             assert step_a.keys() == step_b.keys()
             for token_id in step_a:
                 assert step_a[token_id].logprob == pytest.approx(step_b[token_id].logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize("arch, type_name", [("gemma2", "Q4_0"), ("gemma3", "Q8_0")])
+def test_quantized_gguf_runs_its_quantized_weights_as_transformers_does(arch, type_name, make_tiny_model_dir,
+                                                                       bundled_gguf_path, tmp_path):
+    """A GGUF whose matrices (embedding and projections) gguf quantized runs them through the quantized
+    kernels, and gives transformers' greedy tokens and logprobs on the same weights as gguf dequantizes them."""
+    folder = make_tiny_model_dir(tmp_path, arch)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    path = tmp_path / f"{arch}-{type_name}.gguf"
+    write_gguf(path, arch, reference.config, reference.state_dict(), tokenizer_from=bundled_gguf_path,
+               quantized=type_name)
+    with torch.no_grad():
+        for name, weight in reference.named_parameters():
+            if weight.dim() == 2:
+                weight.copy_(gguf_round_trip(weight, type_name))
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (9, 70)]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    model = llm.llm_engine.runner.model
+    assert model.embed_tokens.format == model.layers[0].gate_up_proj.format == type_name
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, reference, prompts)
 
 
 @pytest.mark.parametrize("attention_backend", ["cpu", "torch"])
