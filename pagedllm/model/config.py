@@ -290,7 +290,8 @@ def _hf_layer_windows(config: Mapping[str, Any], architecture: str) -> tuple[int
         first = config.get("max_window_layers", num_layers)
         kinds = ["sliding_attention" if layer >= first else "full_attention" for layer in range(num_layers)]
     if kinds is None and architecture in _SLIDING_WINDOW_PATTERNS:
-        pattern = config.get("sliding_window_pattern") or _SLIDING_WINDOW_PATTERNS[architecture]
+        pattern = _SLIDING_WINDOW_PATTERNS[architecture]   # transformers reads a config's own for Gemma 3 only
+        pattern = config.get("sliding_window_pattern") or pattern if architecture == "gemma3" else pattern
         kinds = [_layer_kind(layer, pattern) for layer in range(num_layers)]
     if kinds is None:
         kinds = ["sliding_attention"] * num_layers
