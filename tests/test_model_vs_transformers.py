@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from gguf_files import gguf_round_trip, write_gguf
 from pagedllm import LLM, SamplingParams
 from pagedllm.model import attention
+from pagedllm.model.quantization import quantize
 
 MAX_NEW_TOKENS = 64
 LOGPROB_TOLERANCE = 1e-4
@@ -212,6 +213,24 @@ def test_quantized_gguf_runs_its_quantized_weights_as_transformers_does(arch, ty
     llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
     model = llm.llm_engine.runner.model
     assert model.embed_tokens.format == model.layers[0].gate_up_proj.format == type_name
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, reference, prompts)
+
+
+def test_int4_gemma_folder_runs_its_quantized_weights_as_transformers_does(make_tiny_model_dir, tmp_path):
+    """quantization="int4" on a Gemma 2 folder: projections at 4 bits, the (tied) embedding at 8, quantized as
+    they are read (norms first read as 1 + w, left float), against transformers on the dequantized weights."""
+    folder = make_tiny_model_dir(tmp_path, "gemma2")
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, weight in reference.named_parameters():
+            if weight.dim() == 2:
+                weight.copy_(quantize(weight, 8 if "embed_tokens" in name else 4).dequantize())
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (9, 70)]
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", quantization="int4")
+    model = llm.llm_engine.runner.model
+    assert (model.embed_tokens.format, model.layers[0].qkv_proj.format) == ("int8", "int4")
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert_matches_reference(outputs, reference, prompts)
 
