@@ -325,3 +325,23 @@ def test_triton_refuses_gemma_2_soft_capping_at_start_up(make_tiny_model_dir, tm
     with pytest.raises(ValueError, match=r"'triton' cannot run this model's attention logit soft-capping "
                                          r"\(layers \[0, 1, 2\]\)"):
         LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", attention_backend="triton")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("attention_backend", ["cpu", "triton"])
+def test_gemma3_sliding_layers_keep_their_rope_where_the_window_covers_the_context(attention_backend,
+                                                                                   make_tiny_model_dir, tmp_path):
+    """A window past max_model_len is full attention (no window for any kernel, so Triton may serve), yet the
+    sliding layers still rotate at their local base."""
+    if attention_backend == "triton":
+        pytest.importorskip("pagedllm.model.triton_kernels", reason="triton is not installed")
+    folder = make_tiny_model_dir(tmp_path, "gemma3", sliding_window=4096)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (5, 40)]
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", attention_backend=attention_backend)
+    model = llm.llm_engine.runner.model
+    assert all(layer.sliding_window is None for layer in model.attention_layers)
+    assert [layer.local_rope for layer in model.layers] == [True, False, True]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    assert_greedy_matches(folder, prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                        use_tqdm=False), 12)
