@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+    AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+    Qwen3Config,
 )
 
 from pagedllm.bench.reliability.server import ServerProcess  # noqa: E402
@@ -79,6 +80,18 @@ TINY_ARCHS = {
     "phi3": (Phi3Config, {"partial_rotary_factor": 0.5, "pad_token_id": 0}),
     "phi3-longrope": (Phi3Config, {"num_attention_heads": 2, "num_key_value_heads": 1, "pad_token_id": 0,
                                    "original_max_position_embeddings": 128, "rope_scaling": _LONGROPE}),
+    # Gemma: windows shorter than most test prompts beside full layers, a query_pre_attn_scalar apart from
+    # head_dim, and (Gemma 2) soft-caps below the scores' and logits' spread, so that capping changes them.
+    "gemma2": (Gemma2Config, {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 20,
+                              "num_hidden_layers": 3, "attn_logit_softcapping": 1.5,
+                              "final_logit_softcapping": 2.0}),
+    # Gemma 3: q/k norms; local layers rotating at their own base, the global one with linear scaling.
+    "gemma3": (Gemma3TextConfig, {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 20,
+                                  "num_hidden_layers": 3,
+                                  "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                  "rope_parameters": {
+                                      "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}),
 }
 
 

@@ -1,6 +1,7 @@
 """Test tooling: GGUF files written with `gguf`'s own writer from a transformers model's state dict, laid
 out as llama.cpp's converter (convert_hf_to_gguf.py) lays them out: its tensor names, its q/k row
-permutation for Llama, Phi-3's fused tensors and rope factor tensors, its metadata keys."""
+permutation for Llama, Phi-3's fused tensors and rope factor tensors, Gemma's norms stored with the +1
+added, its metadata keys."""
 from __future__ import annotations
 
 import math
@@ -28,6 +29,10 @@ GGUF_NAMES = {
     "mlp.gate_up_proj": "ffn_up",   # Phi-3: gate and up rows in one tensor
     "mlp.down_proj": "ffn_down",
 }
+# Gemma's four norms per layer: ffn_norm is the one before the MLP.
+GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+GEMMA_ARCHS = ("gemma2", "gemma3")
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -37,12 +42,17 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
-               extra: dict[str, np.ndarray] | None = None, tokenizer_from: Path | None = None) -> None:
+               extra: dict[str, np.ndarray] | None = None, tokenizer_from: Path | None = None,
+               quantized: str | None = None) -> None:
     """A float32 GGUF of arch (llama.cpp's architecture name), plus extra tensors named as in GGUF;
-    tokenizer_from: a GGUF whose tokenizer keys are copied (so the file runs on its own)."""
+    tokenizer_from: a GGUF whose tokenizer keys are copied (so the file runs on its own); quantized: a GGML
+    type (Q8_0, Q4_0, ...) its 2-D tensors are quantized to by gguf's own quantizer (gguf_round_trip)."""
     writer = gguf.GGUFWriter(path, arch)
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    names = GGUF_NAMES | (GEMMA_NAMES if arch in GEMMA_ARCHS else {})
+    if arch in GEMMA_ARCHS:
+        rope = _gemma_metadata(writer, hf_config, rope, head_dim)
     writer.add_context_length(hf_config.max_position_embeddings)
     writer.add_embedding_length(hf_config.hidden_size)
     writer.add_feed_forward_length(hf_config.intermediate_size)
@@ -58,18 +68,26 @@ def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
     writer.add_eos_token_id(2)
     tensors = _rope_metadata(writer, hf_config, rope)
     for hf_name, tensor in state.items():
+        if hf_name == "lm_head.weight" and hf_config.tie_word_embeddings:
+            continue   # the converter writes no output tensor for a tied head
         stem, kind = hf_name.rsplit(".", 1)
         values = tensor.float().numpy()
+        if arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
+            values = values + 1
         if stem.startswith("model.layers."):
             _, _, layer, part = stem.split(".", 3)
-            name = f"blk.{layer}.{GGUF_NAMES[part]}.{kind}"
+            name = f"blk.{layer}.{names[part]}.{kind}"
             if arch == "llama" and part == "self_attn.q_proj":
                 values = llama_cpp_permute(values, hf_config.num_attention_heads)
             elif arch == "llama" and part == "self_attn.k_proj":
                 values = llama_cpp_permute(values, hf_config.num_key_value_heads)
         else:
-            name = f"{GGUF_NAMES[stem]}.{kind}"
-        writer.add_tensor(name, np.ascontiguousarray(values))
+            name = f"{names[stem]}.{kind}"
+        if quantized is not None and values.ndim == 2:
+            kind = gguf.GGMLQuantizationType[quantized]
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values))
     for name, values in {**tensors, **(extra or {})}.items():
         writer.add_tensor(name, values)
     if tokenizer_from is not None:
@@ -83,6 +101,32 @@ def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
     writer.close()
 
 
+def gguf_round_trip(weight: torch.Tensor, type_name: str) -> torch.Tensor:
+    """A weight as a GGUF of that type holds it: quantized and dequantized by gguf's own code."""
+    kind = gguf.GGMLQuantizationType[type_name]
+    values = gguf.quants.dequantize(gguf.quants.quantize(weight.float().numpy(), kind), kind)
+    return torch.from_numpy(values.reshape(weight.shape).copy())
+
+
+def _gemma_metadata(writer: gguf.GGUFWriter, hf_config, rope: dict, head_dim: int) -> dict:
+    """Gemma 2/3's keys as Gemma2Model/Gemma3Model write them: soft-caps, the window, the layer pattern (a flag
+    per layer), the local rope base; and attention.scale where query_pre_attn_scalar is not llama.cpp's
+    assumption (head_dim). Returns the full-attention layers' rope parameters."""
+    for key, add in (("attn_logit_softcapping", writer.add_attn_logit_softcapping),
+                     ("final_logit_softcapping", writer.add_final_logit_softcapping)):
+        if getattr(hf_config, key, None) is not None:
+            add(getattr(hf_config, key))
+    writer.add_sliding_window(hf_config.sliding_window)
+    if hf_config.model_type != "gemma2":
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in hf_config.layer_types])
+    if hf_config.query_pre_attn_scalar != head_dim:
+        writer.add_attention_scale(hf_config.query_pre_attn_scalar ** -0.5)
+    if "full_attention" in rope:
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        return rope["full_attention"]
+    return rope
+
+
 def _rope_metadata(writer: gguf.GGUFWriter, hf_config, rope: dict) -> dict[str, np.ndarray]:
     """Rope scaling keys as the converter writes them; returns the tensors it adds (longrope's factors)."""
     kind = rope.get("rope_type", "default")
@@ -93,6 +137,9 @@ def _rope_metadata(writer: gguf.GGUFWriter, hf_config, rope: dict) -> dict[str, 
         writer.add_rope_scaling_orig_ctx_len(original)
         return {"rope_factors_long.weight": np.asarray(rope["long_factor"], dtype=np.float32),
                 "rope_factors_short.weight": np.asarray(rope["short_factor"], dtype=np.float32)}
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     if kind == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])

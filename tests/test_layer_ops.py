@@ -3,7 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from transformers.activations import ACT2FN
+
 from pagedllm.model import attention, ops
+from pagedllm.model.config import ACTIVATIONS
 from pagedllm.model.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.kernels
@@ -44,6 +47,16 @@ def test_silu_and_mul(dtype):
     gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 8).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_every_gated_activation_as_transformers_computes_it(name):
+    """act(gate) * up for each hidden_activation a config may name, against transformers' ACT2FN (Gemma's
+    gelu_pytorch_tanh included)."""
+    gate_up = torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 8
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.GATED_ACTIVATIONS[name](gate_up), ACT2FN[name](gate) * up,
+                               **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

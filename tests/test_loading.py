@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import huggingface_hub.constants
 import jinja2
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 
 from gguf_files import write_gguf
 from pagedllm.model import loader
@@ -115,6 +116,87 @@ def test_transformers4_config_layout_and_generation_eos():
         model_config_from_hf({**config, "rope_scaling": {"rope_type": "mrope", "factor": 4.0}}, None)
     with pytest.raises(ValueError, match="low_freq_factor"):
         model_config_from_hf({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, None)
+
+
+GEMMA3_TRANSFORMERS4 = {   # google/gemma-3-1b-it's config.json as transformers 4 wrote it, shrunk
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 1,
+    "head_dim": 16, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768,
+    "query_pre_attn_scalar": 16, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 512, "sliding_window_pattern": 6,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+}
+
+
+@pytest.mark.parametrize("config_class, raw", [
+    (Gemma3TextConfig, GEMMA3_TRANSFORMERS4),
+    (Gemma2Config, {**GEMMA3_TRANSFORMERS4, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                    "rope_theta": 10000.0, "rope_scaling": None, "attn_logit_softcapping": 50.0,
+                    "final_logit_softcapping": 30.0})])
+def test_gemma_configs_without_layer_types_read_as_transformers_reads_them(config_class, raw):
+    """Which layers slide, each kind's rope and the soft-caps, against transformers' own reading of the
+    transformers 4 layout (no layer_types; Gemma 3's local rope base beside the global rope and its scaling)."""
+    theirs = config_class(**{key: value for key, value in raw.items() if key not in ("architectures", "model_type")})
+    ours = model_config_from_hf(raw, None)
+    assert ours.layer_windows == tuple(512 if kind == "sliding_attention" else None for kind in theirs.layer_types)
+    rope = theirs.rope_parameters
+    full, local = (rope["full_attention"], rope["sliding_attention"]) if "full_attention" in rope else (rope, None)
+    assert ours.rope_theta == full["rope_theta"]
+    assert ours.rope_scaling == (None if full["rope_type"] == "default" else {"rope_type": "linear", "factor": 8.0})
+    assert ours.local_rope_theta == (local and local["rope_theta"])
+    assert (ours.attn_logit_softcapping, ours.final_logit_softcapping) == (
+        theirs.attn_logit_softcapping, theirs.final_logit_softcapping)
+    assert (ours.hidden_activation, ours.embedding_multiplier, ours.attention_scale) == ("gelu_pytorch_tanh", 8.0, 0.25)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_folder_norms_read_as_the_scale_they_apply(arch, make_tiny_model_dir, tmp_path):
+    """Gemma's RMSNorm scales by (1 + w): each norm weight reads as 1 + w, the other weights as stored."""
+    folder = make_tiny_model_dir(tmp_path, arch)
+    state = reference_state_dict(folder, tied=True)
+    expected = {name: tensor + 1 if name.endswith("norm.weight") else tensor for name, tensor in state.items()}
+    assert sum(name.endswith("norm.weight") for name in expected) == {"gemma2": 13, "gemma3": 19}[arch]
+    assert_same_weights(load_checkpoint(str(folder)).weights, expected)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    ({"hidden_activation": "relu"}, "hidden_activation must be one of silu, gelu_pytorch_tanh, gelu, got 'relu'"),
+    ({"rope_scaling": None, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "only rope_type 'default' is supported for the sliding layers, got 'linear'"),
+])
+def test_gemma_configs_pagedllm_cannot_run_are_refused(change, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model_config_from_hf({**GEMMA3_TRANSFORMERS4, **change}, None)
+
+
+def gemma_gguf_metadata(arch: str, num_layers: int, **keys) -> dict:
+    shape = {"context_length": 8192, "embedding_length": 64, "feed_forward_length": 128, "block_count": num_layers,
+             "attention.head_count": 4, "attention.key_length": 32, "attention.layer_norm_rms_epsilon": 1e-6,
+             "attention.sliding_window": 512}
+    return {"general.architecture": arch, "tokenizer.ggml.tokens": ["a"] * 256,
+            **{f"{arch}.{key}": value for key, value in {**shape, **keys}.items()}}
+
+
+@pytest.mark.parametrize("arch, num_layers, keys, sliding, local_theta, scalar", [
+    # llama.cpp's defaults: Gemma 2 slides every other layer, Gemma 3 five of six with a local base of 10000;
+    # the attention scale is head_dim's (query_pre_attn_scalar None) but for the 27B layer counts.
+    ("gemma2", 4, {}, (True, False, True, False), None, None),
+    ("gemma3", 7, {}, (True, True, True, True, True, False, True), 10000.0, None),
+    ("gemma2", 46, {}, (True, False) * 23, None, 16.0),
+    ("gemma3", 62, {}, (True, True, True, True, True, False) * 10 + (True, True), 10000.0, 16.0),
+    # The keys where a file has them: a flag per layer, the local base, attention.scale.
+    ("gemma3", 3, {"attention.sliding_window_pattern": [False, True, True], "rope.freq_base_swa": 100.0,
+                   "attention.scale": 0.2}, (False, True, True), 100.0, 25.0),
+])
+def test_gemma_gguf_metadata(arch, num_layers, keys, sliding, local_theta, scalar):
+    config = model_config_from_gguf(gemma_gguf_metadata(arch, num_layers, **keys), ["token_embd.weight"])
+    assert config.layer_windows == tuple(512 if flag else None for flag in sliding)
+    assert config.local_rope_theta == local_theta
+    assert config.query_pre_attn_scalar == pytest.approx(scalar)
+    assert (config.hidden_activation, config.embedding_multiplier, config.sandwich_norms) == (
+        "gelu_pytorch_tanh", 8.0, True)
 
 
 # --- GGUF -----------------------------------------------------------------------------------------

@@ -7,8 +7,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from gguf_files import write_gguf
+from gguf_files import gguf_round_trip, write_gguf
 from pagedllm import LLM, SamplingParams
+from pagedllm.model import attention
+from pagedllm.model.quantization import quantize
 
 MAX_NEW_TOKENS = 64
 LOGPROB_TOLERANCE = 1e-4
@@ -102,7 +104,7 @@ def test_gguf_and_safetensors_give_the_same_logits(bundled_llm, bundled_referenc
 
 
 TINY_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "qwen2-yarn", "llama-dynamic", "phi3", "phi3-longrope",
-              "mistral-window", "qwen2-window"]
+              "mistral-window", "qwen2-window", "gemma2", "gemma3"]
 PROMPT_LENGTHS = (1, 5, 17, 33, 70, 130, 9, 48)
 # Past the original context (64 for yarn and dynamic NTK, 128 for longrope) at the prompt or while
 # decoding; longrope's prompts either start past it or stay within it to the last token (transformers
@@ -166,10 +168,12 @@ def test_block_tables_hold_ceil_of_length_while_running(tiny_llama_dir):
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
 
 
-@pytest.mark.parametrize("arch, gguf_arch", [("phi3", "phi3"), ("phi3-longrope", "phi3"), ("qwen2-yarn", "qwen2")])
+@pytest.mark.parametrize("arch, gguf_arch", [("phi3", "phi3"), ("phi3-longrope", "phi3"), ("qwen2-yarn", "qwen2"),
+                                            ("gemma2", "gemma2"), ("gemma3", "gemma3")])
 def test_gguf_written_from_the_folder_gives_its_logits(arch, gguf_arch, make_tiny_model_dir, bundled_gguf_path,
                                                        tmp_path):
-    """llama.cpp's layout (Phi-3's fused qkv and gate_up, longrope factors as tensors, yarn keys) read back
+    """llama.cpp's layout (Phi-3's fused qkv and gate_up, longrope factors as tensors, yarn keys, Gemma's norms
+    with the +1 added, its soft-caps, window pattern and local rope base) read back
     to the same model: greedy tokens and logprobs equal to the safetensors folder's, past the original context."""
     folder = make_tiny_model_dir(tmp_path, arch)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -188,6 +192,47 @@ def test_gguf_written_from_the_folder_gives_its_logits(arch, gguf_arch, make_tin
             assert step_a.keys() == step_b.keys()
             for token_id in step_a:
                 assert step_a[token_id].logprob == pytest.approx(step_b[token_id].logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize("arch, type_name", [("gemma2", "Q4_0"), ("gemma3", "Q8_0")])
+def test_quantized_gguf_runs_its_quantized_weights_as_transformers_does(arch, type_name, make_tiny_model_dir,
+                                                                       bundled_gguf_path, tmp_path):
+    """A GGUF whose matrices (embedding and projections) gguf quantized runs them through the quantized
+    kernels, and gives transformers' greedy tokens and logprobs on the same weights as gguf dequantizes them."""
+    folder = make_tiny_model_dir(tmp_path, arch)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    path = tmp_path / f"{arch}-{type_name}.gguf"
+    write_gguf(path, arch, reference.config, reference.state_dict(), tokenizer_from=bundled_gguf_path,
+               quantized=type_name)
+    with torch.no_grad():
+        for name, weight in reference.named_parameters():
+            if weight.dim() == 2:
+                weight.copy_(gguf_round_trip(weight, type_name))
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (9, 70)]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    model = llm.llm_engine.runner.model
+    assert model.embed_tokens.format == model.layers[0].gate_up_proj.format == type_name
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, reference, prompts)
+
+
+def test_int4_gemma_folder_runs_its_quantized_weights_as_transformers_does(make_tiny_model_dir, tmp_path):
+    """quantization="int4" on a Gemma 2 folder: projections at 4 bits, the (tied) embedding at 8, quantized as
+    they are read (norms first read as 1 + w, left float), against transformers on the dequantized weights."""
+    folder = make_tiny_model_dir(tmp_path, "gemma2")
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, weight in reference.named_parameters():
+            if weight.dim() == 2:
+                weight.copy_(quantize(weight, 8 if "embed_tokens" in name else 4).dequantize())
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (9, 70)]
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", quantization="int4")
+    model = llm.llm_engine.runner.model
+    assert (model.embed_tokens.format, model.layers[0].qkv_proj.format) == ("int8", "int4")
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, reference, prompts)
 
 
 @pytest.mark.parametrize("attention_backend", ["cpu", "torch"])
@@ -211,18 +256,92 @@ def test_sliding_window_holds_through_prefix_hits_chunks_speculation_and_preempt
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv_manager.prefix_cache_hits > 0
+    assert_greedy_matches(folder, prompts, outputs, 24)
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
+
+
+def assert_greedy_matches(folder, prompts, outputs, max_new_tokens):
+    """Each output's tokens equal to transformers' greedy ones, and the chosen tokens' logprobs within tolerance."""
     for prompt, output in zip(prompts, outputs):
         reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        ref_tokens, ref_logprobs = reference_greedy(reference, prompt, 24)
+        ref_tokens, ref_logprobs = reference_greedy(reference, prompt, max_new_tokens)
         completion = output.outputs[0]
         assert completion.token_ids == ref_tokens
         ours = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, ref_tokens)])
         theirs = ref_logprobs[torch.arange(len(ref_tokens)), torch.tensor(ref_tokens)]
         torch.testing.assert_close(ours, theirs, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+@pytest.fixture
+def cascade_calls(monkeypatch):
+    """How many times the cascade kernel served (wrapped, still run)."""
+    calls = []
+    kernel = attention._cascade_attention
+
+    def counted(*args):
+        calls.append(args[-1])   # the layer it attended for
+        return kernel(*args)
+    monkeypatch.setattr(attention, "_cascade_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("attention_backend, speculation", [("cpu", "ngram"), ("cpu", None), ("torch", "ngram")])
+def test_gemma_windows_hold_through_prefix_hits_chunks_cascade_speculation_and_preemption(
+        arch, attention_backend, speculation, make_tiny_model_dir, tmp_path, cascade_calls):
+    """Gemma's sliding layers (window 20) beside a full-attention one: prompts sharing a cached 136-token
+    head (prefix-cache hits on blocks outside the window), prefill in chunks of 24, a pool of 32 blocks of 8
+    (preemption), and n-gram speculation (rollback) or, without it on the cpu backend, cascade groups (in
+    the full layer only: windowed layers run the plain kernels) still give transformers' greedy tokens and
+    logprobs. No block is released early: the full layer needs them all."""
+    folder = make_tiny_model_dir(tmp_path, arch)
+    generator = torch.Generator().manual_seed(4)
+    head = torch.randint(3, 256, (136,), generator=generator).tolist()
+    prompts = [head + torch.randint(3, 256, (n,), generator=generator).tolist() for n in (1, 9, 30)]
+    prompts.append(head + head[:8] * 3)   # repeats: n-gram proposals get accepted
+    # 3 layers x (K, V) x 2 kv heads x 16 x 8 slots x 4 bytes = 6 KiB per block.
+    llm = LLM(str(folder), dtype="float32", block_size=8, kv_cache_memory="192KiB", max_num_batched_tokens=24,
+              max_num_seqs=4, attention_backend=attention_backend, enable_cascade_attention=True,
+              speculative_config=speculation and {"method": speculation, "num_speculative_tokens": 3,
+                                                  "prompt_lookup_max": 3})
+    engine = llm.llm_engine
+    assert engine.kv_manager.sliding_window is None
+    assert engine.kv_manager.pool.num_blocks == 32
+    llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=1), use_tqdm=False)   # caches the head
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_manager.prefix_cache_hits >= len(prompts) * len(head)
+    if attention_backend == "cpu" and speculation is None:
+        assert cascade_calls and all(layer.sliding_window is None for layer in cascade_calls)
+    assert_greedy_matches(folder, prompts, outputs, 24)
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
 
 
-def test_triton_refuses_sliding_windows_at_start_up(make_tiny_model_dir, tmp_path):
-    folder = make_tiny_model_dir(tmp_path, "qwen2-window")
-    with pytest.raises(ValueError, match=r"'triton' cannot run this model's sliding-window attention \(layers \[1\]\)"):
+def test_triton_refuses_gemma_2_soft_capping_at_start_up(make_tiny_model_dir, tmp_path):
+    """Gemma 2's attention soft-cap applies to every layer, windowed or not (and a window wider than the
+    context is no window): the Triton kernels cannot cap, so it is refused before a step runs."""
+    folder = make_tiny_model_dir(tmp_path, "gemma2", sliding_window=4096)
+    with pytest.raises(ValueError, match=r"'triton' cannot run this model's attention logit soft-capping "
+                                         r"\(layers \[0, 1, 2\]\)"):
         LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", attention_backend="triton")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("attention_backend", ["cpu", "triton"])
+def test_gemma3_sliding_layers_keep_their_rope_where_the_window_covers_the_context(attention_backend,
+                                                                                   make_tiny_model_dir, tmp_path):
+    """A window past max_model_len is full attention (no window for any kernel, so Triton may serve), yet the
+    sliding layers still rotate at their local base."""
+    if attention_backend == "triton":
+        pytest.importorskip("pagedllm.model.triton_kernels", reason="triton is not installed")
+    folder = make_tiny_model_dir(tmp_path, "gemma3", sliding_window=4096)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (5, 40)]
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", attention_backend=attention_backend)
+    model = llm.llm_engine.runner.model
+    assert all(layer.sliding_window is None for layer in model.attention_layers)
+    assert [layer.local_rope for layer in model.layers] == [True, False, True]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    assert_greedy_matches(folder, prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                        use_tqdm=False), 12)

@@ -95,6 +95,9 @@ TINY_CASES = {
     "qwen3-qk-norm": ("qwen3", {}),
     "tied-embeddings": ("llama", {"tie_word_embeddings": True}),
     "one-kv-head-replicated": ("llama", {"num_key_value_heads": 1}),
+    # Norms (four per layer, q/k norms) whole on each rank; soft-caps, windows, local rope, scaled embedding.
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
 }
 
 

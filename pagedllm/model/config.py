@@ -14,9 +14,21 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # llama.cpp names Mistral models "llama" too: they compute the same thing.
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# Gemma 2 and 3: GeGLU, the embedding scaled by sqrt(hidden_size), norms on the attention and MLP outputs too.
+_GEMMA = ("gemma2", "gemma3")
+# Which layers slide when a checkpoint does not list them: every `pattern`-th layer attends to all keys
+# (transformers' sliding_window_pattern, llama.cpp's swa pattern); Gemma 3's local layers rotate at base 10000.
+_SLIDING_WINDOW_PATTERNS = {"gemma2": 2, "gemma3": 6}
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# llama.cpp scales Gemma's attention by head_dim ** -0.5, but for the 27B models (told by their layer
+# count) by (hidden_size / num_attention_heads) ** -0.5, their query_pre_attn_scalar; GGUF has no key for it.
+_GGUF_27B_LAYER_COUNTS = {"gemma2": 46, "gemma3": 62}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 _LAYER_TYPES = frozenset({"sliding_attention", "full_attention"})
 # llama.cpp's general.file_type values for unquantized files; quantized files have no natural dtype.
 _GGUF_FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
@@ -47,11 +59,27 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    hidden_activation: str = "silu"          # the MLP's gate activation, transformers' name (ACTIVATIONS)
+    embedding_multiplier: float = 1.0        # the token embedding is scaled by this (Gemma: sqrt(hidden_size))
+    sandwich_norms: bool = False             # RMSNorm on the attention and MLP outputs too (Gemma 2/3)
+    query_pre_attn_scalar: float | None = None   # the attention scale is its ** -0.5 (None: head_dim's)
+    attn_logit_softcapping: float | None = None    # scores become cap * tanh(score / cap)
+    final_logit_softcapping: float | None = None   # logits likewise
+    local_rope_theta: float | None = None    # the sliding layers' own rope base, unscaled (Gemma 3); None: shared
 
     @property
     def context_length(self) -> int:
         """The longest sequence the model serves (max_model_len's limit)."""
         return context_length(self.max_position_embeddings, self.rope_scaling)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether the layer rotates by local_rope_theta: Gemma 3's sliding layers (by their configured kind,
+        even where the window covers the whole context)."""
+        return self.local_rope_theta is not None and self.layer_windows[layer] is not None
 
     def windows_within(self, max_model_len: int) -> tuple[int | None, ...]:
         """layer_windows with windows that cover every sequence up to max_model_len as None (full attention)."""
@@ -68,8 +96,10 @@ def kv_release_window(configs: Iterable[ModelConfig], max_model_len: int) -> int
 def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelConfig:
     """Build a ModelConfig from config.json (transformers 4 or 5 layout) and generation_config.json."""
     architecture = _hf_architecture(config)
-    # transformers 5 keeps rope_theta inside rope_parameters; older configs keep it beside rope_scaling.
-    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    if config.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True (an encoder such as EmbeddingGemma) is not supported: "
+                         "pagedllm runs Gemma as a causal decoder")
+    rope, local_rope_theta = _hf_rope_by_layer_kind(config, architecture)
     rope_theta = (rope or {}).get("rope_theta", config.get("rope_theta", 10000.0))
     hidden_size = config["hidden_size"]
     num_attention_heads = config["num_attention_heads"]
@@ -94,12 +124,19 @@ def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelC
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases, and its configs do not say so.
         attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_norm=architecture == "qwen3",
+        qk_norm=architecture in ("qwen3", "gemma3"),
         torch_dtype=config.get("dtype") or config.get("torch_dtype"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_ordered_union(
             _as_ids(config.get("eos_token_id")), _as_ids((generation_config or {}).get("eos_token_id"))
         ),
+        hidden_activation=_activation(config.get("hidden_activation") or config.get("hidden_act") or "silu"),
+        embedding_multiplier=hidden_size ** 0.5 if architecture in _GEMMA else 1.0,
+        sandwich_norms=architecture in _GEMMA,
+        query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
+        attn_logit_softcapping=config.get("attn_logit_softcapping"),
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+        local_rope_theta=local_rope_theta,
     )
 
 
@@ -146,8 +183,7 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
         rope_theta=float(optional("rope.freq_base", 10000.0)),
         rope_scaling=resolve_rope_scaling(_gguf_rope_scaling(optional, rope_factors), max_position_embeddings),
         max_position_embeddings=max_position_embeddings,
-        # llama.cpp's sliding window applies to every layer (Phi-3); it stores none for Mistral.
-        layer_windows=(optional("attention.sliding_window", None) or None,) * required("block_count"),
+        layer_windows=_gguf_layer_windows(architecture, optional, required("block_count")),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
@@ -157,7 +193,45 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
         eos_token_ids=_ordered_union(
             *(_as_ids(metadata.get(f"tokenizer.ggml.{kind}_token_id")) for kind in ("eos", "eot", "eom"))
         ),
+        # llama.cpp's Gemma graphs use tanh-approximated GELU; its converter stores Gemma's norms with the +1 added.
+        hidden_activation="gelu_pytorch_tanh" if architecture in _GEMMA else "silu",
+        embedding_multiplier=hidden_size ** 0.5 if architecture in _GEMMA else 1.0,
+        sandwich_norms=architecture in _GEMMA,
+        query_pre_attn_scalar=_gguf_query_pre_attn_scalar(architecture, optional, required("block_count"),
+                                                          hidden_size / num_attention_heads),
+        attn_logit_softcapping=optional("attn_logit_softcapping", None),
+        final_logit_softcapping=optional("final_logit_softcapping", None),
+        local_rope_theta=(float(optional("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA))
+                          if architecture == "gemma3" else None),
     )
+
+
+def _gguf_layer_windows(architecture: str, optional: Callable[[str, Any], Any], num_layers: int
+                        ) -> tuple[int | None, ...]:
+    """llama.cpp's sliding window: on every layer (Phi-3; none stored for Mistral), or for Gemma on the layers
+    that attention.sliding_window_pattern marks (a period, or a flag per layer; by default Gemma 2 slides
+    every other layer, Gemma 3 five of six)."""
+    window = optional("attention.sliding_window", None) or None
+    if window is None or architecture not in _SLIDING_WINDOW_PATTERNS:
+        return (window,) * num_layers
+    pattern = optional("attention.sliding_window_pattern", _SLIDING_WINDOW_PATTERNS[architecture])
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"{architecture}.attention.sliding_window_pattern must flag {num_layers} layers, "
+                             f"got {len(pattern)}")
+        return tuple(window if sliding else None for sliding in pattern)
+    return tuple(window if _layer_kind(layer, pattern) == "sliding_attention" else None for layer in range(num_layers))
+
+
+def _gguf_query_pre_attn_scalar(architecture: str, optional: Callable[[str, Any], Any], num_layers: int,
+                                hidden_per_head: float) -> float | None:
+    """attention.scale where the file has it; for Gemma otherwise llama.cpp's rule (_GGUF_27B_LAYER_COUNTS)."""
+    scale = optional("attention.scale", None)
+    if scale is not None:
+        return float(scale) ** -2
+    if _GGUF_27B_LAYER_COUNTS.get(architecture) == num_layers:
+        return hidden_per_head
+    return None
 
 
 def _gguf_rope_scaling(optional: Callable[[str, Any], Any], rope_factors: Mapping[str, list[float]] | None
@@ -178,10 +252,33 @@ def _gguf_rope_scaling(optional: Callable[[str, Any], Any], rope_factors: Mappin
     }
 
 
+def _hf_rope_by_layer_kind(config: Mapping[str, Any], architecture: str) -> tuple[dict | None, float | None]:
+    """The rope parameters of the full-attention layers, and the sliding layers' own base where they have one
+    (Gemma 3: `rope_parameters` per layer kind in transformers 5, `rope_local_base_freq` beside the global
+    `rope_theta` and `rope_scaling` before). transformers 5 keeps rope_theta inside rope_parameters; older
+    configs keep it beside rope_scaling."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    if architecture != "gemma3":
+        return rope, None
+    local = {"rope_theta": config.get("rope_local_base_freq", _GEMMA3_LOCAL_ROPE_THETA)}
+    if rope and "full_attention" in rope:
+        rope, local = rope["full_attention"], rope.get("sliding_attention") or local
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters.sliding_attention: only rope_type 'default' is supported for the "
+                         f"sliding layers, got {local['rope_type']!r}")
+    return rope, float(local.get("rope_theta", _GEMMA3_LOCAL_ROPE_THETA))
+
+
+def _activation(name: str) -> str:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"hidden_activation must be one of {', '.join(ACTIVATIONS)}, got {name!r}")
+    return name
+
+
 def _hf_layer_windows(config: Mapping[str, Any], architecture: str) -> tuple[int | None, ...]:
     """Each layer's sliding window as transformers applies it: `layer_types` where the config lists them;
-    otherwise Mistral and Phi-3 window every layer, and Qwen2 (with use_sliding_window) the layers from
-    max_window_layers on."""
+    otherwise Mistral and Phi-3 window every layer, Qwen2 (with use_sliding_window) the layers from
+    max_window_layers on, and Gemma all but every sliding_window_pattern-th."""
     num_layers = config["num_hidden_layers"]
     window = config.get("sliding_window")
     if architecture == "qwen2" and not config.get("use_sliding_window", False):
@@ -192,11 +289,20 @@ def _hf_layer_windows(config: Mapping[str, Any], architecture: str) -> tuple[int
     if kinds is None and architecture == "qwen2":
         first = config.get("max_window_layers", num_layers)
         kinds = ["sliding_attention" if layer >= first else "full_attention" for layer in range(num_layers)]
+    if kinds is None and architecture in _SLIDING_WINDOW_PATTERNS:
+        pattern = _SLIDING_WINDOW_PATTERNS[architecture]   # transformers reads a config's own for Gemma 3 only
+        pattern = config.get("sliding_window_pattern") or pattern if architecture == "gemma3" else pattern
+        kinds = [_layer_kind(layer, pattern) for layer in range(num_layers)]
     if kinds is None:
         kinds = ["sliding_attention"] * num_layers
     if len(kinds) != num_layers or not set(kinds) <= _LAYER_TYPES:
         raise ValueError(f"layer_types must list {num_layers} of {', '.join(sorted(_LAYER_TYPES))}, got {kinds}")
     return tuple(window if kind == "sliding_attention" else None for kind in kinds)
+
+
+def _layer_kind(layer: int, pattern: int) -> str:
+    """Every pattern-th layer attends to all keys, the others slide."""
+    return "full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
 
 
 def _hf_architecture(config: Mapping[str, Any]) -> str:

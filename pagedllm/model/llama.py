@@ -1,7 +1,9 @@
-"""The Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) as one module.
+"""The Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3) as one module.
 
 The variants differ only in flags of ModelConfig: q/k/v bias (Qwen2), per-head
-q/k RMSNorm (Qwen3), rope scaling (Llama 3.1) and tied embeddings. Q/K/V and
+q/k RMSNorm (Qwen3, Gemma 3), rope scaling (Llama 3.1) and tied embeddings; Gemma adds GeGLU, a scaled
+embedding, norms on the attention and MLP outputs ("sandwich"), soft-capped attention scores and logits,
+and (Gemma 3) its own rope base for the sliding layers. Q/K/V and
 gate/up projections are fused at load time so each layer does two big matmuls
 instead of five; on CPUs with fast bfloat16 float weights are laid out once for oneDNN, and
 quantized weights stay packed (see linear.py). Weights are taken from the checkpoint one at a
@@ -19,7 +21,7 @@ from pagedllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGr
 from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_linear, padded_rows
-from pagedllm.model.ops import rms_norm, silu_and_mul
+from pagedllm.model.ops import GATED_ACTIVATIONS, rms_norm
 from pagedllm.model.parallel_linear import parallel_lm_head, row_parallel, vocab_parallel_embedding
 from pagedllm.model.quantization import QuantizedWeight
 from pagedllm.model.quantized_matmul import QuantizedMatmul
@@ -58,12 +60,14 @@ class RMSNorm(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, w: WeightTaker, prefix: str, group: TensorParallelGroup,
-                 sliding_window: int | None, matmul: QuantizedMatmul):
+                 sliding_window: int | None, matmul: QuantizedMatmul, local_rope: bool = False):
+        """local_rope: the layer rotates by the model's local rope (Gemma 3's sliding layers)."""
         super().__init__()
         self.num_heads = config.num_attention_heads // group.world_size   # this rank's heads
         self.num_kv_heads = num_kv_heads_per_rank(config, group.world_size)
         self.head_dim = config.head_dim
-        self.attention = LayerAttention(config.head_dim ** -0.5, sliding_window)
+        self.local_rope = local_rope
+        self.attention = LayerAttention(config.attention_scale, sliding_window, config.attn_logit_softcapping)
         attn = prefix + "self_attn."
         self.qkv_proj = fused_linear([w(attn + n + "_proj.weight") for n in "qkv"],
                                      [w(attn + n + "_proj.bias") for n in "qkv"] if config.attention_bias else None,
@@ -73,9 +77,17 @@ class DecoderLayer(nn.Module):
         self.k_norm = RMSNorm(w(attn + "k_norm.weight"), config.rms_norm_eps) if config.qk_norm else None
         mlp = prefix + "mlp."
         self.gate_up_proj = fused_linear([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")], matmul=matmul)
+        self.activation = GATED_ACTIVATIONS[config.hidden_activation]
         self.down_proj = row_parallel(fused_linear([w(mlp + "down_proj.weight")], matmul=matmul), group)
-        self.input_norm = RMSNorm(w(prefix + "input_layernorm.weight"), config.rms_norm_eps)
-        self.post_attention_norm = RMSNorm(w(prefix + "post_attention_layernorm.weight"), config.rms_norm_eps)
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(w(f"{prefix}{name}.weight"), config.rms_norm_eps)
+
+        self.input_norm = norm("input_layernorm")
+        # With sandwich norms (Gemma) post_attention_layernorm is the attention output's, and the MLP has two.
+        self.attention_output_norm = norm("post_attention_layernorm") if config.sandwich_norms else None
+        self.pre_mlp_norm = norm("pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm")
+        self.mlp_output_norm = norm("post_feedforward_layernorm") if config.sandwich_norms else None
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation,
                 kv_cache: tuple[CacheTensor, CacheTensor], meta: AttentionMetadata
@@ -98,8 +110,13 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotation.apply(q), rotation.apply(k)
         attn = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.attention)
-        normed = self.post_attention_norm(self.o_proj(attn.reshape(num_tokens, q_size)), residual)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(normed))), residual
+        attn = self.o_proj(attn.reshape(num_tokens, q_size))
+        if self.attention_output_norm is not None:
+            attn = self.attention_output_norm(attn)
+        out = self.down_proj(self.activation(self.gate_up_proj(self.pre_mlp_norm(attn, residual))))
+        if self.mlp_output_norm is not None:
+            out = self.mlp_output_norm(out)
+        return out, residual
 
 
 class CausalLM(nn.Module):
@@ -127,12 +144,14 @@ class CausalLM(nn.Module):
             group) if with_lm_head else None
         del embedding
         self.layers = nn.ModuleList(
-            DecoderLayer(config, w, f"model.layers.{i}.", group, window, matmul)
+            DecoderLayer(config, w, f"model.layers.{i}.", group, window, matmul, config.uses_local_rope(i))
             for i, window in enumerate(config.windows_within(max_positions)))
         self.attention_layers = tuple(layer.attention for layer in self.layers)
         self.norm = RMSNorm(w("model.norm.weight"), config.rms_norm_eps)
         self.rope = RotaryEmbedding(config.rotary_dim, max_positions, config.rope_theta,
                                     config.rope_scaling, device)
+        self.local_rope = None if config.local_rope_theta is None else RotaryEmbedding(
+            config.rotary_dim, max_positions, config.local_rope_theta, None, device)
         self.pads_batch = any(isinstance(module, Linear) and module.prepacked for module in self.modules())
         self.has_quantized_layers = any(isinstance(module, QuantizedLinear) for module in self.modules())
         self._check_matmul_options()
@@ -175,7 +194,10 @@ class CausalLM(nn.Module):
         """Returns float32 logits [len(logits_indices), vocab] for the rows that sample (None on ranks > 0).
         rope_lengths: each token's sequence length for rope kinds that depend on it (RotaryEmbedding.at)."""
         logits = self.lm_head(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices, rope_lengths))
-        return None if logits is None else logits.float()
+        if logits is None:
+            return None
+        cap = self.config.final_logit_softcapping
+        return logits.float() if cap is None else torch.tanh(logits.float() / cap) * cap
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[CacheTensor, CacheTensor]], meta: AttentionMetadata,
@@ -188,7 +210,10 @@ class CausalLM(nn.Module):
             input_ids, positions = F.pad(input_ids, (0, padding)), F.pad(positions, (0, padding))
             rope_lengths = None if rope_lengths is None else F.pad(rope_lengths, (0, padding))
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.config.embedding_multiplier != 1.0:   # in the model dtype, as transformers rounds it
+            hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
         rotation = self.rope.at(positions, rope_lengths)
+        local_rotation = None if self.local_rope is None else self.local_rope.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, rotation, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, local_rotation if layer.local_rope else rotation, kv_cache, meta)
         return self.norm(hidden[rows], residual[rows])

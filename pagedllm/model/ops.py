@@ -4,6 +4,9 @@ and a decoder layer's element-wise steps: the kernels of csrc/layer_ops.cpp on C
 to the same results."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -40,3 +43,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     gate, up = gate_up.split(size, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_and_mul(gate_up: torch.Tensor, approximate: str) -> torch.Tensor:
+    """gelu(gate) * up (GeGLU) for gate_up = [gate | up]; approximate: "tanh" (Gemma's) or "none"."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate) * up
+
+
+# act(gate) * up for each of ModelConfig's hidden_activation names (transformers' names).
+GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": silu_and_mul,
+    "gelu_pytorch_tanh": partial(gelu_and_mul, approximate="tanh"),
+    "gelu": partial(gelu_and_mul, approximate="none"),
+}

@@ -37,8 +37,15 @@ _GGUF_BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Per architecture, GGUF block tensors named otherwise: Phi-3's ffn_up holds gate and up rows together.
-_GGUF_ARCH_BLOCK_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# Per architecture, GGUF block tensors named otherwise: Phi-3's ffn_up holds gate and up rows together;
+# Gemma's ffn_norm is the norm before the MLP, beside norms on the attention and MLP outputs.
+_GEMMA_BLOCK_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+_GGUF_ARCH_BLOCK_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                          "gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES}
+# Hugging Face Gemma checkpoints store each RMSNorm's weight w for a scale of (1 + w); it is read as 1 + w
+# (llama.cpp's converter stores it so), and the model scales by its norm weights as they are.
+_HF_NORM_PLUS_ONE_ARCHITECTURES = ("gemma2", "gemma3")
 # GGUF tensors that are model facts, read into the config (model_config_from_gguf), not weights.
 GGUF_ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 # Checkpoint tensors that hold several of the model's weights stacked by rows (Phi-3's), in row order.
@@ -59,6 +66,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     for layer in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer}."
+        if config.sandwich_norms:
+            shapes |= {prefix + "pre_feedforward_layernorm.weight": (hidden,),
+                       prefix + "post_feedforward_layernorm.weight": (hidden,)}
         shapes |= {
             prefix + "input_layernorm.weight": (hidden,),
             prefix + "post_attention_layernorm.weight": (hidden,),
@@ -202,8 +212,13 @@ def load_safetensors_weights(folder: Path, config: ModelConfig,
             raise ValueError(f"{folder / file} is not a readable safetensors file: {exc}") from exc
     weight_shapes, stored = locate_weights(shapes, config, expected)
     names = check_weight_shapes(weight_shapes, config, expected, unused)
+    norms_plus_one = config.architecture in _HF_NORM_PLUS_ONE_ARCHITECTURES
 
     def read(name: str, shard: Shard | None) -> torch.Tensor:
+        weight = read_stored(name, shard)
+        return weight.float() + 1 if norms_plus_one and name.endswith("norm.weight") else weight
+
+    def read_stored(name: str, shard: Shard | None) -> torch.Tensor:
         rows = stored[name]
         if shard is None and rows.whole:
             return handles[name].get_tensor(name)
