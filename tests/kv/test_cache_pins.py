@@ -11,8 +11,7 @@ from pagedllm.engine.request import CachePin, Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.worker.model_free_runner import ModelFreeRunner
-from tests.test_kv_manager import new_request
-from tests.test_scheduler import EOS, MAX_MODEL_LEN, PLAIN, FakeModel, step
+from tests.scheduling import EOS, MAX_MODEL_LEN, PLAIN, FakeModel, new_request, step
 
 BLOCK = 4
 

@@ -12,16 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pagedllm.kv import manager as manager_module
 from pagedllm.kv.block_pool import BlockPool, hash_block
 from pagedllm.kv.manager import RELEASED, KVCacheManager
-
-
-def new_request(manager, request_id, token_ids, cache_salt=None):
-    """What the scheduler does for a new request: prefix lookup, then slots for all tokens."""
-    cached = manager.get_computed_blocks(request_id, token_ids, cache_salt)
-    num_computed = len(cached) * manager.block_size
-    if not manager.allocate_slots(request_id, len(token_ids), num_computed, cached):
-        return None
-    manager.record_prefix_lookup(len(token_ids), num_computed)
-    return num_computed
+from tests.scheduling import new_request
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])

@@ -1,6 +1,6 @@
 """The engine on a CUDA GPU: greedy tokens against transformers, the KV pool sized by a profile run, pinned step
 inputs, and no host synchronisation in a step but the fetch of its sampled ids. They skip without a GPU;
-scripts/gpu_check.sh runs them (the Triton kernels' own tests, tests/test_triton_kernels.py, run on the GPU there
+scripts/gpu_check.sh runs them (the Triton kernels' own tests, tests/model/test_triton_kernels.py, run on the GPU there
 too, with the tolerances their `tolerance` states)."""
 import numpy as np
 import pytest

@@ -13,7 +13,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from pagedllm.bench.reliability.server import ServerProcess
 
-TOLERANCE = 1e-5   # as tests/test_pooling.py: float32 on both sides
+TOLERANCE = 1e-5   # as tests/model/test_pooling.py: float32 on both sides
 FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--served-model-name", "tiny")
 TEXTS = ["the cat sat on the mat", "blue sky and sea", "a dog runs"]
 

@@ -29,7 +29,7 @@ API_KEY = "dashboard-key"
 TIMEOUT = 120   # seconds: a generous bound for what the page must come to show
 # The README's screenshot is rewritten only when asked (PAGEDLLM_UPDATE_DOCS=1), so a test run leaves the checkout
 # as it found it.
-DOCS_SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "dashboard.png"
+DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "dashboard.png"
 # Three full blocks of 16 tokens and a partial one, so the samples of n = 4 share full blocks.
 PROMPT = ("In the harbour town the lighthouse keeper climbed the spiral stairs every evening, counting each "
           "of the hundred steps aloud, and lit the great lamp that guided the fishing boats home.")

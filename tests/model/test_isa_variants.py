@@ -15,13 +15,14 @@ pytestmark = pytest.mark.kernels
 
 SUBPROCESS_TIMEOUT = 1800   # seconds: a hung child fails the test instead of hanging the suite
 # The tests that compare every compiled kernel with its PyTorch reference.
-KERNEL_TESTS = ["tests/test_layer_ops.py", "tests/test_attention.py", "tests/test_cascade_attention.py",
-                "tests/test_sampling.py::test_logits_summary_kernel_matches_logsumexp_and_argmax",
-                "tests/test_quantization.py::test_repack_is_exact_against_gguf",
-                "tests/test_quantization.py::test_quantized_linear_against_float_reference",
-                "tests/test_quantization.py::test_quantized_linear_in_bfloat16",
-                "tests/test_quantization.py::test_batch_invariant_rows_do_not_depend_on_the_batch_they_share"]
-ROOT = Path(__file__).resolve().parent.parent
+KERNEL_TESTS = ["tests/model/test_layer_ops.py", "tests/model/test_attention.py",
+                "tests/model/test_cascade_attention.py",
+                "tests/worker/test_sampling.py::test_logits_summary_kernel_matches_logsumexp_and_argmax",
+                "tests/model/test_quantization.py::test_repack_is_exact_against_gguf",
+                "tests/model/test_quantization.py::test_quantized_linear_against_float_reference",
+                "tests/model/test_quantization.py::test_quantized_linear_in_bfloat16",
+                "tests/model/test_quantization.py::test_batch_invariant_rows_do_not_depend_on_the_batch_they_share"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_best_variant_the_cpu_supports_is_chosen():

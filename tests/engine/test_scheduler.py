@@ -15,10 +15,7 @@ from pagedllm.kv.manager import KVCacheManager
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.model_free_runner import ModelFreeRunner
-
-EOS = 2
-PLAIN = SamplingParams(temperature=0)
-MAX_MODEL_LEN = 256
+from tests.scheduling import EOS, MAX_MODEL_LEN, PLAIN, FakeModel, step
 
 
 def request(request_id: str, prompt_len: int, max_tokens: int = 8, params: SamplingParams = PLAIN,
@@ -27,49 +24,11 @@ def request(request_id: str, prompt_len: int, max_tokens: int = 8, params: Sampl
                    arrival_time=arrival)
 
 
-class FakeModel:
-    """Plays the model: the token each sampling row gets comes from `next_token(request_id, length)`
-    (default: counting up from 100), beams get random-free candidates, so runs are exact."""
-
-    def __init__(self, next_token=None):
-        self.next_token = next_token or (lambda request_id, length: 100 + length)
-
-    def __call__(self, batch, rows, num_new, sampling_rows) -> ModelRunnerOutput:
-        req_ids = [batch.req_ids[row] for row in sampling_rows.tolist()]
-        tokens = [self.next_token(request_id, int(batch.num_tokens[row]))
-                  for request_id, row in zip(req_ids, sampling_rows.tolist())]
-        candidates = [[token, token + 1, token + 2, token + 3] for token in tokens]
-        values = [[-0.1, -0.2, -0.3, -0.4] for _ in tokens]
-        return ModelRunnerOutput(req_ids, tokens, [-0.5] * len(tokens), candidates, values)
-
-
 def engine(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64,
            next_token=None, **kwargs) -> tuple[Scheduler, ModelFreeRunner]:
     kv = KVCacheManager(num_blocks, block_size)
     return (Scheduler(kv, max_num_seqs, budget, **kwargs),
             ModelFreeRunner(MAX_MODEL_LEN, block_size, FakeModel(next_token)))
-
-
-def step(scheduler: Scheduler, runner: ModelFreeRunner) -> tuple[SchedulerOutput, list[tuple[Request, int]]]:
-    plan = scheduler.schedule()
-    output = runner.execute_model(plan)
-    assert_batch_mirrors_scheduler(scheduler, runner, plan)
-    return plan, scheduler.update_from_output(plan, output)
-
-
-def assert_batch_mirrors_scheduler(scheduler: Scheduler, runner: ModelFreeRunner, plan: SchedulerOutput) -> None:
-    """After the runner applied a step: it holds exactly the running requests the scheduler sent, each with
-    the scheduler's tokens, computed count and block table."""
-    batch = runner.input_batch
-    sent = {r.request_id for r in scheduler.running if r.worker_num_tokens}
-    assert set(batch.req_ids) == sent and len(batch.req_ids) == len(sent)
-    for request_id in plan.num_scheduled_tokens:
-        req = scheduler.requests[request_id]
-        row = batch.row_of[request_id]
-        assert batch.token_ids[row, :batch.num_tokens[row]].tolist() == req.all_token_ids
-        assert batch.num_computed_tokens[row] == req.num_computed_tokens
-        assert batch.block_table[row, :batch.num_blocks[row]].tolist() == scheduler.kv_manager.get_block_table(
-            request_id)
 
 
 def run_until_done(scheduler: Scheduler, runner: ModelFreeRunner, limit: int = 1000) -> list[SchedulerOutput]:
