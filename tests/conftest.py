@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+    AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+    Qwen3Config, Qwen3MoeConfig,
 )
 
 from pagedllm.bench.reliability.server import ServerProcess  # noqa: E402
@@ -79,6 +80,16 @@ TINY_ARCHS = {
     "phi3": (Phi3Config, {"partial_rotary_factor": 0.5, "pad_token_id": 0}),
     "phi3-longrope": (Phi3Config, {"num_attention_heads": 2, "num_key_value_heads": 1, "pad_token_id": 0,
                                    "original_max_position_embeddings": 128, "rope_scaling": _LONGROPE}),
+    # Mixtures of 8 experts, 2 per token: Mixtral renormalises the top 2 (softmax over their logits);
+    # Qwen2-MoE leaves them unnormalised, adds its sigmoid-gated shared expert, and keeps layer 1 dense
+    # (mlp_only_layers); Qwen3-MoE renormalises and routes every second layer (decoder_sparse_step 2).
+    "mixtral": (MixtralConfig, {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "qwen2moe": (Qwen2MoeConfig, {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+                                  "mlp_only_layers": [1]}),
+    "qwen3moe": (Qwen3MoeConfig, {"head_dim": 32, "num_hidden_layers": 4, "num_experts": 8,
+                                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                  "decoder_sparse_step": 2}),
 }
 
 

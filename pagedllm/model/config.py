@@ -6,6 +6,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.model.moe_config import MoeConfig, moe_config_from_gguf, moe_config_from_hf
 from pagedllm.model.rope_scaling import context_length, resolve_rope_scaling
 
 HF_ARCHITECTURES = {
@@ -14,9 +15,12 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
-# llama.cpp names Mistral models "llama" too: they compute the same thing.
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+# llama.cpp names Mistral and Mixtral models "llama" too: they compute the same thing (Mixtral with experts).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe")
 _LAYER_TYPES = frozenset({"sliding_attention", "full_attention"})
 # llama.cpp's general.file_type values for unquantized files; quantized files have no natural dtype.
 _GGUF_FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
@@ -47,6 +51,7 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    moe: MoeConfig | None = None   # the experts of a mixture-of-experts model
 
     @property
     def context_length(self) -> int:
@@ -92,14 +97,16 @@ def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelC
         max_position_embeddings=config["max_position_embeddings"],
         layer_windows=_hf_layer_windows(config, architecture),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases, and its configs do not say so.
-        attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_norm=architecture == "qwen3",
+        # Qwen2 always has q/k/v biases, and its configs do not say so; Qwen2-MoE's may (qkv_bias).
+        attention_bias=(architecture == "qwen2" or bool(config.get("attention_bias", False))
+                        or (architecture == "qwen2moe" and config.get("qkv_bias", True))),
+        qk_norm=architecture in ("qwen3", "qwen3moe"),
         torch_dtype=config.get("dtype") or config.get("torch_dtype"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_ordered_union(
             _as_ids(config.get("eos_token_id")), _as_ids((generation_config or {}).get("eos_token_id"))
         ),
+        moe=moe_config_from_hf(config, architecture),
     )
 
 
@@ -132,12 +139,13 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
     num_attention_heads = required("attention.head_count")
     head_dim = optional("attention.key_length", hidden_size // num_attention_heads)
     max_position_embeddings = required("context_length")
+    num_layers = required("block_count")
     return ModelConfig(
         architecture=architecture,
         vocab_size=optional("vocab_size", None) or len(metadata["tokenizer.ggml.tokens"]),
         hidden_size=hidden_size,
         intermediate_size=required("feed_forward_length"),
-        num_hidden_layers=required("block_count"),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=optional("attention.head_count_kv", num_attention_heads),
         head_dim=head_dim,
@@ -147,7 +155,7 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
         rope_scaling=resolve_rope_scaling(_gguf_rope_scaling(optional, rope_factors), max_position_embeddings),
         max_position_embeddings=max_position_embeddings,
         # llama.cpp's sliding window applies to every layer (Phi-3); it stores none for Mistral.
-        layer_windows=(optional("attention.sliding_window", None) or None,) * required("block_count"),
+        layer_windows=(optional("attention.sliding_window", None) or None,) * num_layers,
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
@@ -157,6 +165,7 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
         eos_token_ids=_ordered_union(
             *(_as_ids(metadata.get(f"tokenizer.ggml.{kind}_token_id")) for kind in ("eos", "eot", "eom"))
         ),
+        moe=moe_config_from_gguf(architecture, optional, tensor_names, num_layers, required("feed_forward_length")),
     )
 
 
@@ -181,10 +190,10 @@ def _gguf_rope_scaling(optional: Callable[[str, Any], Any], rope_factors: Mappin
 def _hf_layer_windows(config: Mapping[str, Any], architecture: str) -> tuple[int | None, ...]:
     """Each layer's sliding window as transformers applies it: `layer_types` where the config lists them;
     otherwise Mistral and Phi-3 window every layer, and Qwen2 (with use_sliding_window) the layers from
-    max_window_layers on."""
+    max_window_layers on; Qwen2-MoE every other layer below max_window_layers."""
     num_layers = config["num_hidden_layers"]
     window = config.get("sliding_window")
-    if architecture == "qwen2" and not config.get("use_sliding_window", False):
+    if architecture in ("qwen2", "qwen2moe") and not config.get("use_sliding_window", False):
         window = None
     if not window:
         return (None,) * num_layers
@@ -192,6 +201,10 @@ def _hf_layer_windows(config: Mapping[str, Any], architecture: str) -> tuple[int
     if kinds is None and architecture == "qwen2":
         first = config.get("max_window_layers", num_layers)
         kinds = ["sliding_attention" if layer >= first else "full_attention" for layer in range(num_layers)]
+    if kinds is None and architecture == "qwen2moe":
+        below = config.get("max_window_layers", num_layers)
+        kinds = ["sliding_attention" if layer % 2 == 0 and layer < below else "full_attention"
+                 for layer in range(num_layers)]
     if kinds is None:
         kinds = ["sliding_attention"] * num_layers
     if len(kinds) != num_layers or not set(kinds) <= _LAYER_TYPES:
