@@ -1,6 +1,7 @@
 """Test tooling: GGUF files written with `gguf`'s own writer from a transformers model's state dict, laid
 out as llama.cpp's converter (convert_hf_to_gguf.py) lays them out: its tensor names, its q/k row
-permutation for Llama, Phi-3's fused tensors and rope factor tensors, its metadata keys."""
+permutation for Llama, Phi-3's fused tensors and rope factor tensors, experts stacked in 3-D tensors, its
+metadata keys."""
 from __future__ import annotations
 
 import math
@@ -27,7 +28,15 @@ GGUF_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",   # Phi-3: gate and up rows in one tensor
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# transformers holds each layer's experts stacked: gate and up rows in one [experts, 2 * inter, hidden] tensor.
+STACKED_EXPERTS = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
+                   "mlp.experts.down_proj": ("ffn_down_exps",)}
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -37,9 +46,11 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
-               extra: dict[str, np.ndarray] | None = None, tokenizer_from: Path | None = None) -> None:
+               extra: dict[str, np.ndarray] | None = None, tokenizer_from: Path | None = None,
+               expert_type: gguf.GGMLQuantizationType | None = None) -> None:
     """A float32 GGUF of arch (llama.cpp's architecture name), plus extra tensors named as in GGUF;
-    tokenizer_from: a GGUF whose tokenizer keys are copied (so the file runs on its own)."""
+    tokenizer_from: a GGUF whose tokenizer keys are copied (so the file runs on its own); expert_type: the
+    quantized type of the experts' tensors (routed and shared; the router stays float32, as llama.cpp keeps it)."""
     writer = gguf.GGUFWriter(path, arch)
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -56,10 +67,25 @@ def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
     writer.add_layer_norm_rms_eps(hf_config.rms_norm_eps)
     writer.add_vocab_size(hf_config.vocab_size)
     writer.add_eos_token_id(2)
+    _expert_metadata(writer, hf_config)
     tensors = _rope_metadata(writer, hf_config, rope)
+
+    def add(name: str, values: np.ndarray) -> None:
+        if expert_type is not None and name.endswith("ffn_gate_inp_shexp.weight"):
+            values = values.reshape(-1)   # Qwen2-MoE's [1, hidden] shared-expert gate, as quantized files hold it
+        if expert_type is not None and ("_exps." in name or "_shexp." in name) and "_inp_" not in name:
+            writer.add_tensor(name, gguf.quants.quantize(values, expert_type), raw_dtype=expert_type)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values))
+
     for hf_name, tensor in state.items():
         stem, kind = hf_name.rsplit(".", 1)
         values = tensor.float().numpy()
+        if (stacked := hf_name.split(".", 3)[-1]) in STACKED_EXPERTS:
+            layer = hf_name.split(".")[2]
+            for part, name in zip(np.split(values, len(STACKED_EXPERTS[stacked]), axis=1), STACKED_EXPERTS[stacked]):
+                add(f"blk.{layer}.{name}.weight", part)
+            continue
         if stem.startswith("model.layers."):
             _, _, layer, part = stem.split(".", 3)
             name = f"blk.{layer}.{GGUF_NAMES[part]}.{kind}"
@@ -69,7 +95,7 @@ def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
                 values = llama_cpp_permute(values, hf_config.num_key_value_heads)
         else:
             name = f"{GGUF_NAMES[stem]}.{kind}"
-        writer.add_tensor(name, np.ascontiguousarray(values))
+        add(name, values)
     for name, values in {**tensors, **(extra or {})}.items():
         writer.add_tensor(name, values)
     if tokenizer_from is not None:
@@ -81,6 +107,19 @@ def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _expert_metadata(writer: gguf.GGUFWriter, hf_config) -> None:
+    """The expert keys of Mixtral (whose feed_forward_length is each expert's), Qwen2-MoE and Qwen3-MoE."""
+    num_experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    if not num_experts:
+        return
+    writer.add_expert_count(num_experts)
+    writer.add_expert_used_count(hf_config.num_experts_per_tok)
+    if getattr(hf_config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(hf_config.moe_intermediate_size)
+    if getattr(hf_config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(hf_config.shared_expert_intermediate_size)
 
 
 def _rope_metadata(writer: gguf.GGUFWriter, hf_config, rope: dict) -> dict[str, np.ndarray]:

@@ -166,7 +166,8 @@ def test_block_tables_hold_ceil_of_length_while_running(tiny_llama_dir):
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
 
 
-@pytest.mark.parametrize("arch, gguf_arch", [("phi3", "phi3"), ("phi3-longrope", "phi3"), ("qwen2-yarn", "qwen2")])
+@pytest.mark.parametrize("arch, gguf_arch", [("phi3", "phi3"), ("phi3-longrope", "phi3"), ("qwen2-yarn", "qwen2"),
+                                            ("mixtral", "llama"), ("qwen2moe", "qwen2moe"), ("qwen3moe", "qwen3moe")])
 def test_gguf_written_from_the_folder_gives_its_logits(arch, gguf_arch, make_tiny_model_dir, bundled_gguf_path,
                                                        tmp_path):
     """llama.cpp's layout (Phi-3's fused qkv and gate_up, longrope factors as tensors, yarn keys) read back
