@@ -96,6 +96,9 @@ TINY_CASES = {
     "qwen3-qk-norm": ("qwen3", {}),
     "tied-embeddings": ("llama", {"tie_word_embeddings": True}),
     "one-kv-head-replicated": ("llama", {"num_key_value_heads": 1}),
+    # Every expert's intermediate size split over the ranks, the routing replicated; a dense layer beside.
+    "mixtral-experts": ("mixtral", {}),
+    "qwen2moe-shared-expert": ("qwen2moe", {}),
 }
 
 
