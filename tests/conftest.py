@@ -84,6 +84,8 @@ TINY_ARCHS = {
     # Qwen2-MoE leaves them unnormalised, adds its sigmoid-gated shared expert, and keeps layer 1 dense
     # (mlp_only_layers); Qwen3-MoE renormalises and routes every second layer (decoder_sparse_step 2).
     "mixtral": (MixtralConfig, {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "mixtral-window": (MixtralConfig, {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                       "sliding_window": 20}),
     "qwen2moe": (Qwen2MoeConfig, {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
                                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
                                   "mlp_only_layers": [1]}),

@@ -8,10 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gguf_files import write_gguf
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.model.linear import QuantizedLinear
 from pagedllm.model.quantization import quantize
-from test_model_vs_transformers import GREEDY, assert_matches_reference
+from test_model_vs_transformers import GREEDY, LOGPROB_TOLERANCE, assert_matches_reference, reference_greedy
 
 # Each tiny MoE (conftest.TINY_ARCHS) and llama.cpp's architecture name for it.
 MOE_ARCHS = {"mixtral": "llama", "qwen2moe": "qwen2moe", "qwen3moe": "qwen3moe"}
@@ -48,6 +48,21 @@ def test_routings_hit_several_experts_and_leave_some_unused(arch, make_tiny_mode
     assert max(distinct) > config.num_experts_per_tok, "no step spread its tokens over more than top_k experts"
     assert min(distinct) < num_experts, "no step left an expert unused"
     assert set().union(*(chosen.flatten().tolist() for chosen in picks)) == set(range(num_experts))
+
+
+@pytest.mark.parametrize("attention_backend", ["torch", "triton"])
+def test_experts_run_beside_every_attention_backend(attention_backend, make_tiny_model_dir, tmp_path):
+    """The experts are plain torch ops, the same under each backend (Triton's kernels interpreted on a CPU)."""
+    folder = make_tiny_model_dir(tmp_path, "qwen2moe")
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", attention_backend=attention_backend)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    for prompt in prompts_of((5, 19), seed=6):
+        completion = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        tokens, logprobs = reference_greedy(reference, prompt, params.max_tokens)
+        assert completion.token_ids == tokens
+        for step, token, ref_step in zip(completion.logprobs, tokens, logprobs):
+            assert step[token].logprob == pytest.approx(ref_step[token].item(), abs=LOGPROB_TOLERANCE)
 
 
 def q8_0_round_trip(values: np.ndarray) -> np.ndarray:
