@@ -128,3 +128,9 @@ def test_expert_sizes_that_do_not_split_are_refused(moe_intermediate_size, tp_si
     with pytest.raises(ValueError, match=message):
         LLM(str(folder), dtype="float32", kv_cache_memory="8MiB", quantization=quantization,
             tensor_parallel_size=tp_size)
+
+
+def test_batch_invariance_is_refused_for_the_float_routers(make_tiny_model_dir, tmp_path):
+    folder = make_tiny_model_dir(tmp_path, "mixtral")
+    with pytest.raises(ValueError, match=r"batch_invariant=True .* layers\.0\.mlp\.gate holds float weights"):
+        LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", quantization="int8", batch_invariant=True)
