@@ -14,6 +14,7 @@ _PUBLIC = {
     "Logprob": "pagedllm.outputs",
     "BeamSearchParams": "pagedllm.engine.beam_search",
     "BeamSearchOutput": "pagedllm.engine.beam_search",
+    "CachePin": "pagedllm.engine.request",
     "PoolingParams": "pagedllm.pooling_params",
     "PoolerConfig": "pagedllm.pooling_params",
     "PoolingRequestOutput": "pagedllm.outputs",

@@ -66,6 +66,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enable_prefix_caching: bool = True
+    # Most of the KV pool that cache pins (Anthropic's cache_control) may hold; a pin past it is shortened.
+    max_pinned_kv_cache_fraction: float = 0.25
     enable_chunked_prefill: bool = True
     # Sequences sharing leading KV blocks read them once per step (CPU kernels; model/cascade.py). Off by
     # default until it measures faster end to end (docs/kv-cache.md, "Shared-prefix (cascade) attention").
@@ -110,6 +112,10 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not (isinstance(self.max_pinned_kv_cache_fraction, (int, float))
+                and not isinstance(self.max_pinned_kv_cache_fraction, bool)
+                and 0 <= self.max_pinned_kv_cache_fraction <= 1):
+            raise ValueError(f"max_pinned_kv_cache_fraction must be in [0, 1], got {self.max_pinned_kv_cache_fraction!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_cascade_attention", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -37,6 +37,7 @@ class RequestOutput:
     # When asked: None for the first prompt token, then each token's {id: Logprob} (it and the top-k).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    num_pinned_tokens: int = 0   # prompt tokens its cache pins hold in the prefix cache (see CachePin)
     error: str | None = None   # set when the request failed inside the engine (finish_reason "error")
 
 

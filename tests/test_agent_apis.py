@@ -335,11 +335,13 @@ def test_messages_errors_in_anthropics_shape_and_the_key_header(server, claude):
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
                                tool_choice={"type": "any"})   # any tool of no tools
+    # cache_control breakpoints (longer TTLs first, as Anthropic requires; tests/test_messages_cache_control.py
+    # covers what they pin and the usage they report).
     cached = httpx.post(url, headers=headers, timeout=TIMEOUT, json={
         "model": MODEL, "max_tokens": 2, "system": [{"type": "text", "text": "Be brief.",
-                                                     "cache_control": {"type": "ephemeral"}}],
+                                                     "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi",
-                                                   "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}]})
+                                                   "cache_control": {"type": "ephemeral"}}]}]})
     assert cached.status_code == 200, cached.text
 
 

@@ -28,6 +28,14 @@ def table_rows(out: str, header: str) -> list[str]:
     return rows
 
 
+def tiny_workload(tmp_path) -> str:
+    """A workload file in the shared format, with token ids inside the tiny model's vocabulary."""
+    workload = tmp_path / "workload.jsonl"
+    workload.write_text("".join(json.dumps({"prompt_token_ids": list(range(10 + i, 30 + i)), "max_tokens": 4}) + "\n"
+                                for i in range(4)))
+    return str(workload)
+
+
 def run_bench(capsys, *argv: str) -> str:
     args = cli.parse_args(["bench", *argv])
     args.handler(args)
@@ -35,11 +43,7 @@ def run_bench(capsys, *argv: str) -> str:
 
 
 def test_throughput_prints_a_row_per_quantization(tiny_dir, capsys, tmp_path):
-    # A workload file in the shared format, with token ids inside the tiny model's vocabulary.
-    workload = tmp_path / "workload.jsonl"
-    workload.write_text("".join(json.dumps({"prompt_token_ids": list(range(10 + i, 18 + i)), "max_tokens": 4}) + "\n"
-                                for i in range(4)))
-    out = run_bench(capsys, "throughput", tiny_dir, "--dataset", str(workload),
+    out = run_bench(capsys, "throughput", tiny_dir, "--dataset", str(tiny_workload(tmp_path)),
                     "--dtype", "float32", "--quantization", "none,int8", "--kv-cache-memory", "8MiB")
     rows = table_rows(out, "| backend | dtype | wall s | req/s | output tok/s | total tok/s |")
     assert len(rows) == 2 and all(row.split("|")[1].strip().startswith("pagedllm") for row in rows)
@@ -60,3 +64,39 @@ def test_kernels_prints_a_row_per_shape_format_and_row_count(capsys):
     out = run_bench(capsys, "kernels", "--rows", "1,3", "--min-time", "0.001")
     rows = table_rows(out, "| out x in | format | rows |")
     assert rows and {row.split("|")[3].strip() for row in rows} == {"1", "3"}
+
+
+def test_latency_prints_a_row_per_batch_size(tiny_dir, capsys):
+    out = run_bench(capsys, "latency", tiny_dir, "--batch-size", "1,2", "--input-len", "8", "--output-len", "3",
+                    "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--quantization", "none")
+    rows = table_rows(out, "| quantization | dtype | speculative | dataset | batch |")
+    assert [row.split("|")[5].strip() for row in rows] == ["1", "2"]
+
+
+def test_sweep_prints_a_row_per_block_size_and_writes_its_plot(tiny_dir, capsys, tmp_path):
+    plot = tmp_path / "sweep.png"
+    out = run_bench(capsys, "sweep", tiny_dir, "--dataset", tiny_workload(tmp_path), "--dtype", "float32",
+                    "--block-sizes", "8", "16", "--plot", str(plot))
+    rows = table_rows(out, "| block size | output tok/s | KV waste |")
+    assert [row.split("|")[1].strip() for row in rows] == ["8", "16"]
+    assert plot.stat().st_size > 0
+
+
+def test_scheduling_prints_its_split_of_the_step(tiny_dir, capsys):
+    out = run_bench(capsys, "scheduling", tiny_dir, "--num-seqs", "4", "--steps", "3", "--prompt-len", "16",
+                    "--dtype", "float32")
+    rows = table_rows(out, "| per step | median | p99 | share of step time |")
+    assert [row.split("|")[1].strip() for row in rows] == ["scheduler + KV bookkeeping", "step preparation", "both"]
+
+
+def test_structured_prints_a_row_per_mode(tiny_dir, capsys):
+    out = run_bench(capsys, "structured", tiny_dir, "--batch", "2", "--steps", "2", "--rounds", "1",
+                    "--prompt-len", "8", "--dtype", "float32")
+    rows = table_rows(out, "| batch of decode steps | median step | p90 | against plain |")
+    assert [row.split("|")[1].strip() for row in rows] == ["2 plain", "2 under a JSON schema",
+                                                           "1 plain + 1 under the schema"]
+
+
+def test_accuracy_prints_its_agreement_table(tiny_dir, capsys):
+    out = run_bench(capsys, "accuracy", tiny_dir, "--num-prompts", "2", "--max-tokens", "4", "--no-chat")
+    assert len(table_rows(out, "| identical sequences | mean common prefix | same token at a position |")) == 1

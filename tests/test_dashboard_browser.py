@@ -1,11 +1,13 @@
 """The dashboard in a real headless Chromium (Debian's chromium + chromium-driver, through selenium)
 against a real `pagedllm serve --api-key` on loopback. What the page shows is compared with the
-server's own /metrics and /v1/kv_map, polled until they agree (never a guessed sleep).
+server's own /metrics and /v1/kv_map, polled until they agree (never a guessed sleep). The server is the
+fault-injection launcher, whose hold freezes the engine while the page is hovered and plotted under load.
 The last test stops the server and watches the page say so; a screenshot is taken under load
 (docs/dashboard.png with PAGEDLLM_UPDATE_DOCS=1)."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import threading
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagedllm.bench.reliability import faults
 from pagedllm.bench.reliability.server import ServerProcess, poll
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (scripts/setup.sh --tests installs it)")
@@ -30,12 +33,14 @@ DOCS_SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "dashboard.png"
 # Three full blocks of 16 tokens and a partial one, so the samples of n = 4 share full blocks.
 PROMPT = ("In the harbour town the lighthouse keeper climbed the spiral stairs every evening, counting each "
           "of the hundred steps aloud, and lit the great lamp that guided the fishing boats home.")
+STEP_TOKENS = 64   # the engine's token budget per step: a longer prompt's prefill takes several steps
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServerProcess(tmp_path_factory.mktemp("dashboard") / "server.log", "--kv-cache-memory", "64MiB",
-                            "--max-model-len", "512", "--served-model-name", "smollm2", api_key=API_KEY)
+    process = ServerProcess(tmp_path_factory.mktemp("dashboard") / "server.log", "--kv-cache-memory", "128MiB",
+                            "--max-model-len", "2048", "--max-num-batched-tokens", str(STEP_TOKENS),
+                            "--served-model-name", "smollm2", api_key=API_KEY, fault_injection=True)
     yield process
     process.stop()
 
@@ -94,32 +99,48 @@ def test_page_loads_without_console_errors_and_shows_every_block(server, browser
     assert browser.find_element("id", "cell-count").text.startswith(f"{total} blocks")
 
 
+def running_requests(server) -> int:
+    return int(server.engine_figures().running)
+
+
 def test_streaming_requests_show_in_use_cells_matching_metrics_and_shared_ones(server, browser, tmp_path):
-    threads = [stream_in_background(server, n=4, temperature=1.0, max_tokens=200)]
+    """Four samples of one prompt and three other requests decode; then a request longer than a step's token
+    budget is held by the launcher part-way through its prefill. The engine skips its steps from then on, so
+    all of them stay in flight, holding their blocks, while the test hovers a shared block and the page
+    gathers the frames of its plots; closing the held stream ends the hold and the others run to their end."""
+    threads = [stream_in_background(server, n=4, temperature=1.0, max_tokens=300),
+               *(stream_in_background(server, f"Story {index}: {PROMPT}", max_tokens=300) for index in range(3))]
     try:
-        def agreement():
-            counts = page_counts(browser)
-            page_used = counts["in_use"] + counts["shared"] + counts["copying"]
-            return page_used, used_blocks_in_metrics(server), max(page_codes(browser)) >> 1
-        page_used, metrics_used, top_ref = poll(agreement, lambda a: a[0] == a[1] > 0 and a[2] == 4, TIMEOUT)
-        assert page_used == metrics_used > 0
-        assert top_ref == 4                                   # the prompt's full blocks, held by 4 samples
-        # Hover a shared block while the 4 samples still hold it (before the long wait for the screenshot,
-        # in which they may finish): the tooltip names its owners as /v1/kv_map does.
-        codes = page_codes(browser)
-        block_id = codes.index(max(codes))
-        owners = httpx.get(f"{server.url}/v1/kv_map", headers=server.headers).json()["blocks"][block_id]["owners"]
-        tooltip = hover(browser, block_id)
-        assert f"block {block_id}" in tooltip and "ref count 4" in tooltip
-        assert all(owner in tooltip for owner in owners) and len(owners) == 4
-        # More requests for the screenshot, taken once the page lists them all and has a few seconds of plots.
-        threads += [stream_in_background(server, f"Story {index}: {PROMPT}", max_tokens=120) for index in range(3)]
-        poll(lambda: browser.execute_script(
-            "return [document.querySelectorAll('#requests tbody tr').length, window.kvDashboard.state.history.length]"),
-            lambda shown: shown[0] >= 7 and shown[1] >= 25, TIMEOUT)
-        screenshot = DOCS_SCREENSHOT if os.environ.get("PAGEDLLM_UPDATE_DOCS") else tmp_path / "dashboard.png"
-        browser.save_screenshot(str(screenshot))
-        assert screenshot.stat().st_size > 10_000
+        assert poll(lambda: running_requests(server), lambda running: running == 7, TIMEOUT) == 7
+        hold_prompt = faults.unique_prompt(random.Random(5), 5 * STEP_TOKENS)
+        with faults.held_prefill(server, "smollm2", hold_prompt) as held:
+            assert held, "the launcher never held the engine"
+            # Nothing finished before the hold (300 tokens each against the few steps it took): 7 + the held one.
+            assert running_requests(server) == 8
+
+            def agreement():
+                counts = page_counts(browser)
+                page_used = counts["in_use"] + counts["shared"] + counts["copying"]
+                return page_used, used_blocks_in_metrics(server), max(page_codes(browser)) >> 1
+            page_used, metrics_used, top_ref = poll(agreement, lambda a: a[0] == a[1] > 0 and a[2] == 4, TIMEOUT)
+            assert page_used == metrics_used > 0
+            assert top_ref == 4                                   # the prompt's full blocks, held by 4 samples
+            # The tooltip of a shared block names its owners as /v1/kv_map does.
+            codes = page_codes(browser)
+            block_id = codes.index(max(codes))
+            owners = httpx.get(f"{server.url}/v1/kv_map", headers=server.headers).json()["blocks"][block_id]["owners"]
+            tooltip = hover(browser, block_id)
+            assert f"block {block_id}" in tooltip and "ref count 4" in tooltip
+            assert all(owner in tooltip for owner in owners) and len(owners) == 4
+            # The screenshot, once the page lists every request and has 25 frames of plots.
+            shown = poll(lambda: browser.execute_script(
+                "return [document.querySelectorAll('#requests tbody tr').length, "
+                "window.kvDashboard.state.history.length]"), lambda shown: shown[0] >= 8 and shown[1] >= 25, TIMEOUT)
+            assert shown[0] >= 8 and shown[1] >= 25, shown
+            assert faults.hold_counts(server)["held"], "the hold ended before the page was read"
+            screenshot = DOCS_SCREENSHOT if os.environ.get("PAGEDLLM_UPDATE_DOCS") else tmp_path / "dashboard.png"
+            browser.save_screenshot(str(screenshot))
+            assert screenshot.stat().st_size > 10_000
     finally:
         for thread in threads:
             thread.join()

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -30,9 +31,9 @@ from tests.utils import collect, greedy, random_prompts
 
 ENGINE_SETTINGS = dict(dtype="float32", kv_cache_memory="16MiB")
 TIMEOUT = 120          # seconds: a stream or a cluster that never answers fails the test, not hangs it
-# max_tokens of a request that must still be running when the test acts on it, one Ray call after its
-# first output: thousands of engine steps against one round trip.
-LONG = 3000
+# max_tokens of a request the test acts on while it runs: a StepGate holds its replica after its first
+# output, so it stays running (holding its blocks) however fast the machine steps.
+LONG = 32
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # before Ray starts: nothing leaves the machine
 
 
@@ -73,7 +74,8 @@ def test_flags_and_yaml_reach_the_config(tmp_path):
 
 def _stats(num_blocks, used, running, waiting, hits, queries, step):
     kv = KVCacheUsage(num_blocks=num_blocks, num_used_blocks=used, num_free_blocks=num_blocks - used,
-                      num_cached_idle_blocks=1, num_shared_blocks=0, num_logical_blocks=used, num_tokens_stored=used,
+                      num_pinned_blocks=0, num_cached_idle_blocks=1, num_shared_blocks=0, num_logical_blocks=used,
+                      num_tokens_stored=used,
                       block_size=16, prefix_cache_queries=queries, prefix_cache_hits=hits)
     return EngineStats(kv_cache=kv, num_running=running, num_waiting=waiting, num_preemptions=1, last_step=step)
 
@@ -169,6 +171,55 @@ async def first_output(stream):
     return await stream.__anext__()
 
 
+class StepGate:
+    """Put on a replica's engine (inside its actor, by hold_after_first_output): once a step has given a
+    first output to one of `request_ids`, the engine skips its steps while that request is in it, until
+    released. Calls queued on the engine thread between steps still run (stats, aborts), so the test sees
+    the request running, its blocks held, for as long as it needs."""
+
+    POLL = 0.05   # seconds a held step waits for the release before the loop's next turn: no busy loop
+
+    def __init__(self, engine, request_ids: set[str]):
+        self.engine, self.request_ids = engine, request_ids
+        self.real_step = engine.step
+        self.held: set[str] = set()
+        self.released = threading.Event()
+
+    def step(self):
+        if self.released.is_set() or not self.held.intersection(self.engine.parents):
+            outputs = self.real_step()
+            self.held.update(output.request_id for output in outputs if output.request_id in self.request_ids)
+            return outputs
+        self.released.wait(self.POLL)
+        return []
+
+
+def install_gate(replica, request_ids: set[str]) -> None:
+    """Runs inside a replica's actor (Ray's __ray_call__ hands it the EngineReplica)."""
+    replica.step_gate = StepGate(replica.llm.engine, request_ids)
+    replica.llm.engine.step = replica.step_gate.step
+
+
+def release_gate(replica) -> None:
+    replica.step_gate.released.set()
+
+
+def hold_after_first_output(llm, *request_ids: str) -> None:
+    """Every replica holds its engine once one of request_ids has had its first output."""
+    import ray
+
+    # The gate's code travels by value: a replica's worker process need not import this test module.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.get([replica.actor.__ray_call__.remote(install_gate, set(request_ids)) for replica in llm.replicas],
+            timeout=TIMEOUT)
+
+
+def release(replica) -> None:
+    import ray
+
+    ray.get(replica.actor.__ray_call__.remote(release_gate), timeout=TIMEOUT)
+
+
 def reference_outputs(model_dir, prompts, params):
     return LLM(str(model_dir), **ENGINE_SETTINGS).generate(prompts, params, use_tqdm=False)
 
@@ -198,43 +249,42 @@ def test_greedy_and_seeded_outputs_match_one_in_process_engine_and_both_replicas
 
 @pytest.mark.usefixtures("replicas_left_idle")
 def test_requests_go_to_the_least_loaded_replica_and_stats_add_up(llm):
+    hold_after_first_output(llm, "load-0", "load-1")
+
     async def scenario():
         streams = [llm.generate(prompt, greedy(LONG), f"load-{i}") for i, prompt in enumerate(random_prompts(2))]
         try:
-            for stream in streams:
+            for stream in streams:   # the second is sent once the first runs, held, on its replica
                 await first_output(stream)
             owners = {llm.replica_of(f"load-{i}").index for i in range(2)}
-            # Both keep decoding, so blocks only grow: the combined read falls between two per-replica reads.
-            before = await llm.replica_stats()
-            combined = await llm.stats()
-            after = await llm.replica_stats()
-            return owners, before, combined, after
+            return owners, await llm.replica_stats(), await llm.stats()
         finally:
             for stream in streams:
-                await stream.aclose()
+                await stream.aclose()   # aborts the request, which ends its replica's hold
 
-    owners, before, combined, after = run(scenario())
+    owners, replicas, combined = run(scenario())
     assert owners == {0, 1}   # the second request went to the replica that had none
 
-    def total(stats, figure):
-        return sum(figure(s.engine) for s in stats.values())
-    assert combined.num_running == total(before, lambda e: e.num_running) == 2
-    assert combined.kv_cache.num_blocks == total(before, lambda e: e.kv_cache.num_blocks)
-    used = lambda e: e.kv_cache.num_used_blocks   # noqa: E731
-    assert 0 < total(before, used) <= combined.kv_cache.num_used_blocks <= total(after, used)
+    def total(figure):
+        return sum(figure(s.engine) for s in replicas.values())
+    # Both replicas are held: their figures stand still between the two reads.
+    assert combined.num_running == total(lambda e: e.num_running) == 2
+    assert combined.kv_cache.num_blocks == total(lambda e: e.kv_cache.num_blocks)
+    assert combined.kv_cache.num_used_blocks == total(lambda e: e.kv_cache.num_used_blocks) > 0
 
 
 @pytest.mark.usefixtures("replicas_left_idle")
 @pytest.mark.parametrize("how", ["abort", "close"])
 def test_an_abort_frees_the_blocks_on_the_owning_replica(llm, how):
     request_id = f"abort-{how}"
+    hold_after_first_output(llm, request_id)
 
     async def scenario():
         stream = llm.generate(random_prompts(1, seed=7)[0], greedy(LONG), request_id)
         await first_output(stream)
         owner = llm.replica_of(request_id).index
         held = (await llm.replica_stats())[owner].engine
-        if how == "abort":
+        if how == "abort":   # either way the request leaves the engine, which ends the hold
             await llm.abort(request_id)
             rest = [output async for output in stream]   # ends quietly, with no finished output
             assert not any(output.finished for output in rest)
@@ -251,12 +301,15 @@ def test_killing_a_replica_fails_only_its_requests(ray_cluster, llm, model_dir, 
     prompts = random_prompts(4, seed=3)
     expected = reference_outputs(model_dir, prompts, [greedy(LONG)] * 2 + [greedy(8)] * 2)
 
+    hold_after_first_output(llm, "kill-0", "kill-1")
+
     async def scenario():
         streams = [llm.generate(prompt, greedy(LONG), f"kill-{i}") for i, prompt in enumerate(prompts[:2])]
-        firsts = [await first_output(stream) for stream in streams]
+        firsts = [await first_output(stream) for stream in streams]   # each running, held, on its replica
         victim = llm.replica_of("kill-0")
         survivor_index = 1 - victim.index
         ray_cluster.kill(victim.actor)
+        release(llm.replicas[survivor_index])
         with pytest.raises(EngineRequestError, match=f"engine replica {victim.index} died"):
             async for _ in streams[0]:
                 pass

@@ -1,9 +1,12 @@
-"""kv_cache_dtype end to end on the bundled model: every dtype generates, a smaller one holds more
-tokens in the same memory, bfloat16/float16 mostly agree with auto, bad values are refused by name."""
+"""kv_cache_dtype end to end on the bundled model: every dtype generates what transformers does when its K/V
+are rounded to that dtype as they are cached, a smaller dtype holds more tokens in the same memory, bad
+values are refused by name."""
+import copy
 import logging
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.accuracy import sequence_logprobs
@@ -21,6 +24,7 @@ KV_CACHE_MEMORY = 64 * 2**20
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 TORCH_NAMES = {"auto": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp8_e5m2": "float8_e5m2",
                "int8": "int8"}
+FLOAT32_TOLERANCE = 1e-4   # the suite's bound for two float32 computations of the same logprob
 
 
 def generate(llm, params=GREEDY):
@@ -33,11 +37,6 @@ def auto_llm():
     return LLM(dtype="float32", quantization="none", kv_cache_memory=KV_CACHE_MEMORY)
 
 
-@pytest.fixture(scope="module")
-def auto_tokens(auto_llm):
-    return [completions[0] for completions in generate(auto_llm)]
-
-
 def expected_num_blocks(config, kv_cache_dtype):
     """The pool for KV_CACHE_MEMORY, worked out here: per block of 16 tokens, K and V of every layer and kv
     head, head_dim elements of the dtype's size each, plus a 4-byte scale per token and kv head for int8."""
@@ -46,26 +45,83 @@ def expected_num_blocks(config, kv_cache_dtype):
     return KV_CACHE_MEMORY // (2 * config.num_hidden_layers * 16 * config.num_key_value_heads * per_head)
 
 
+class RoundingCache(DynamicCache):
+    """transformers' cache, storing each new K/V row as a kv_cache_dtype cache holds it: rounded to nearest
+    (bfloat16, float16, fp8 e5m2), or for int8 scaled by its absmax / 127 and rounded. Attention then reads
+    the rounded rows, the current token's included, as the engine's kernels do."""
+
+    def __init__(self, cache_dtype: torch.dtype):
+        super().__init__()
+        self.cache_dtype = cache_dtype
+
+    def round(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.cache_dtype != torch.int8:
+            return rows.to(self.cache_dtype).to(rows.dtype)
+        scales = rows.abs().amax(-1, keepdim=True) / 127
+        return torch.where(scales > 0, torch.round(rows / scales).clamp(-127, 127) * scales, 0)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(self.round(key_states), self.round(value_states), layer_idx, *args, **kwargs)
+
+
+def reference_logprobs(model, sequences: list[list[int]], cache_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Teacher-forced log-probabilities [len - 1, vocab] of each sequence, its K/V rounded as cached."""
+    with torch.no_grad():
+        return [torch.log_softmax(model(torch.tensor([sequence]), cache=RoundingCache(cache_dtype),
+                                        use_cache=True).logits[0, :-1].double(), dim=-1) for sequence in sequences]
+
+
+@pytest.fixture(scope="module")
+def float64_reference(bundled_reference):
+    return copy.deepcopy(bundled_reference).double()
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16", "fp8_e5m2", "int8"])
-def test_each_kv_cache_dtype_generates_in_a_pool_sized_for_it(kv_cache_dtype, auto_tokens, caplog):
+def test_each_kv_cache_dtype_generates_as_transformers_with_the_same_kv_rounding(
+        kv_cache_dtype, bundled_reference, float64_reference, caplog):
     with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
         llm = LLM(dtype="float32", quantization="none", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=KV_CACHE_MEMORY)
     assert f"KV cache: {TORCH_NAMES[kv_cache_dtype]}, " in caplog.text
     engine = llm.llm_engine
     assert engine.kv_manager.pool.num_blocks == expected_num_blocks(engine.model_config, kv_cache_dtype)
     assert engine.kv_manager.pool.num_blocks > 1.8 * expected_num_blocks(engine.model_config, "auto")
-    tokens = [completions[0] for completions in generate(llm)]
-    assert all(len(sequence) == MAX_TOKENS for sequence in tokens)
-    if kv_cache_dtype in ("bfloat16", "float16"):
-        # Rounding K/V to 8 (11) significant bits moves logits by ~1e-3: a near tie can flip a token
-        # and the rest of its sequence with it, but most positions must agree.
-        same = sum(a == b for ours, theirs in zip(tokens, auto_tokens) for a, b in zip(ours, theirs))
-        assert same >= 0.75 * MAX_TOKENS * len(PROMPTS)
+
+    outputs = llm.chat([[{"role": "user", "content": prompt}] for prompt in PROMPTS],
+                       SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1),
+                       use_tqdm=False)
+    completions = [output.outputs[0] for output in outputs]
+    sequences = [list(output.prompt_token_ids) + list(completion.token_ids)
+                 for output, completion in zip(outputs, completions)]
+    cache_dtype = getattr(torch, TORCH_NAMES[kv_cache_dtype])
+    rows32, rows64 = ([rows[-MAX_TOKENS:] for rows in reference_logprobs(model, sequences, cache_dtype)]
+                      for model in (bundled_reference, float64_reference))
+    # The reference in float32 and in float64 round K/V computed in another order: where a K/V element lies
+    # near a rounding boundary of cache_dtype the two land on neighbouring grid points, and the difference
+    # that makes in one layer moves later layers' K/V across more boundaries. So the two references part by
+    # far more than float32 noise (on this model up to ~0.01 for bfloat16, ~0.17 for fp8 e5m2's 2-bit mantissa
+    # and int8's absmax / 127 steps). The engine is one more such computation: it differs from the float64
+    # reference as the float32 one does (by `spread`), and so from the float32 reference by up to twice that
+    # (the triangle inequality), on top of float32 noise.
+    tokens = [torch.tensor(completion.token_ids) for completion in completions]
+    chosen32, chosen64 = ([rows[torch.arange(MAX_TOKENS), ids] for rows, ids in zip(reference, tokens)]
+                          for reference in (rows32, rows64))
+    spread = max(max((a - b).abs().max().item() for a, b in zip(chosen32, chosen64)),
+                 max((a.max(-1).values - b.max(-1).values).abs().max().item() for a, b in zip(rows32, rows64)))
+    tolerance = 2 * spread + FLOAT32_TOLERANCE
+    for completion, reference, theirs in zip(completions, rows32, chosen32):
+        ours = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)],
+                            dtype=torch.float64)
+        torch.testing.assert_close(ours, theirs, atol=tolerance, rtol=0,
+                                   msg=lambda text: f"{text}\n(the references' own spread: {spread:.3g})")
+        # Greedy: each token is the reference's top-1, or a near tie with it: both logprobs may move by the
+        # tolerance, in opposite directions.
+        assert (reference.max(-1).values - theirs <= 2 * tolerance).all(), (kv_cache_dtype, tolerance)
     if kv_cache_dtype == "int8":
         # Two greedy samples per prompt share the prompt's blocks, and the partial last block is copied
         # on write: the copies must carry their scales, or the second sample would read other K/V.
         pairs = generate(llm, SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-        assert [completions[0] for completions in pairs] == [completions[1] for completions in pairs] == tokens
+        alone = [list(completion.token_ids) for completion in completions]
+        assert [completions[0] for completions in pairs] == [completions[1] for completions in pairs] == alone
 
 
 def test_teacher_forcing_reproduces_the_engines_own_greedy_decode(auto_llm):

@@ -240,15 +240,18 @@ def test_pool_rejects_double_free():
 
 
 class KVManagerMachine(RuleBasedStateMachine):
-    """Random allocate / append / speculate (with rollback or abort) / fork / free / cache-hit / evict
-    sequences keep the books right."""
+    """Random allocate / append / speculate (with rollback or abort) / fork / free / cache-hit / evict / pin /
+    expire sequences keep the books right."""
 
     BLOCK_SIZE = 4
     SLIDING_WINDOW = None
+    MAX_PINNED_FRACTION = 0.5
 
     def __init__(self):
         super().__init__()
-        self.manager = KVCacheManager(num_blocks=16, block_size=self.BLOCK_SIZE, sliding_window=self.SLIDING_WINDOW)
+        self.now = 0.0
+        self.manager = KVCacheManager(num_blocks=16, block_size=self.BLOCK_SIZE, sliding_window=self.SLIDING_WINDOW,
+                                      max_pinned_fraction=self.MAX_PINNED_FRACTION, clock=lambda: self.now)
         self.tokens: dict[str, list[int]] = {}
         self.computed_at_growth: dict[str, int] = {}   # num_computed_tokens of the request's last growth
         self.counter = 0
@@ -326,6 +329,32 @@ class KVManagerMachine(RuleBasedStateMachine):
         del self.tokens[name]
         self.computed_at_growth.pop(name, None)
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), num_tokens=st.integers(0, 24), ttl_s=st.sampled_from([1.0, 5.0, 60.0]))
+    def pin(self, data, num_tokens, ttl_s):
+        """A request pins a prefix of its computed tokens: whole blocks, at most as many as are full."""
+        name = data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens = self.tokens[name]
+        num_tokens = min(num_tokens, len(tokens))
+        pinned = self.manager.pin_prefix(name, tokens, num_tokens, ttl_s)
+        assert pinned % self.BLOCK_SIZE == 0 and 0 <= pinned <= num_tokens
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 4.0, 100.0]))
+    def advance_clock(self, seconds):
+        self.now += seconds
+        self.manager.expire_pins()
+
+    @invariant()
+    def pins_hold_cached_blocks_within_the_bound(self):
+        pool = self.manager.pool
+        covering = Counter(block.block_id for pin in pool.pins.values() for block in pin.blocks)
+        for block in pool.blocks:
+            assert block.pin_count == covering[block.block_id], "pin count differs from the pins covering the block"
+        for pin in pool.pins.values():
+            assert pin.deadline > self.now, "an expired pin outlived a clock move"
+            assert all(pool.cached_blocks.get(block.block_hash) is block for block in pin.blocks)
+        assert pool.num_pinned_blocks == len(covering) <= self.manager.max_pinned_blocks
+
     @invariant()
     def books_balance(self):
         manager, pool = self.manager, self.manager.pool
@@ -336,11 +365,13 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert manager.get_block_table(name) == [RELEASED] * released + [block.block_id
                                                                               for block in table[released:]]
         free_ids = {block.block_id for block in pool.free_block_queue}
+        pinned_ids = {block.block_id for block in pool.blocks if block.pin_count}
         assert all(block.ref_count >= 0 for block in pool.blocks)
         for block in pool.blocks:
             assert block.ref_count == holders[block.block_id], "ref count differs from table entries"
         assert free_ids.isdisjoint(holders), "a block is both free and in use"
-        assert len(free_ids) + len(holders) == pool.num_blocks
+        assert free_ids.isdisjoint(pinned_ids), "a pinned block is evictable"
+        assert len(free_ids) + len(pinned_ids | set(holders)) == pool.num_blocks
         usage = manager.usage()
         assert usage.num_free_blocks + usage.num_used_blocks == usage.num_blocks
         assert usage.num_cached_idle_blocks <= usage.num_free_blocks
@@ -365,8 +396,10 @@ class KVManagerMachine(RuleBasedStateMachine):
     def teardown(self):
         for name in list(self.tokens):
             self.manager.free(name)
-        assert self.manager.pool.num_free_blocks == self.manager.pool.num_blocks
-        assert self.manager.usage().num_used_blocks == 0
+        pool = self.manager.pool
+        assert pool.num_free_blocks == pool.num_blocks - pool.num_pinned_blocks
+        self.now = math.inf
+        assert self.manager.usage().num_used_blocks == 0 and pool.num_free_blocks == pool.num_blocks
 
 
 TestKVManagerMachine = KVManagerMachine.TestCase

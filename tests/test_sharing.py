@@ -112,7 +112,7 @@ def test_cache_salt_shares_blocks_only_within_a_salt(tiny_dir):
     assert all(answer == answers[0] for answer in answers)
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
         llm.generate({"prompt_token_ids": tokens, "cache_salt": ""}, params, use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt keys must be among cache_salt, prompt, prompt_token_ids"):
+    with pytest.raises(ValueError, match="prompt keys must be among cache_pins, cache_salt, prompt, prompt_token_ids"):
         llm.generate({"prompt_token_ids": tokens, "cache_salts": "x"}, params, use_tqdm=False)
 
 

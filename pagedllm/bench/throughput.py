@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-attention", action="store_true",
                         help="run pagedllm under torch.profiler and report the time its decode and prefill "
                              "attention took (the profiler costs the run a little speed, alike on every run)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="pagedllm generates the whole workload this many times per configuration and reports the "
+                             "last (the peers' protocol, ../shared/bench/peers: 2, with --no-prefix-caching)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="enable_prefix_caching for pagedllm (off: a repeat cannot reuse the previous run's KV)")
     parser.add_argument("--hf-max-batch-size", type=int, default=16)
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--trace", metavar="FILE", default=None,
@@ -78,13 +83,16 @@ def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantiz
 
     llm = LLM(args.model, dtype=args.dtype, quantization=quantization, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory, enable_cascade_attention=CASCADE_VALUES[cascade])
+              kv_cache_memory=args.kv_cache_memory, enable_cascade_attention=CASCADE_VALUES[cascade],
+              enable_prefix_caching=args.prefix_caching)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
     trace = None
     if args.trace:
         trace = KVTrace(llm.llm_engine.kv_manager)
         llm.llm_engine.step_listeners.append(trace)
+    for _ in range(args.repeats - 1):   # untimed runs first: warm caches, touched KV pages, oneDNN's kernels
+        llm.generate(prompts, params, use_tqdm=False)
     profiler = _attention_profiler() if args.profile_attention else contextlib.nullcontext()
     started = time.perf_counter()
     with profiler as profile:

@@ -101,7 +101,7 @@ def capture(engine, recorder: StepRecorder | None = None) -> Capture:
     tables = {request_id: list(kv.get_block_table(request_id)) for request_id in kv.block_tables}
     counters = {"num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
                 "num_preemptions": scheduler.num_preemptions, "prefix_cache_queries": kv.prefix_cache_queries,
-                "prefix_cache_hits": kv.prefix_cache_hits}
+                "prefix_cache_hits": kv.prefix_cache_hits, "num_pinned_blocks": kv.pool.num_pinned_blocks}
     return Capture(time.monotonic(), block_codes(kv), rows, tables, counters,
                    recorder.take() if recorder is not None else None)
 
@@ -174,10 +174,12 @@ def kv_map_snapshot(engine) -> dict:
         row["block_table"] = list(kv.get_block_table(request_id)) if request_id in kv.block_tables else []
         requests.append(row)
     blocks = [{"block_id": block_id, "ref_count": code >> 1, "cached": bool(code & 1), "state": block_state(code),
-               "owners": owners.get(block_id, [])} for block_id, code in enumerate(codes)]
+               "pin_count": kv.pool.blocks[block_id].pin_count, "owners": owners.get(block_id, [])}
+              for block_id, code in enumerate(codes)]
     return {"num_blocks": kv.pool.num_blocks, "block_size": kv.block_size,
             "figures": {**block_figures(np.asarray(codes, dtype=np.int32)),
-                        "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits},
+                        "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
+                        "num_pinned_blocks": kv.pool.num_pinned_blocks},
             "blocks": blocks, "requests": requests}
 
 
@@ -208,6 +210,7 @@ def block_detail(engine, block_id: int) -> dict:
         token_ids = cached_token_ids(kv, block_id)
     code = block.ref_count * 2 + (block.block_hash is not None)
     return {"block_id": block_id, "ref_count": block.ref_count, "cached": block.block_hash is not None,
-            "state": block_state(code), "owners": owners, "prefix_hit_for": prefix_hit_for,
+            "state": block_state(code), "pin_count": block.pin_count, "owners": owners,
+            "prefix_hit_for": prefix_hit_for,
             "token_ids": token_ids,
             "text": engine.tokenizer.decode(token_ids, skip_special_tokens=False) if token_ids else ""}

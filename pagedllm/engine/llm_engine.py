@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.executor.abstract import Executor
 from pagedllm.engine.output_processor import BeamSearchParent, ChildState, ParentRequest, process_token
 from pagedllm.engine.pooling import PoolingParent, check_pooling_params, check_token_type_ids
-from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.request import CachePin, Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stats import EngineStats, StepStats
 from pagedllm.kv.manager import KVCacheManager
@@ -40,17 +41,19 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 PromptType = str | dict
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "cache_pins"})
 MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass(frozen=True)
 class CheckedPrompt:
-    """A prompt that can run: its text (if it had one), token ids, the max_tokens it gets, its cache salt."""
+    """A prompt that can run: its text (if it had one), token ids, the max_tokens it gets, its cache salt and
+    the prefixes it pins."""
     text: str | None
     token_ids: list[int]
     max_tokens: int
     cache_salt: str | None
+    cache_pins: tuple[CachePin, ...] = ()
 
 
 def cache_salt_of(prompt: PromptType) -> str | None:
@@ -60,6 +63,25 @@ def cache_salt_of(prompt: PromptType) -> str | None:
         raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
                          f"got {salt!r:.80}")
     return salt
+
+
+def cache_pins_of(prompt: PromptType, num_prompt_tokens: int, enable_prefix_caching: bool) -> tuple[CachePin, ...]:
+    """The `cache_pins` prompt key: CachePins within the prompt, with a positive, finite ttl_s."""
+    pins = prompt.get("cache_pins") if isinstance(prompt, dict) else None
+    if not pins:
+        return ()
+    if not enable_prefix_caching:
+        raise ValueError("cache_pins keep prefixes in the prefix cache, which this engine runs without "
+                         "(enable_prefix_caching=False)")
+    if not isinstance(pins, (list, tuple)) or not all(isinstance(pin, CachePin) for pin in pins):
+        raise ValueError(f"cache_pins must be a list of CachePin, got {pins!r:.80}")
+    for pin in pins:
+        if not (isinstance(pin.num_tokens, int) and 0 <= pin.num_tokens <= num_prompt_tokens):
+            raise ValueError(f"cache_pins: num_tokens must be an integer from 0 to the prompt's {num_prompt_tokens} "
+                             f"tokens, got {pin.num_tokens!r}")
+        if not (isinstance(pin.ttl_s, (int, float)) and 0 < pin.ttl_s < math.inf):
+            raise ValueError(f"cache_pins: ttl_s must be a positive number of seconds, got {pin.ttl_s!r}")
+    return tuple(pins)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -139,7 +161,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          config.enable_prefix_caching and self.pooling is None,
                                          kv_release_window([self.model_config, *filter(None, [self.draft_config])],
-                                                           self.max_model_len))
+                                                           self.max_model_len),
+                                         config.max_pinned_kv_cache_fraction)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)
         speculation = SpeculationPlanner(config.speculative_config) if config.speculative_config else None
@@ -252,7 +275,7 @@ class LLMEngine:
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]} "
-                         f"(either with an optional 'cache_salt'), got {type(prompt).__name__}")
+                         f"(either with an optional 'cache_salt' and 'cache_pins'), got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | PoolingParams,
@@ -269,6 +292,7 @@ class LLMEngine:
         if isinstance(params, BeamSearchParams):
             search = BeamSearch(request_id, checked.token_ids, params, self.model_config.eos_token_ids,
                                 checked.max_tokens, checked.cache_salt, arrival_time, priority)
+            search.first_request.cache_pins = checked.cache_pins
             parent = BeamSearchParent(request_id, checked.text, checked.token_ids, search, self.tokenizer)
             self.parents[request_id] = parent
             self.beam_searches.append(parent)
@@ -285,7 +309,7 @@ class LLMEngine:
             child_id = request_id if num_children == 1 else f"{index}_{request_id}"
             request = Request(child_id, prompt_ids, child_params, self.model_config.eos_token_ids,
                               checked.max_tokens, arrival_time=arrival_time, priority=priority,
-                              cache_salt=checked.cache_salt)
+                              cache_salt=checked.cache_salt, cache_pins=checked.cache_pins)
             if params.structured_outputs is not None:
                 request.grammar = self.structured_output.request_grammar(params.structured_outputs)
             children.append(ChildState(request, index,
@@ -313,7 +337,11 @@ class LLMEngine:
         token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
         if isinstance(prompt, dict):
             cache_salt_of(prompt)
-            prompt = {key: value for key, value in prompt.items() if key not in ("token_type_ids", "cache_salt")}
+            if prompt.get("cache_pins"):
+                raise ValueError("cache_pins apply to generation: a pooling prompt is computed whole and never "
+                                 "reuses cached blocks")
+            prompt = {key: value for key, value in prompt.items()
+                      if key not in ("token_type_ids", "cache_salt", "cache_pins")}
         token_ids = self._tokenize(prompt)[1]
         if not token_ids:
             raise ValueError("prompt must not be empty")
@@ -355,7 +383,8 @@ class LLMEngine:
         rope_key = rope_length_key(self.model_config.rope_scaling, len(prompt_ids), self.max_model_len)
         if rope_key is not None:   # K/V that depend on the prompt's length are shared only at that length
             cache_salt = f"{cache_salt or ''}\x00{rope_key}"
-        return CheckedPrompt(text, prompt_ids, max_tokens, cache_salt)
+        cache_pins = cache_pins_of(prompt, len(prompt_ids), self.kv_manager.enable_prefix_caching)
+        return CheckedPrompt(text, prompt_ids, max_tokens, cache_salt, cache_pins)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Token ids the params name must be in the vocabulary."""

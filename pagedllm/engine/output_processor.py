@@ -69,7 +69,8 @@ class ParentRequest:
             prompt_logprobs = None if self._prompt_logprobs_reported else prompt_logprobs
             self._prompt_logprobs_reported = True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
-                             prompt_logprobs=prompt_logprobs, num_cached_tokens=self.num_cached_tokens, error=error)
+                             prompt_logprobs=prompt_logprobs, num_cached_tokens=self.num_cached_tokens,
+                             num_pinned_tokens=self.children[0].request.num_pinned_tokens, error=error)
 
     @property
     def num_cached_tokens(self) -> int:

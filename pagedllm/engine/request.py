@@ -23,6 +23,14 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
+@dataclass(frozen=True)
+class CachePin:
+    """Keep the KV of the prompt's first num_tokens tokens (its full blocks) cached for ttl_s seconds
+    after the prefill computes them (Anthropic's cache_control, the `cache_pins` prompt key)."""
+    num_tokens: int
+    ttl_s: float
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence to generate.
@@ -38,9 +46,11 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: str | None = None   # enters the first KV block's hash: only equal salts share cached blocks
+    cache_pins: tuple[CachePin, ...] = ()   # prefixes pinned in the prefix cache once the prompt is computed
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0   # of those, found in the prefix cache when it was last admitted (vLLM's name)
+    num_pinned_tokens: int = 0   # prompt tokens its cache_pins hold (the longest), once its prompt is computed
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
     error: str | None = None

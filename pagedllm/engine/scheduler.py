@@ -27,6 +27,10 @@ compiled (others run meanwhile); each step carries the bitmask of the rows that 
 (filled by the `structured_output` manager the engine passes in), and `update_from_output` advances
 their matchers. With no such request, none of this runs.
 
+A request with cache pins (Anthropic's cache_control) pins those prefixes of its prompt once the prompt is
+computed; pins expire at the start of a step. A waiting request that cannot get its blocks while nothing runs
+(so nothing would ever free them) drops pins, the nearest deadline first, rather than wait for them.
+
 With speculation (a SpeculationPlanner), a decoding request may take 1 + k rows: its next token and k
 proposals, all counted in the token budget and given slots. After the step it keeps the KV of the
 tokens it accepted only: `KVCacheManager.rollback` gives back the rejected slots, and blocks are cached
@@ -95,6 +99,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
+        self.kv_manager.expire_pins()
         scheduled: list[tuple[Request, int]] = []
         budget = self.max_num_batched_tokens
         running, add = self.running, scheduled.append
@@ -252,7 +257,9 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not kv.allocate_slots(request.request_id, num_computed + num_new, num_computed, cached):
+            if not kv.allocate_slots(request.request_id, num_computed + num_new, num_computed, cached) and not (
+                    not self.running and kv.drop_pins_for(num_new)
+                    and kv.allocate_slots(request.request_id, num_computed + num_new, num_computed, cached)):
                 break
             kv.record_prefix_lookup(request.num_tokens, num_computed)
             self.waiting.pop(index)
@@ -303,6 +310,8 @@ class Scheduler:
             request.num_computed_tokens = computed = request.num_computed_tokens + num_new
             if num_new > 1 or computed % block_size == 0:   # a decode fills a block only at a block boundary
                 cache_full_blocks(request_id, request.all_token_ids, computed)
+            if request.cache_pins and computed - num_new < request.num_prompt_tokens <= computed:
+                self._pin_prefixes(request)
         sampled = []
         searches = []
         token_ids, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
@@ -332,6 +341,12 @@ class Scheduler:
         if speculated:
             self._keep_verified(scheduler_output, runner_output)
         return sampled
+
+    def _pin_prefixes(self, request: Request) -> None:
+        """Once its prompt is computed (every full block cached), the request pins the prefixes it asked for."""
+        pin_prefix = self.kv_manager.pin_prefix
+        request.num_pinned_tokens = max(pin_prefix(request.request_id, request.all_token_ids, pin.num_tokens, pin.ttl_s)
+                                        for pin in request.cache_pins)
 
     def _keep_verified(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         """After a speculative step: each request's KV now holds its decode token and the proposals it

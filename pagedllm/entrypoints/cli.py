@@ -87,6 +87,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=_UNSET,
                        help=f"reuse the KV blocks of shared prompt prefixes "
                             f"{_default(EngineConfig, 'enable_prefix_caching')}")
+    group.add_argument("--max-pinned-kv-cache-fraction", type=float, default=_UNSET,
+                       help="most of the KV pool that prompt-cache pins (the Messages API's cache_control) may hold; a "
+                            "pin past it is shortened to what fits "
+                            f"{_default(EngineConfig, 'max_pinned_kv_cache_fraction')}")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=_UNSET,
                        help=f"split long prompts across steps {_default(EngineConfig, 'enable_chunked_prefill')}")
     group.add_argument("--enable-cascade-attention", action=argparse.BooleanOptionalAction, default=_UNSET,

@@ -12,13 +12,19 @@ released first) and released to the back.
 A cached block is found by its hash but handed out only if the key it was cached
 under (parent hash, token ids, extra key) equals the one asked for, so a hash
 collision, accidental or crafted, can never give one request another's KV.
+
+A pin keeps a cached prefix's blocks out of the free queue until its deadline (Anthropic's
+cache_control): a block is evictable only when neither a request nor a pin holds it. Pins are
+counted per block apart from ref_count, so they compose with each other and with running requests.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 BlockHash = bytes
 # What a full block's hash is computed over: the parent block's hash (None for the first block),
@@ -31,11 +37,12 @@ _ROOT_HASH = secrets.token_bytes(32)
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_count", "block_hash", "block_key", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_count", "pin_count", "block_hash", "block_key", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
+        self.pin_count = 0   # live pins covering the block (pins of different prefixes may share it)
         self.block_hash: BlockHash | None = None
         self.block_key: BlockKey | None = None    # set with block_hash, while the block is cached
         self.prev_free: KVBlock | None = None
@@ -43,7 +50,19 @@ class KVBlock:
 
     def __repr__(self) -> str:
         digest = self.block_hash.hex()[:12] if self.block_hash else None
-        return f"KVBlock({self.block_id}, ref_count={self.ref_count}, hash={digest})"
+        return f"KVBlock({self.block_id}, ref_count={self.ref_count}, pin_count={self.pin_count}, hash={digest})"
+
+    @property
+    def is_free(self) -> bool:
+        """Held by no request and no pin: in the free queue, evictable."""
+        return self.ref_count == 0 and self.pin_count == 0
+
+
+@dataclass
+class PrefixPin:
+    """A cached prefix's blocks, kept until `deadline` (on the clock of whoever pinned them)."""
+    blocks: list[KVBlock]
+    deadline: float
 
 
 def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...], extra_key: str | None = None) -> BlockHash:
@@ -100,10 +119,13 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        self.pins: dict[BlockHash, PrefixPin] = {}   # by the hash of the prefix's last block
+        self.num_pinned_blocks = 0                    # blocks with pin_count > 0
+        self._next_deadline = math.inf                # no pin expires before this (it may be earlier than any)
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks nobody holds, idle cached ones included (they are evicted on demand)."""
+        """Blocks no request or pin holds, idle cached ones included (they are evicted on demand)."""
         return self.free_block_queue.num_free_blocks
 
     @property
@@ -125,7 +147,7 @@ class BlockPool:
     def touch(self, blocks: list[KVBlock]) -> None:
         """Takes one more reference on each block (a prefix-cache hit or a fork)."""
         for block in blocks:
-            if block.ref_count == 0:
+            if block.is_free:
                 self.free_block_queue.remove(block)
             block.ref_count += 1
 
@@ -135,7 +157,7 @@ class BlockPool:
             if block.ref_count <= 0:
                 raise RuntimeError(f"KV block {block.block_id} freed more often than it was taken")
             block.ref_count -= 1
-            if block.ref_count == 0:
+            if block.is_free:
                 self.free_block_queue.append(block)
 
     def lookup(self, block_hash: BlockHash, block_key: BlockKey) -> KVBlock | None:
@@ -152,3 +174,62 @@ class BlockPool:
     def num_cached_idle_blocks(self) -> int:
         """Free blocks that still hold reusable prefix KV (derived by a walk; for stats, not hot paths)."""
         return sum(1 for block in self.free_block_queue if block.block_hash is not None)
+
+    def pin(self, blocks: list[KVBlock], deadline: float, max_pinned_blocks: int) -> int:
+        """Pins a cached prefix's leading blocks until `deadline`, as many as keep the pinned blocks within
+        max_pinned_blocks (blocks pinned already cost nothing); returns how many. Pinning a prefix that is
+        pinned already moves its deadline out, never in."""
+        room = max_pinned_blocks - self.num_pinned_blocks
+        num_kept = 0
+        for block in blocks:
+            if block.block_hash is None:
+                raise RuntimeError(f"KV block {block.block_id} is not in the prefix cache: only cached blocks pin")
+            if block.pin_count == 0:
+                if room == 0:
+                    break
+                room -= 1
+            num_kept += 1
+        if num_kept == 0:
+            return 0
+        kept = blocks[:num_kept]
+        existing = self.pins.get(kept[-1].block_hash)
+        if existing is not None:
+            existing.deadline = max(existing.deadline, deadline)
+            return num_kept
+        for block in kept:
+            if block.pin_count == 0:
+                if block.ref_count == 0:
+                    self.free_block_queue.remove(block)
+                self.num_pinned_blocks += 1
+            block.pin_count += 1
+        self.pins[kept[-1].block_hash] = PrefixPin(kept, deadline)
+        self._next_deadline = min(self._next_deadline, deadline)
+        return num_kept
+
+    def unpin_expired(self, now: float) -> None:
+        """Drops the pins whose deadline has come: their blocks are evictable again unless held otherwise."""
+        if now < self._next_deadline:   # every step asks; most steps nothing expires
+            return
+        for key in [key for key, pin in self.pins.items() if pin.deadline <= now]:
+            self._unpin(key)
+        self._next_deadline = min((pin.deadline for pin in self.pins.values()), default=math.inf)
+
+    def drop_pins_until_free(self, num_blocks: int) -> bool:
+        """Drops pins, the nearest deadline first, until num_blocks blocks are free or no pin is left;
+        whether any was dropped."""
+        dropped = False
+        for key in sorted(self.pins, key=lambda key: self.pins[key].deadline):
+            if self.num_free_blocks >= num_blocks:
+                break
+            self._unpin(key)
+            dropped = True
+        return dropped
+
+    def _unpin(self, key: BlockHash) -> None:
+        """Last block first back to the free queue, so that a prefix's head stays cached longest."""
+        for block in reversed(self.pins.pop(key).blocks):
+            block.pin_count -= 1
+            if block.pin_count == 0:
+                self.num_pinned_blocks -= 1
+                if block.ref_count == 0:
+                    self.free_block_queue.append(block)

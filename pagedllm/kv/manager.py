@@ -14,9 +14,15 @@ With a sliding window (a model whose every layer attends only to a token's last 
 keys) the leading blocks that no coming token can see are released as the request grows: its table
 keeps their entries (id RELEASED), so a position's entry stays at its index, but holds them no longer;
 cached ones stay in the prefix cache until evicted, as any freed block.
+
+A request may pin a computed prefix of its tokens for a while (pin_prefix): the prefix's cached blocks
+stay in the pool until the deadline, at most max_pinned_fraction of the pool in all (a longer pin is
+shortened to what fits); deadlines are read from an injectable clock.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.kv.block_pool import BlockHash, BlockKey, BlockPool, KVBlock, hash_block
@@ -39,8 +45,9 @@ def blocks_outside_window(num_computed_tokens: int, sliding_window: int, block_s
 class KVCacheUsage:
     """Figures derived from the pool and the block tables at one instant."""
     num_blocks: int
-    num_used_blocks: int        # held by at least one request
+    num_used_blocks: int        # held by at least one request or pin
     num_free_blocks: int        # held by none (cached-idle ones included)
+    num_pinned_blocks: int      # held by a pin (a request may hold them too)
     num_cached_idle_blocks: int  # free, but still holding reusable prefix KV
     num_shared_blocks: int      # held by more than one request
     num_logical_blocks: int     # table entries over all requests: what no sharing would need
@@ -67,11 +74,16 @@ class KVCacheUsage:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, max_pinned_fraction: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if not 0 <= max_pinned_fraction <= 1:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
+        self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
+        self.clock = clock
         self.block_tables: dict[str, list[KVBlock]] = {}
         # The same tables as block ids, kept in step with them: the runner reads every running request's
         # table each step, and rebuilding these lists then cost a quarter of the scheduler's time.
@@ -154,7 +166,7 @@ class KVCacheManager:
                 self.num_tokens[request_id] = num_total_tokens
             return True
         num_new = blocks_needed(num_total_tokens, self.block_size) - len(table) - len(cached_blocks)
-        reclaimed = sum(1 for block in cached_blocks if block.ref_count == 0)
+        reclaimed = sum(1 for block in cached_blocks if block.is_free)
         if max(num_new, 0) + needs_copy > self.pool.num_free_blocks - reclaimed:
             return False
         block_ids = self._block_ids.setdefault(request_id, [])
@@ -204,6 +216,30 @@ class KVCacheManager:
         for index in range(max(self._num_cached_blocks[request_id], self.num_released_blocks(request_id)), num_full):
             self.pool.cache(table[index], hashes[index], self._block_key(request_id, token_ids, index, hashes))
         self._num_cached_blocks[request_id] = num_full
+
+    def pin_prefix(self, request_id: str, token_ids: list[int], num_tokens: int, ttl_s: float) -> int:
+        """Pins the cached full blocks among the request's first num_tokens tokens for ttl_s seconds, from
+        the first block as far as they are cached and the bound allows; returns the tokens pinned."""
+        if not self.enable_prefix_caching:
+            return 0
+        num_full = num_tokens // self.block_size
+        hashes = self._hashes(request_id, token_ids, num_full * self.block_size)
+        blocks = []
+        for index in range(num_full):
+            block = self.pool.lookup(hashes[index], self._block_key(request_id, token_ids, index, hashes))
+            if block is None:
+                break
+            blocks.append(block)
+        return self.pool.pin(blocks, self.clock() + ttl_s, self.max_pinned_blocks) * self.block_size
+
+    def expire_pins(self) -> None:
+        """Unpins the prefixes whose time is up (cheap when none is)."""
+        self.pool.unpin_expired(self.clock())
+
+    def drop_pins_for(self, num_tokens: int) -> bool:
+        """Drops pins (the nearest deadline first) until a request of num_tokens new tokens would find its
+        blocks free; whether any was dropped. For a request that nothing else would ever make room for."""
+        return self.pool.drop_pins_until_free(blocks_needed(num_tokens, self.block_size))
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Shrinks the request's table to cover num_tokens (the verified ones) after a speculative step
@@ -261,6 +297,8 @@ class KVCacheManager:
             self.pool.free(table[released:][::-1])
 
     def usage(self) -> KVCacheUsage:
+        """The figures now; pins whose time is up are dropped first (an idle engine runs no step to do it)."""
+        self.expire_pins()
         filled: dict[int, int] = {}
         for request_id, table in self.block_tables.items():
             num_tokens = self.num_tokens[request_id]
@@ -273,6 +311,7 @@ class KVCacheManager:
             num_blocks=pool.num_blocks,
             num_used_blocks=pool.num_used_blocks,
             num_free_blocks=pool.num_free_blocks,
+            num_pinned_blocks=pool.num_pinned_blocks,
             num_cached_idle_blocks=pool.num_cached_idle_blocks(),
             num_shared_blocks=sum(1 for block in pool.blocks if block.ref_count > 1),
             num_logical_blocks=sum(len(table) - self.num_released_blocks(request_id)

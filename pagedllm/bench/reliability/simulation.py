@@ -276,7 +276,7 @@ def check_free_queue(pool) -> list[str]:
         problems.append(f"free queue: {len(ids) - len(linked)} blocks linked more than once")
     if len(forward) != pool.num_free_blocks:
         problems.append(f"free queue: {len(forward)} blocks linked but num_free_blocks is {pool.num_free_blocks}")
-    free = {block.block_id for block in pool.blocks if block.ref_count == 0}
+    free = {block.block_id for block in pool.blocks if block.is_free}
     if linked != free:
         problems.append(f"free queue: {len(linked - free)} held blocks in it, {len(free - linked)} free "
                         "blocks missing from it")

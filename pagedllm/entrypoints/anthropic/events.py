@@ -15,8 +15,12 @@ _DELTA_TYPES = {"text": ("text_delta", "text"), "tool_call": ("input_json_delta"
 
 
 def usage(num_prompt_tokens: int, choice: ChoiceState) -> AnthropicUsage:
-    return AnthropicUsage(input_tokens=num_prompt_tokens - choice.num_cached_tokens,
-                          cache_read_input_tokens=choice.num_cached_tokens, output_tokens=len(choice.token_ids))
+    """Anthropic's split of the prompt: read from the cache, written to it at the breakpoints (pinned tokens
+    that were not read), and the rest."""
+    created = max(0, choice.num_pinned_tokens - choice.num_cached_tokens)
+    return AnthropicUsage(input_tokens=num_prompt_tokens - choice.num_cached_tokens - created,
+                          cache_creation_input_tokens=created, cache_read_input_tokens=choice.num_cached_tokens,
+                          output_tokens=len(choice.token_ids))
 
 
 def stop_reason(choice: ChoiceState, called_tools: bool) -> tuple[str, str | None]:

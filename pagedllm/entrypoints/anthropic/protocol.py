@@ -17,7 +17,8 @@ from pagedllm.entrypoints.openai.structured_requests import StrictModel
 
 
 class CacheControl(StrictModel):
-    """Accepted on any block: every prompt's full KV blocks stay in the prefix cache until evicted."""
+    """A breakpoint: the prompt prefix up to and including this block stays in the prefix cache for the ttl
+    (5 minutes unless "1h"), within --max-pinned-kv-cache-fraction of the KV pool."""
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
 
@@ -136,6 +137,9 @@ class CountTokensRequest(RequestModel):
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    cache_control: CacheControl | None = None  # marks the last block (one of the 4 breakpoints)
+    output_config: OutputConfig | None = None
+    speed: Literal["standard"] | None = None   # one speed: "fast" is not a mode this server has
 
 
 class MessagesRequest(CountTokensRequest):
@@ -147,10 +151,7 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None   # one tier: a no-op
-    speed: Literal["standard"] | None = None   # one speed: "fast" is not a mode this server has
     inference_geo: str | None = None           # where it runs is where this server is: a no-op
-    cache_control: CacheControl | None = None  # marks the last block, as cache_control on a block does
-    output_config: OutputConfig | None = None
 
 
 # ---- response ----

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request, Response
 from pagedllm.entrypoints.anthropic.events import MessageBuilder
 from pagedllm.entrypoints.anthropic.protocol import (ANTHROPIC_ERROR_RESPONSES, CountTokensRequest,
                                                      CountTokensResponse, MessageResponse, MessagesRequest)
-from pagedllm.entrypoints.anthropic.translate import MESSAGES_NAMES, chat_request
+from pagedllm.entrypoints.anthropic.translate import MESSAGES_NAMES, cache_breakpoints, chat_request
 from pagedllm.entrypoints.openai.answer_segments import streamed_events, whole_answer
 from pagedllm.entrypoints.openai.errors import ANTHROPIC_PATH_PREFIX, APIError, error_body
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
@@ -36,7 +36,8 @@ async def create_message(body: MessagesRequest, raw_request: Request):
     state = _state(raw_request)
     check_undeclared_fields(body)
     try:
-        run = start_chat(chat_request(body), raw_request, state, f"msg_{uuid.uuid4().hex}")
+        run = start_chat(chat_request(body), raw_request, state, f"msg_{uuid.uuid4().hex}",
+                         cache_breakpoints(body))
     except APIError as error:
         raise renamed(error, MESSAGES_NAMES) from error
     builder = MessageBuilder(MessageResponse(id=run.request_id, model=state.model_name,
@@ -67,6 +68,7 @@ async def count_tokens(body: CountTokensRequest, raw_request: Request) -> CountT
     state.check_model(body.model)
     try:
         chat = chat_request(body)
+        cache_breakpoints(body)   # refused as /v1/messages would refuse them
         mode = tool_choice_mode(chat.tools, chat.tool_choice, state.enable_auto_tool_choice)
     except APIError as error:
         raise renamed(error, MESSAGES_NAMES) from error

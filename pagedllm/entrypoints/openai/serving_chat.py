@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request, Response
 
 from pagedllm.entrypoints.openai.chat_output import ChoiceParser, ParsedDelta, whole_tool_calls
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_field
+from pagedllm.engine.request import CachePin
+from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                                  ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice,
-                                                  DeltaMessage)
+                                                  ChatCompletionResponse, ChatMessage, ChatResponseMessage,
+                                                  ChatStreamChoice, DeltaMessage)
 from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, ServerState, collect_choices, has_news,
                                                         note_prompt_facts, usage)
 from pagedllm.entrypoints.openai.streams import SSE_DONE, sse_error, sse_event, sse_response, unless_disconnected
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from pagedllm.entrypoints.openai.tool_requests import forced_tool_schema, tool_choice_mode
+from pagedllm.entrypoints.openai.tool_requests import ChatCompletionTool, forced_tool_schema, tool_choice_mode
 from pagedllm.outputs import RequestOutput
 
 
@@ -34,16 +36,50 @@ class ChatRun:
     new_parser: Callable[[], ChoiceParser]   # one per choice: reasoning, then tool calls apart from content
 
 
-def start_chat(body: ChatCompletionRequest, raw_request: Request, state: ServerState, request_id: str) -> ChatRun:
-    """Checks the request (a 400 naming the field at fault) and hands it to the engine."""
+@dataclass(frozen=True)
+class CacheBreakpoint:
+    """The conversation cut after a block marked to keep cached (Anthropic's cache_control), for ttl_s seconds."""
+    messages: list[ChatMessage]
+    tools: list[ChatCompletionTool]
+    ttl_s: float
+    field: str   # the request field that marked it, for errors
+
+
+def _cache_pins(breakpoints: Sequence[CacheBreakpoint], prompt_ids: list[int], body: ChatCompletionRequest,
+                tools: list[ChatCompletionTool] | None, state: ServerState) -> list[CachePin]:
+    """Each breakpoint's prefix of the prompt: the tokens its cut conversation renders to that the whole prompt
+    starts with too (where a template puts a part elsewhere, such as tools after the system prompt, the prefix
+    ends where the two part). A cut the template cannot render alone (no messages) marks no tokens."""
+    pins = []
+    for breakpoint in breakpoints:
+        try:
+            prefix_ids = state.chat_prompt_ids(breakpoint.messages, False, breakpoint.tools if tools else None,
+                                               body.chat_template_kwargs)
+        except APIError:
+            prefix_ids = []
+        shared = next((index for index, (ours, whole) in enumerate(zip(prefix_ids, prompt_ids)) if ours != whole),
+                      min(len(prefix_ids), len(prompt_ids)))
+        pins.append(CachePin(shared, breakpoint.ttl_s))
+    return pins
+
+
+def start_chat(body: ChatCompletionRequest, raw_request: Request, state: ServerState, request_id: str,
+               cache_breakpoints: Sequence[CacheBreakpoint] = ()) -> ChatRun:
+    """Checks the request (a 400 naming the field at fault) and hands it to the engine, with the prompt prefixes
+    that cache_breakpoints mark to keep cached."""
     check_undeclared_fields(body)
     state.check_model(body.model)
     tool_mode = tool_choice_mode(body.tools, body.tool_choice, state.enable_auto_tool_choice)
     tools = body.tools if tool_mode != "none" else None   # "none": the template does not offer them either
     params = body.to_sampling_params(forced_tool_schema(tools, tool_mode, body.parallel_tool_calls) if tools else None)
     prompt_ids = state.chat_prompt_ids(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
+    if cache_breakpoints and not state.engine.config.enable_prefix_caching:
+        raise APIError(400, f"{cache_breakpoints[0].field}: keeping a prefix cached needs the prefix cache, which "
+                            "this server runs without (--no-enable-prefix-caching); leave cache_control out",
+                       param=cache_breakpoints[0].field)
     prompt = state.engine_prompt(prompt_ids, None, params, param="messages",
-                                 cache_salt=state.cache_salt(raw_request, body.cache_salt))
+                                 cache_salt=state.cache_salt(raw_request, body.cache_salt),
+                                 cache_pins=_cache_pins(cache_breakpoints, prompt_ids, body, tools, state))
     merged = state.generate([prompt], params, [request_id], body.priority)
 
     def new_parser() -> ChoiceParser:

@@ -11,6 +11,7 @@ from fastapi import Request
 from pagedllm.engine.async_llm import AsyncLLM, EngineOverloadedError
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.request import CachePin
 from pagedllm.engine.stats import EngineStats
 from pagedllm.entrypoints.openai.errors import APIError, api_error_for, sampling_field_named_in
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -87,14 +88,16 @@ class ServerState:
         return json.dumps([getattr(raw_request.state, "tenant", None), requested])
 
     def engine_prompt(self, token_ids: list[int], text: str | None, params: SamplingParams | BeamSearchParams,
-                      param: str, cache_salt: str | None = None) -> dict:
-        """The engine's prompt, checked now (length, token ids, KV room, salt) so a bad one is a 400, even
+                      param: str, cache_salt: str | None = None, cache_pins: list[CachePin] = ()) -> dict:
+        """The engine's prompt, checked now (length, token ids, KV room, salt, pins) so a bad one is a 400, even
         before a stream has started; the engine's ValueError names the numbers."""
         prompt: dict = {"prompt_token_ids": token_ids}
         if text is not None:
             prompt["prompt"] = text
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
+        if cache_pins:
+            prompt["cache_pins"] = list(cache_pins)
         try:
             self.engine.check_prompt(prompt, params)
         except ValueError as exc:
@@ -132,6 +135,7 @@ class ChoiceState:
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # its prompt's, when asked
     num_cached_tokens: int = 0   # its prompt's tokens served from the prefix cache
+    num_pinned_tokens: int = 0   # its prompt's tokens its cache pins hold (Anthropic's cache_control)
 
     def add(self, delta: CompletionOutput) -> None:
         self.text += delta.text
@@ -155,6 +159,7 @@ def note_prompt_facts(row: list[ChoiceState], output: RequestOutput) -> None:
     """What an output says of its prompt, kept with each of the prompt's choices."""
     for choice in row:
         choice.num_cached_tokens = output.num_cached_tokens
+        choice.num_pinned_tokens = output.num_pinned_tokens
         if output.prompt_logprobs is not None:
             choice.prompt_logprobs = output.prompt_logprobs
 
