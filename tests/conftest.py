@@ -89,6 +89,10 @@ TINY_ARCHS = {
     "qwen2moe": (Qwen2MoeConfig, {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
                                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
                                   "mlp_only_layers": [1]}),
+    # Qwen2-MoE's own window pattern: every other layer below max_window_layers (layer 0 here).
+    "qwen2moe-window": (Qwen2MoeConfig, {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+                                         "use_sliding_window": True, "sliding_window": 20, "max_window_layers": 2}),
     "qwen3moe": (Qwen3MoeConfig, {"head_dim": 32, "num_hidden_layers": 4, "num_experts": 8,
                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
                                   "decoder_sparse_step": 2}),

@@ -5,10 +5,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
 from gguf_files import write_gguf
 from pagedllm import LLM, SamplingParams
+from pagedllm.model.config import model_config_from_hf
 from pagedllm.model.linear import QuantizedLinear
 from pagedllm.model.quantization import quantize
 from test_model_vs_transformers import GREEDY, LOGPROB_TOLERANCE, assert_matches_reference, reference_greedy
@@ -134,3 +135,14 @@ def test_batch_invariance_is_refused_for_the_float_routers(make_tiny_model_dir, 
     folder = make_tiny_model_dir(tmp_path, "mixtral")
     with pytest.raises(ValueError, match=r"batch_invariant=True .* layers\.0\.mlp\.gate holds float weights"):
         LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", quantization="int8", batch_invariant=True)
+
+
+def test_qwen2_moe_windows_follow_transformers_when_the_config_lists_no_layer_types():
+    """Older Qwen2-MoE configs say use_sliding_window and max_window_layers only; transformers derives the
+    pattern (every other layer below max_window_layers), and so must pagedllm."""
+    config = Qwen2MoeConfig(num_hidden_layers=6, use_sliding_window=True, sliding_window=32, max_window_layers=4)
+    saved = {**config.to_dict(), "architectures": ["Qwen2MoeForCausalLM"]}
+    del saved["layer_types"]
+    windows = model_config_from_hf(saved, None).layer_windows
+    assert windows == tuple(32 if kind == "sliding_attention" else None for kind in config.layer_types)
+    assert windows == (32, None, 32, None, None, None)

@@ -98,6 +98,7 @@ TINY_CASES = {
     # Every expert's intermediate size split over the ranks, the routing replicated; a dense layer beside.
     "mixtral-experts": ("mixtral", {}),
     "qwen2moe-shared-expert": ("qwen2moe", {}),
+    "qwen3moe-sparse-every-second-layer": ("qwen3moe", {}),
 }
 
 
