@@ -96,6 +96,9 @@ TINY_ARCHS = {
     "qwen3moe": (Qwen3MoeConfig, {"head_dim": 32, "num_hidden_layers": 4, "num_experts": 8,
                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
                                   "decoder_sparse_step": 2}),
+    "qwen3moe-window": (Qwen3MoeConfig, {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 32, "use_sliding_window": True,
+                                         "sliding_window": 20}),
 }
 
 

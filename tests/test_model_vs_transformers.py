@@ -103,7 +103,7 @@ def test_gguf_and_safetensors_give_the_same_logits(bundled_llm, bundled_referenc
 
 TINY_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "qwen2-yarn", "llama-dynamic", "phi3", "phi3-longrope",
               "mistral-window", "qwen2-window", "mixtral", "mixtral-window", "qwen2moe",
-              "qwen2moe-window", "qwen3moe"]
+              "qwen2moe-window", "qwen3moe", "qwen3moe-window"]
 PROMPT_LENGTHS = (1, 5, 17, 33, 70, 130, 9, 48)
 # Past the original context (64 for yarn and dynamic NTK, 128 for longrope) at the prompt or while
 # decoding; longrope's prompts either start past it or stay within it to the last token (transformers

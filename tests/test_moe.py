@@ -5,7 +5,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
 from gguf_files import write_gguf
 from pagedllm import LLM, SamplingParams
@@ -146,3 +146,11 @@ def test_qwen2_moe_windows_follow_transformers_when_the_config_lists_no_layer_ty
     windows = model_config_from_hf(saved, None).layer_windows
     assert windows == tuple(32 if kind == "sliding_attention" else None for kind in config.layer_types)
     assert windows == (32, None, 32, None, None, None)
+
+
+def test_qwen3_moe_windows_only_with_use_sliding_window():
+    """transformers drops a Qwen3-MoE config's sliding_window unless use_sliding_window is set."""
+    saved = {**Qwen3MoeConfig(num_hidden_layers=2).to_dict(), "architectures": ["Qwen3MoeForCausalLM"],
+             "sliding_window": 4096}
+    assert model_config_from_hf(saved, None).layer_windows == (None, None)
+    assert model_config_from_hf({**saved, "use_sliding_window": True}, None).layer_windows == (4096, 4096)

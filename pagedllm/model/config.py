@@ -189,11 +189,11 @@ def _gguf_rope_scaling(optional: Callable[[str, Any], Any], rope_factors: Mappin
 
 def _hf_layer_windows(config: Mapping[str, Any], architecture: str) -> tuple[int | None, ...]:
     """Each layer's sliding window as transformers applies it: `layer_types` where the config lists them;
-    otherwise Mistral and Phi-3 window every layer, and Qwen2 (with use_sliding_window) the layers from
-    max_window_layers on; Qwen2-MoE every other layer below max_window_layers."""
+    otherwise Mistral, Phi-3 and Qwen3-MoE (with use_sliding_window) window every layer, Qwen2 (with
+    use_sliding_window) the layers from max_window_layers on, Qwen2-MoE every other layer below it."""
     num_layers = config["num_hidden_layers"]
     window = config.get("sliding_window")
-    if architecture in ("qwen2", "qwen2moe") and not config.get("use_sliding_window", False):
+    if architecture in ("qwen2", "qwen2moe", "qwen3moe") and not config.get("use_sliding_window", False):
         window = None
     if not window:
         return (None,) * num_layers
