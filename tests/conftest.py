@@ -21,8 +21,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-    Qwen3Config,
+    AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+    Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
 )
 
 from pagedllm.bench.reliability.server import ServerProcess  # noqa: E402
@@ -92,6 +92,25 @@ TINY_ARCHS = {
                                   "rope_parameters": {
                                       "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
                                       "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}),
+    # Mixtures of 8 experts, 2 per token: Mixtral renormalises the top 2 (softmax over their logits);
+    # Qwen2-MoE leaves them unnormalised, adds its sigmoid-gated shared expert, and keeps layer 1 dense
+    # (mlp_only_layers); Qwen3-MoE renormalises and routes every second layer (decoder_sparse_step 2).
+    "mixtral": (MixtralConfig, {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "mixtral-window": (MixtralConfig, {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                       "sliding_window": 20}),
+    "qwen2moe": (Qwen2MoeConfig, {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+                                  "mlp_only_layers": [1]}),
+    # Qwen2-MoE's own window pattern: every other layer below max_window_layers (layer 0 here).
+    "qwen2moe-window": (Qwen2MoeConfig, {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+                                         "use_sliding_window": True, "sliding_window": 20, "max_window_layers": 2}),
+    "qwen3moe": (Qwen3MoeConfig, {"head_dim": 32, "num_hidden_layers": 4, "num_experts": 8,
+                                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                  "decoder_sparse_step": 2}),
+    "qwen3moe-window": (Qwen3MoeConfig, {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 32, "use_sliding_window": True,
+                                         "sliding_window": 20}),
 }
 
 

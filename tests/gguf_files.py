@@ -1,7 +1,7 @@
 """Test tooling: GGUF files written with `gguf`'s own writer from a transformers model's state dict, laid
 out as llama.cpp's converter (convert_hf_to_gguf.py) lays them out: its tensor names, its q/k row
 permutation for Llama, Phi-3's fused tensors and rope factor tensors, Gemma's norms stored with the +1
-added, its metadata keys."""
+added, experts stacked in 3-D tensors, its metadata keys."""
 from __future__ import annotations
 
 import math
@@ -28,11 +28,19 @@ GGUF_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",   # Phi-3: gate and up rows in one tensor
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 # Gemma's four norms per layer: ffn_norm is the one before the MLP.
 GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
 GEMMA_ARCHS = ("gemma2", "gemma3")
+# transformers holds each layer's experts stacked: gate and up rows in one [experts, 2 * inter, hidden] tensor.
+STACKED_EXPERTS = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
+                   "mlp.experts.down_proj": ("ffn_down_exps",)}
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -43,10 +51,12 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
                extra: dict[str, np.ndarray] | None = None, tokenizer_from: Path | None = None,
-               quantized: str | None = None) -> None:
+               quantized: str | None = None, expert_type: gguf.GGMLQuantizationType | None = None) -> None:
     """A float32 GGUF of arch (llama.cpp's architecture name), plus extra tensors named as in GGUF;
     tokenizer_from: a GGUF whose tokenizer keys are copied (so the file runs on its own); quantized: a GGML
-    type (Q8_0, Q4_0, ...) its 2-D tensors are quantized to by gguf's own quantizer (gguf_round_trip)."""
+    type (Q8_0, Q4_0, ...) its 2-D tensors are quantized to by gguf's own quantizer (gguf_round_trip);
+    expert_type: the quantized type of the experts' tensors only (routed and shared; the router stays float32,
+    as llama.cpp keeps it)."""
     writer = gguf.GGUFWriter(path, arch)
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -66,7 +76,23 @@ def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
     writer.add_layer_norm_rms_eps(hf_config.rms_norm_eps)
     writer.add_vocab_size(hf_config.vocab_size)
     writer.add_eos_token_id(2)
+    _expert_metadata(writer, hf_config)
     tensors = _rope_metadata(writer, hf_config, rope)
+
+    def add(name: str, values: np.ndarray) -> None:
+        if expert_type is not None and name.endswith("ffn_gate_inp_shexp.weight"):
+            values = values.reshape(-1)   # Qwen2-MoE's [1, hidden] shared-expert gate, as quantized files hold it
+        if quantized is not None and values.ndim == 2:
+            kind = gguf.GGMLQuantizationType[quantized]
+        elif expert_type is not None and ("_exps." in name or "_shexp." in name) and "_inp_" not in name:
+            kind = expert_type
+        else:
+            kind = None
+        if kind is None:
+            writer.add_tensor(name, np.ascontiguousarray(values))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+
     for hf_name, tensor in state.items():
         if hf_name == "lm_head.weight" and hf_config.tie_word_embeddings:
             continue   # the converter writes no output tensor for a tied head
@@ -74,6 +100,11 @@ def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
         values = tensor.float().numpy()
         if arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
             values = values + 1
+        if (stacked := hf_name.split(".", 3)[-1]) in STACKED_EXPERTS:
+            layer = hf_name.split(".")[2]
+            for part, name in zip(np.split(values, len(STACKED_EXPERTS[stacked]), axis=1), STACKED_EXPERTS[stacked]):
+                add(f"blk.{layer}.{name}.weight", part)
+            continue
         if stem.startswith("model.layers."):
             _, _, layer, part = stem.split(".", 3)
             name = f"blk.{layer}.{names[part]}.{kind}"
@@ -83,11 +114,7 @@ def write_gguf(path, arch: str, hf_config, state: dict[str, torch.Tensor],
                 values = llama_cpp_permute(values, hf_config.num_key_value_heads)
         else:
             name = f"{names[stem]}.{kind}"
-        if quantized is not None and values.ndim == 2:
-            kind = gguf.GGMLQuantizationType[quantized]
-            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(values))
+        add(name, values)
     for name, values in {**tensors, **(extra or {})}.items():
         writer.add_tensor(name, values)
     if tokenizer_from is not None:
@@ -125,6 +152,19 @@ def _gemma_metadata(writer: gguf.GGUFWriter, hf_config, rope: dict, head_dim: in
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
         return rope["full_attention"]
     return rope
+
+
+def _expert_metadata(writer: gguf.GGUFWriter, hf_config) -> None:
+    """The expert keys of Mixtral (whose feed_forward_length is each expert's), Qwen2-MoE and Qwen3-MoE."""
+    num_experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    if not num_experts:
+        return
+    writer.add_expert_count(num_experts)
+    writer.add_expert_used_count(hf_config.num_experts_per_tok)
+    if getattr(hf_config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(hf_config.moe_intermediate_size)
+    if getattr(hf_config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(hf_config.shared_expert_intermediate_size)
 
 
 def _rope_metadata(writer: gguf.GGUFWriter, hf_config, rope: dict) -> dict[str, np.ndarray]:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.model.moe_config import MoeConfig, moe_config_from_gguf, moe_config_from_hf
 from pagedllm.model.rope_scaling import context_length, resolve_rope_scaling
 
 HF_ARCHITECTURES = {
@@ -16,9 +17,12 @@ HF_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
-# llama.cpp names Mistral models "llama" too: they compute the same thing.
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# llama.cpp names Mistral and Mixtral models "llama" too: they compute the same thing (Mixtral with experts).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
 # Gemma 2 and 3: GeGLU, the embedding scaled by sqrt(hidden_size), norms on the attention and MLP outputs too.
 _GEMMA = ("gemma2", "gemma3")
 # Which layers slide when a checkpoint does not list them: every `pattern`-th layer attends to all keys
@@ -66,6 +70,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None    # scores become cap * tanh(score / cap)
     final_logit_softcapping: float | None = None   # logits likewise
     local_rope_theta: float | None = None    # the sliding layers' own rope base, unscaled (Gemma 3); None: shared
+    moe: MoeConfig | None = None   # the experts of a mixture-of-experts model
 
     @property
     def context_length(self) -> int:
@@ -122,9 +127,10 @@ def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelC
         max_position_embeddings=config["max_position_embeddings"],
         layer_windows=_hf_layer_windows(config, architecture),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases, and its configs do not say so.
-        attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_norm=architecture in ("qwen3", "gemma3"),
+        # Qwen2 always has q/k/v biases, and its configs do not say so; Qwen2-MoE's may (qkv_bias).
+        attention_bias=(architecture == "qwen2" or bool(config.get("attention_bias", False))
+                        or (architecture == "qwen2moe" and config.get("qkv_bias", True))),
+        qk_norm=architecture in ("qwen3", "qwen3moe", "gemma3"),
         torch_dtype=config.get("dtype") or config.get("torch_dtype"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_ordered_union(
@@ -137,6 +143,7 @@ def model_config_from_hf(config: dict, generation_config: dict | None) -> ModelC
         attn_logit_softcapping=config.get("attn_logit_softcapping"),
         final_logit_softcapping=config.get("final_logit_softcapping"),
         local_rope_theta=local_rope_theta,
+        moe=moe_config_from_hf(config, architecture),
     )
 
 
@@ -169,12 +176,13 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
     num_attention_heads = required("attention.head_count")
     head_dim = optional("attention.key_length", hidden_size // num_attention_heads)
     max_position_embeddings = required("context_length")
+    num_layers = required("block_count")
     return ModelConfig(
         architecture=architecture,
         vocab_size=optional("vocab_size", None) or len(metadata["tokenizer.ggml.tokens"]),
         hidden_size=hidden_size,
         intermediate_size=required("feed_forward_length"),
-        num_hidden_layers=required("block_count"),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=optional("attention.head_count_kv", num_attention_heads),
         head_dim=head_dim,
@@ -183,7 +191,7 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
         rope_theta=float(optional("rope.freq_base", 10000.0)),
         rope_scaling=resolve_rope_scaling(_gguf_rope_scaling(optional, rope_factors), max_position_embeddings),
         max_position_embeddings=max_position_embeddings,
-        layer_windows=_gguf_layer_windows(architecture, optional, required("block_count")),
+        layer_windows=_gguf_layer_windows(architecture, optional, num_layers),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
@@ -203,6 +211,7 @@ def model_config_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection
         final_logit_softcapping=optional("final_logit_softcapping", None),
         local_rope_theta=(float(optional("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA))
                           if architecture == "gemma3" else None),
+        moe=moe_config_from_gguf(architecture, optional, tensor_names, num_layers, required("feed_forward_length")),
     )
 
 
@@ -277,11 +286,12 @@ def _activation(name: str) -> str:
 
 def _hf_layer_windows(config: Mapping[str, Any], architecture: str) -> tuple[int | None, ...]:
     """Each layer's sliding window as transformers applies it: `layer_types` where the config lists them;
-    otherwise Mistral and Phi-3 window every layer, Qwen2 (with use_sliding_window) the layers from
-    max_window_layers on, and Gemma all but every sliding_window_pattern-th."""
+    otherwise Mistral, Phi-3 and Qwen3-MoE (with use_sliding_window) window every layer, Qwen2 (with
+    use_sliding_window) the layers from max_window_layers on, Qwen2-MoE every other layer below it, and Gemma
+    all but every sliding_window_pattern-th."""
     num_layers = config["num_hidden_layers"]
     window = config.get("sliding_window")
-    if architecture == "qwen2" and not config.get("use_sliding_window", False):
+    if architecture in ("qwen2", "qwen2moe", "qwen3moe") and not config.get("use_sliding_window", False):
         window = None
     if not window:
         return (None,) * num_layers
@@ -293,6 +303,10 @@ def _hf_layer_windows(config: Mapping[str, Any], architecture: str) -> tuple[int
         pattern = _SLIDING_WINDOW_PATTERNS[architecture]   # transformers reads a config's own for Gemma 3 only
         pattern = config.get("sliding_window_pattern") or pattern if architecture == "gemma3" else pattern
         kinds = [_layer_kind(layer, pattern) for layer in range(num_layers)]
+    if kinds is None and architecture == "qwen2moe":
+        below = config.get("max_window_layers", num_layers)
+        kinds = ["sliding_attention" if layer % 2 == 0 and layer < below else "full_attention"
+                 for layer in range(num_layers)]
     if kinds is None:
         kinds = ["sliding_attention"] * num_layers
     if len(kinds) != num_layers or not set(kinds) <= _LAYER_TYPES:

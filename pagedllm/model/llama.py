@@ -1,9 +1,11 @@
-"""The Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3) as one module.
+"""The Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, and the mixtures of
+experts Mixtral, Qwen2-MoE, Qwen3-MoE) as one module.
 
 The variants differ only in flags of ModelConfig: q/k/v bias (Qwen2), per-head
-q/k RMSNorm (Qwen3, Gemma 3), rope scaling (Llama 3.1) and tied embeddings; Gemma adds GeGLU, a scaled
-embedding, norms on the attention and MLP outputs ("sandwich"), soft-capped attention scores and logits,
-and (Gemma 3) its own rope base for the sliding layers. Q/K/V and
+q/k RMSNorm (Qwen3, Gemma 3), rope scaling (Llama 3.1), tied embeddings, and sparse feed-forward layers
+(ModelConfig.moe; moe.py); Gemma adds GeGLU, a scaled embedding, norms on the attention and MLP outputs
+("sandwich"), soft-capped attention scores and logits, and (Gemma 3) its own rope base for the sliding
+layers. Q/K/V and
 gate/up projections are fused at load time so each layer does two big matmuls
 instead of five; on CPUs with fast bfloat16 float weights are laid out once for oneDNN, and
 quantized weights stay packed (see linear.py). Weights are taken from the checkpoint one at a
@@ -21,7 +23,10 @@ from pagedllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGr
 from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_linear, padded_rows
-from pagedllm.model.ops import GATED_ACTIVATIONS, rms_norm
+from pagedllm.model.mlp import GatedMLP
+from pagedllm.model.moe import SparseMoeBlock
+from pagedllm.model.moe_config import is_sparse
+from pagedllm.model.ops import rms_norm
 from pagedllm.model.parallel_linear import parallel_lm_head, row_parallel, vocab_parallel_embedding
 from pagedllm.model.quantization import QuantizedWeight
 from pagedllm.model.quantized_matmul import QuantizedMatmul
@@ -59,14 +64,14 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, w: WeightTaker, prefix: str, group: TensorParallelGroup,
-                 sliding_window: int | None, matmul: QuantizedMatmul, local_rope: bool = False):
-        """local_rope: the layer rotates by the model's local rope (Gemma 3's sliding layers)."""
+    def __init__(self, config: ModelConfig, w: WeightTaker, layer: int, group: TensorParallelGroup,
+                 sliding_window: int | None, matmul: QuantizedMatmul):
         super().__init__()
         self.num_heads = config.num_attention_heads // group.world_size   # this rank's heads
         self.num_kv_heads = num_kv_heads_per_rank(config, group.world_size)
         self.head_dim = config.head_dim
-        self.local_rope = local_rope
+        prefix = f"model.layers.{layer}."
+        self.local_rope = config.uses_local_rope(layer)   # rotates by the model's local rope (Gemma 3's sliding layers)
         self.attention = LayerAttention(config.attention_scale, sliding_window, config.attn_logit_softcapping)
         attn = prefix + "self_attn."
         self.qkv_proj = fused_linear([w(attn + n + "_proj.weight") for n in "qkv"],
@@ -75,10 +80,8 @@ class DecoderLayer(nn.Module):
         self.o_proj = row_parallel(fused_linear([w(attn + "o_proj.weight")], matmul=matmul), group)
         self.q_norm = RMSNorm(w(attn + "q_norm.weight"), config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(w(attn + "k_norm.weight"), config.rms_norm_eps) if config.qk_norm else None
-        mlp = prefix + "mlp."
-        self.gate_up_proj = fused_linear([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")], matmul=matmul)
-        self.activation = GATED_ACTIVATIONS[config.hidden_activation]
-        self.down_proj = row_parallel(fused_linear([w(mlp + "down_proj.weight")], matmul=matmul), group)
+        self.mlp = (SparseMoeBlock(config.moe, w, prefix + "mlp.", group, matmul) if is_sparse(config.moe, layer)
+                    else GatedMLP(w, prefix + "mlp.", matmul, group, config.hidden_activation))
 
         def norm(name: str) -> RMSNorm:
             return RMSNorm(w(f"{prefix}{name}.weight"), config.rms_norm_eps)
@@ -113,7 +116,7 @@ class DecoderLayer(nn.Module):
         attn = self.o_proj(attn.reshape(num_tokens, q_size))
         if self.attention_output_norm is not None:
             attn = self.attention_output_norm(attn)
-        out = self.down_proj(self.activation(self.gate_up_proj(self.pre_mlp_norm(attn, residual))))
+        out = self.mlp(self.pre_mlp_norm(attn, residual))
         if self.mlp_output_norm is not None:
             out = self.mlp_output_norm(out)
         return out, residual
@@ -144,7 +147,7 @@ class CausalLM(nn.Module):
             group) if with_lm_head else None
         del embedding
         self.layers = nn.ModuleList(
-            DecoderLayer(config, w, f"model.layers.{i}.", group, window, matmul, config.uses_local_rope(i))
+            DecoderLayer(config, w, i, group, window, matmul)
             for i, window in enumerate(config.windows_within(max_positions)))
         self.attention_layers = tuple(layer.attention for layer in self.layers)
         self.norm = RMSNorm(w("model.norm.weight"), config.rms_norm_eps)
@@ -172,7 +175,8 @@ class CausalLM(nn.Module):
         kinds: dict[str, set[str]] = {}
         for name, module in self.named_modules():
             if isinstance(module, (Linear, QuantizedLinear, Embedding)) and not name.endswith(".table"):
-                kind = next(part for part in name.split(".") if part not in ("layers", "parts") and not part.isdigit())
+                kind = next(part for part in name.split(".")
+                            if part not in ("layers", "parts", "mlp") and not part.isdigit())
                 kinds.setdefault(kind, set()).add(module.format)
         formats = ", ".join(f"{kind} {'/'.join(sorted(found))}" for kind, found in kinds.items())
         return f"{formats}; {self.weight_bytes() / 2**20:.1f} MiB of weights"

@@ -5,7 +5,8 @@ Q/K/V and gate/up are column-parallel (each rank holds some output rows: whole h
 intermediate size); o_proj and down_proj are row-parallel (the matching input columns; the partial
 sums are all-reduced); the embedding and LM head hold a slice of the vocabulary. With more ranks than
 KV heads, each KV head is replicated on tp_size / num_key_value_heads consecutive ranks, the ones whose
-query heads read it.
+query heads read it. A mixture of experts splits every expert (and the shared one) like a dense MLP: each
+rank routes alike with the whole router and holds a slice of each expert's intermediate size.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.moe_config import gated_mlp_prefixes
 
 QUANTIZED_GROUP_COLUMNS = 32   # the widest group of any quantized format (quantization.py)
 
@@ -55,8 +57,9 @@ def weight_shards(config: ModelConfig, rank: int, tp_size: int) -> dict[str, Sha
             shards[f"{prefix}self_attn.q_proj.{kind}"] = rows
             shards[f"{prefix}self_attn.k_proj.{kind}"] = kv_rows
             shards[f"{prefix}self_attn.v_proj.{kind}"] = kv_rows
-        shards |= {prefix + "mlp.gate_proj.weight": rows, prefix + "mlp.up_proj.weight": rows,
-                   prefix + "self_attn.o_proj.weight": columns, prefix + "mlp.down_proj.weight": columns}
+        shards[prefix + "self_attn.o_proj.weight"] = columns
+        for mlp in gated_mlp_prefixes(config.moe, layer, prefix + "mlp."):
+            shards |= {mlp + "gate_proj.weight": rows, mlp + "up_proj.weight": rows, mlp + "down_proj.weight": columns}
     return shards
 
 
@@ -75,11 +78,16 @@ def check_tensor_parallel_size(config: ModelConfig, tp_size: int, quantized: boo
                          f"of it (each KV head then replicated), got {tp_size}")
     if tp_size <= kv_heads:
         must_divide("num_key_value_heads", kv_heads)
-    must_divide("intermediate_size", config.intermediate_size)
+    intermediate_sizes = {"intermediate_size": config.intermediate_size}
+    if config.moe is not None:
+        intermediate_sizes |= {"moe_intermediate_size": config.moe.moe_intermediate_size,
+                               "shared_expert_intermediate_size": config.moe.shared_expert_intermediate_size}
+    for name, size in intermediate_sizes.items():
+        must_divide(name, size)
     must_divide("vocab_size", config.vocab_size)
     if quantized:
         for name, columns in (("num_attention_heads * head_dim", config.num_attention_heads * config.head_dim),
-                              ("intermediate_size", config.intermediate_size)):
+                              *intermediate_sizes.items()):
             if columns // tp_size % QUANTIZED_GROUP_COLUMNS:
                 raise ValueError(f"with quantized weights, {name} ({columns}) / tensor_parallel_size ({tp_size}) "
                                  f"must be a multiple of {QUANTIZED_GROUP_COLUMNS} (whole quantization groups "

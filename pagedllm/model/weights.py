@@ -16,6 +16,7 @@ import safetensors
 import torch
 
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.moe_config import gated_mlp_prefixes, is_sparse
 from pagedllm.model.quantization import GGUF_QUANTIZED_TYPES, QuantizedWeight, from_gguf
 from pagedllm.model.tensor_parallel import Shard
 
@@ -36,6 +37,14 @@ _GGUF_BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",   # the router
+    "ffn_gate_exps": "mlp.experts.gate_proj",   # every expert's weight in one 3-D tensor (_STACKED_EXPERTS)
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Per architecture, GGUF block tensors named otherwise: Phi-3's ffn_up holds gate and up rows together;
 # Gemma's ffn_norm is the norm before the MLP, beside norms on the attention and MLP outputs.
@@ -51,6 +60,11 @@ GGUF_ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_fac
 # Checkpoint tensors that hold several of the model's weights stacked by rows (Phi-3's), in row order.
 _FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+# Mixtral's checkpoint names for what the model calls mlp.gate and mlp.experts.N.{gate,down,up}_proj.
+_MIXTRAL_NAME = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.(w1|w2|w3))\.weight")
+_MIXTRAL_EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+# A 3-D tensor holding one weight per expert (llama.cpp's ffn_*_exps), read as mlp.experts.N.*_proj.
+_STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(\w+_proj\.weight)")
 _GGUF_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GGUF_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 _SHOWN_NAMES = 5
@@ -76,10 +90,8 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             prefix + "self_attn.k_proj.weight": (kv_size, hidden),
             prefix + "self_attn.v_proj.weight": (kv_size, hidden),
             prefix + "self_attn.o_proj.weight": (hidden, q_size),
-            prefix + "mlp.gate_proj.weight": (inter, hidden),
-            prefix + "mlp.up_proj.weight": (inter, hidden),
-            prefix + "mlp.down_proj.weight": (hidden, inter),
         }
+        shapes |= _mlp_weight_shapes(config, layer, prefix + "mlp.")
         if config.attention_bias:
             shapes |= {
                 prefix + "self_attn.q_proj.bias": (q_size,),
@@ -91,6 +103,26 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 prefix + "self_attn.q_norm.weight": (head_dim,),
                 prefix + "self_attn.k_norm.weight": (head_dim,),
             }
+    return shapes
+
+
+def _mlp_weight_shapes(config: ModelConfig, layer: int, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A layer's dense MLP, or its router, experts and shared expert with its gate."""
+    hidden, moe = config.hidden_size, config.moe
+    if not is_sparse(moe, layer):
+        sizes = {prefix: config.intermediate_size}
+    else:
+        sizes = {mlp: moe.moe_intermediate_size for mlp in gated_mlp_prefixes(moe, layer, prefix)}
+        sizes[prefix + "shared_expert."] = moe.shared_expert_intermediate_size
+    shapes = {}
+    for mlp, inter in sizes.items():
+        if inter:
+            shapes |= {mlp + "gate_proj.weight": (inter, hidden), mlp + "up_proj.weight": (inter, hidden),
+                       mlp + "down_proj.weight": (hidden, inter)}
+    if is_sparse(moe, layer):
+        shapes[prefix + "gate.weight"] = (moe.num_experts, hidden)
+        if moe.shared_expert_intermediate_size:
+            shapes[prefix + "shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 
@@ -164,10 +196,25 @@ def locate_weights(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig,
                    expected: Mapping[str, tuple[int, ...]] | None = None
                    ) -> tuple[dict[str, tuple[int, ...]], dict[str, StoredRows]]:
     """The checkpoint's tensors as the model's weights: fused tensors (Phi-3's qkv_proj, gate_up_proj)
-    split into their parts by rows. Returns each weight's shape and where it is stored."""
+    split into their parts by rows, stacked experts into each expert's weight, Mixtral's names as the
+    model's. Returns each weight's shape and where it is stored."""
     expected = expected_weight_shapes(config) if expected is None else expected
     weight_shapes, stored = {}, {}
     for name, shape in shapes.items():
+        if stacked := _STACKED_EXPERTS.fullmatch(name):
+            if len(shape) != 3:
+                raise ValueError(f"Weight {name} has shape {shape}, expected [experts, rows, columns]")
+            for expert in range(shape[0]):
+                part = f"{stacked.group(1)}{expert}.{stacked.group(2)}"
+                weight_shapes[part] = shape[1:]
+                stored[part] = StoredRows(name, expert * shape[1], (expert + 1) * shape[1], shape[0] * shape[1])
+            continue
+        if mixtral := _MIXTRAL_NAME.fullmatch(name):
+            layer, part, proj = mixtral.groups()
+            part = part.replace(proj, _MIXTRAL_EXPERT_PROJ[proj]) if proj else part
+            weight_shapes[f"{layer}mlp.{part}.weight"] = shape
+            stored[f"{layer}mlp.{part}.weight"] = StoredRows(name, 0, shape[0], shape[0])
+            continue
         stem, _, kind = name.rpartition(".")
         fused = next((fused for fused in _FUSED_PARTS if stem.endswith("." + fused)), None)
         if fused is None:
@@ -221,7 +268,7 @@ def load_safetensors_weights(folder: Path, config: ModelConfig,
     def read_stored(name: str, shard: Shard | None) -> torch.Tensor:
         rows = stored[name]
         if shard is None and rows.whole:
-            return handles[name].get_tensor(name)
+            return handles[rows.source].get_tensor(rows.source)
         part = handles[rows.source].get_slice(rows.source)   # reads this part of the file only
         if shard is None:
             return part[rows.start:rows.stop]
@@ -253,8 +300,11 @@ def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, keep_quantiz
     QuantizedWeight; everything else is dequantized to float32."""
     tensors = {_hf_name(tensor.name, config.architecture): tensor for tensor in reader.tensors
                if tensor.name not in GGUF_ROPE_FACTOR_TENSORS}
-    shapes, stored = locate_weights(
-        {name: tuple(int(dim) for dim in reversed(tensor.shape)) for name, tensor in tensors.items()}, config)
+    raw_shapes = {name: tuple(int(dim) for dim in reversed(tensor.shape)) for name, tensor in tensors.items()}
+    for name, shape in raw_shapes.items():
+        if name.endswith(".shared_expert_gate.weight") and len(shape) == 1:
+            raw_shapes[name] = (1, *shape)   # quantized files store Qwen2-MoE's [1, hidden] as [hidden]
+    shapes, stored = locate_weights(raw_shapes, config)
     names = check_weight_shapes(shapes, config)
     row_orders = {}
     if config.architecture == "llama":
@@ -271,14 +321,14 @@ def load_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, keep_quantiz
     def read_tensor(name: str, shard: Shard | None) -> torch.Tensor | QuantizedWeight:
         rows = stored[name]
         tensor = tensors[rows.source]
+        # This weight's rows of the stored blocks (an expert's of a stacked tensor): only they are converted.
+        blocks = tensor.data.reshape(rows.source_rows, -1)[rows.start:rows.stop]
         if keep_quantized and tensor.tensor_type.name in GGUF_QUANTIZED_TYPES and len(shapes[name]) == 2:
-            blocks = tensor.data.reshape(rows.source_rows, -1)[rows.start:rows.stop]
             return from_gguf(blocks, tensor.tensor_type.name, shapes[name], row_orders.get(name), shard)
         try:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            values = gguf.quants.dequantize(blocks, tensor.tensor_type)
         except NotImplementedError as exc:
             raise ValueError(f"GGUF tensor {tensor.name}: {exc}") from exc
-        values = values.reshape(rows.source_rows, -1)[rows.start:rows.stop]
         if not values.flags.writeable:
             # F32 tensors come back as read-only views of the memory-mapped file; tensors must own memory.
             values = values.copy()

@@ -98,6 +98,10 @@ TINY_CASES = {
     # Norms (four per layer, q/k norms) whole on each rank; soft-caps, windows, local rope, scaled embedding.
     "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3", {}),
+    # Every expert's intermediate size split over the ranks, the routing replicated; a dense layer beside.
+    "mixtral-experts": ("mixtral", {}),
+    "qwen2moe-shared-expert": ("qwen2moe", {}),
+    "qwen3moe-sparse-every-second-layer": ("qwen3moe", {}),
 }
 
 

@@ -104,7 +104,8 @@ def test_gguf_and_safetensors_give_the_same_logits(bundled_llm, bundled_referenc
 
 
 TINY_ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "qwen2-yarn", "llama-dynamic", "phi3", "phi3-longrope",
-              "mistral-window", "qwen2-window", "gemma2", "gemma3"]
+              "mistral-window", "qwen2-window", "gemma2", "gemma3", "mixtral", "mixtral-window", "qwen2moe",
+              "qwen2moe-window", "qwen3moe", "qwen3moe-window"]
 PROMPT_LENGTHS = (1, 5, 17, 33, 70, 130, 9, 48)
 # Past the original context (64 for yarn and dynamic NTK, 128 for longrope) at the prompt or while
 # decoding; longrope's prompts either start past it or stay within it to the last token (transformers
@@ -169,7 +170,8 @@ def test_block_tables_hold_ceil_of_length_while_running(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("arch, gguf_arch", [("phi3", "phi3"), ("phi3-longrope", "phi3"), ("qwen2-yarn", "qwen2"),
-                                            ("gemma2", "gemma2"), ("gemma3", "gemma3")])
+                                            ("gemma2", "gemma2"), ("gemma3", "gemma3"),
+                                            ("mixtral", "llama"), ("qwen2moe", "qwen2moe"), ("qwen3moe", "qwen3moe")])
 def test_gguf_written_from_the_folder_gives_its_logits(arch, gguf_arch, make_tiny_model_dir, bundled_gguf_path,
                                                        tmp_path):
     """llama.cpp's layout (Phi-3's fused qkv and gate_up, longrope factors as tensors, yarn keys, Gemma's norms

@@ -255,7 +255,7 @@ def test_the_switch_on_a_float_checkpoint(quantization, formats, make_tiny_model
 def test_the_bundled_gguf_runs_quantized_by_default():
     llm = LLM(None, kv_cache_memory="16MiB")
     model = llm.llm_engine.runner.model
-    assert model.embed_tokens.format == "Q8_0" and model.layers[0].gate_up_proj.format == "Q4_1"
+    assert model.embed_tokens.format == "Q8_0" and model.layers[0].mlp.gate_up_proj.format == "Q4_1"
     assert model.weight_bytes() < 110 * 10**6
     float_llm = LLM(None, quantization="none", dtype="float32", kv_cache_memory="16MiB")
     assert float_llm.llm_engine.runner.model.weight_bytes() > 500 * 10**6
