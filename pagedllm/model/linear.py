@@ -60,17 +60,22 @@ class Linear(nn.Module):
 
 
 class QuantizedLinear(nn.Module):
+    """out_dtype float32: x is widened to float32 (exactly) and the kernels' float sums come back unrounded
+    (the LM head: logits rounded to bfloat16 tie tokens whose logits differ by less than 1/256 of their size,
+    and greedy then picks the wrong one of them). None: x's dtype."""
+
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 matmul: QuantizedMatmul | None = None):
+                 matmul: QuantizedMatmul | None = None, out_dtype: torch.dtype | None = None):
         super().__init__()
         self.matmul = matmul or QuantizedMatmul()
+        self.out_dtype = out_dtype
         self.format = weight.source
         self.bits, self.group_size = weight.bits, weight.group_size
         self.out_features, self.in_features = weight.shape
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
-        self.register_buffer("bias", bias)
+        self.register_buffer("bias", bias if bias is None or out_dtype is None else bias.to(out_dtype))
 
     @property
     def weight(self) -> QuantizedWeight:
@@ -78,6 +83,8 @@ class QuantizedLinear(nn.Module):
                                self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.out_dtype is not None:
+            x = x.to(self.out_dtype)
         kernel = self.matmul.kernel(x.dtype, x.shape[0]) if x.is_cpu else None
         if kernel is None:
             return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
@@ -99,9 +106,11 @@ class ConcatLinear(nn.Module):
 
 
 def fused_linear(weights: list[torch.Tensor | QuantizedWeight], bias: list[torch.Tensor] | None = None,
-                 matmul: QuantizedMatmul | None = None) -> nn.Module:
+                 matmul: QuantizedMatmul | None = None, float_output: bool = False) -> nn.Module:
     """One layer computing the weights' outputs side by side (Q/K/V, gate/up): consecutive weights
-    of one format are stacked into one matmul. matmul: the kernels of quantized weights."""
+    of one format are stacked into one matmul. matmul: the kernels of quantized weights. float_output:
+    quantized weights return float32 sums (QuantizedLinear's out_dtype); float weights return their
+    matmul's dtype, which oneDNN's bfloat16 matmul rounds to."""
     runs: list[tuple[list, list]] = []   # (weights, biases) that stack
     for weight, part_bias in zip(weights, bias or [None] * len(weights)):
         if runs and _stacking_key(runs[-1][0][0]) == _stacking_key(weight):
@@ -109,7 +118,7 @@ def fused_linear(weights: list[torch.Tensor | QuantizedWeight], bias: list[torch
             runs[-1][1].append(part_bias)
         else:
             runs.append(([weight], [part_bias]))
-    layers = [_stacked(run_weights, run_biases, matmul) for run_weights, run_biases in runs]
+    layers = [_stacked(run_weights, run_biases, matmul, float_output) for run_weights, run_biases in runs]
     return layers[0] if len(layers) == 1 else ConcatLinear(layers)
 
 
@@ -121,11 +130,12 @@ def _stacking_key(weight: torch.Tensor | QuantizedWeight) -> tuple:
     return weight.format, id(weight) if weight.padded else None
 
 
-def _stacked(weights: list, biases: list, matmul: QuantizedMatmul | None) -> nn.Module:
+def _stacked(weights: list, biases: list, matmul: QuantizedMatmul | None, float_output: bool) -> nn.Module:
     bias = None if biases[0] is None else torch.cat(biases)
     if isinstance(weights[0], torch.Tensor):
         return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
-    return QuantizedLinear(stack_rows(weights) if len(weights) > 1 else weights[0], bias, matmul)
+    return QuantizedLinear(stack_rows(weights) if len(weights) > 1 else weights[0], bias, matmul,
+                           torch.float32 if float_output else None)
 
 
 class Embedding(nn.Module):

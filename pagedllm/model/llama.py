@@ -143,7 +143,8 @@ class CausalLM(nn.Module):
         embedding = w("model.embed_tokens.weight")
         self.embed_tokens = vocab_parallel_embedding(Embedding(embedding, dtype), group, config.vocab_size)
         self.lm_head = parallel_lm_head(
-            fused_linear([embedding if config.tie_word_embeddings else w("lm_head.weight")], matmul=matmul),
+            fused_linear([embedding if config.tie_word_embeddings else w("lm_head.weight")], matmul=matmul,
+                         float_output=True),
             group) if with_lm_head else None
         del embedding
         self.layers = nn.ModuleList(

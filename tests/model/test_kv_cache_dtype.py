@@ -6,7 +6,6 @@ import logging
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.accuracy import sequence_logprobs
@@ -14,6 +13,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import parse_args
 from pagedllm.model.attention import CacheTensor
 from pagedllm.worker.model_runner import allocate_kv_caches
+from tests.kv_cache_reference import RoundingCache
 
 PROMPTS = ["Tell me a story about a robot.", "What is 2 + 2?", "Name a colour.",
            "Write a limerick about a cat who learned to code in Python.", "Explain why the sky is blue.",
@@ -43,25 +43,6 @@ def expected_num_blocks(config, kv_cache_dtype):
     element_bytes = {"auto": 4, "bfloat16": 2, "float16": 2, "fp8_e5m2": 1, "int8": 1}[kv_cache_dtype]
     per_head = config.head_dim * element_bytes + (4 if kv_cache_dtype == "int8" else 0)
     return KV_CACHE_MEMORY // (2 * config.num_hidden_layers * 16 * config.num_key_value_heads * per_head)
-
-
-class RoundingCache(DynamicCache):
-    """transformers' cache, storing each new K/V row as a kv_cache_dtype cache holds it: rounded to nearest
-    (bfloat16, float16, fp8 e5m2), or for int8 scaled by its absmax / 127 and rounded. Attention then reads
-    the rounded rows, the current token's included, as the engine's kernels do."""
-
-    def __init__(self, cache_dtype: torch.dtype):
-        super().__init__()
-        self.cache_dtype = cache_dtype
-
-    def round(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.cache_dtype != torch.int8:
-            return rows.to(self.cache_dtype).to(rows.dtype)
-        scales = rows.abs().amax(-1, keepdim=True) / 127
-        return torch.where(scales > 0, torch.round(rows / scales).clamp(-127, 127) * scales, 0)
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return super().update(self.round(key_states), self.round(value_states), layer_idx, *args, **kwargs)
 
 
 def reference_logprobs(model, sequences: list[list[int]], cache_dtype: torch.dtype) -> list[torch.Tensor]:
