@@ -91,6 +91,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="most of the KV pool that prompt-cache pins (the Messages API's cache_control) may hold; a "
                             "pin past it is shortened to what fits "
                             f"{_default(EngineConfig, 'max_pinned_kv_cache_fraction')}")
+    group.add_argument("--kv-cache-dir", default=_UNSET,
+                       help="keep prefix-cache blocks evicted from RAM as files in this directory (made 0700 if "
+                            "absent; refused if made for another model), read back on a hit and after a restart "
+                            "(default: off)")
+    group.add_argument("--kv-cache-disk-bytes", default=_UNSET,
+                       help="most bytes of block files in --kv-cache-dir, as 64GiB, 500MB...; the least recently "
+                            f"used go first {_default(EngineConfig, 'kv_cache_disk_bytes')}")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=_UNSET,
                        help=f"split long prompts across steps {_default(EngineConfig, 'enable_chunked_prefill')}")
     group.add_argument("--enable-cascade-attention", action=argparse.BooleanOptionalAction, default=_UNSET,
