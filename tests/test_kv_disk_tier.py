@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import stat
 
+import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.kv.block_pool import BlockPool
+from pagedllm.bench.reliability.server import ServerProcess, metric
 from pagedllm.kv.disk_tier import DiskTier
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.worker.kv_disk_store import BLOCK_SUFFIX, HEADER_BYTES
@@ -183,3 +184,35 @@ def test_the_manager_spills_evicted_blocks_and_loads_a_disk_prefix_into_held_blo
     assert kv.pool.num_free_blocks == 0 and all(block.ref_count == 1 for block in hits)
     kv.free("a2")
     assert kv.pool.num_free_blocks == 4
+
+
+def test_through_the_server_tenants_stay_apart_on_disk_and_usage_and_metrics_count_disk_hits(
+        tiny_dir, block_bytes, reference, tmp_path):
+    """Two API keys (tenants, so two salts) on `pagedllm serve --kv-cache-dir`: the official openai client
+    sees cached_tokens from disk for its own tenant only, and /metrics counts the disk tier's blocks."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("alice-key: alice\nbob-key: bob\n")
+    server = ServerProcess(tmp_path / "server.log", str(tiny_dir), "--dtype", "float32", "--block-size",
+                           str(BLOCK_SIZE), "--kv-cache-memory", str(POOL_BLOCKS * block_bytes), "--kv-cache-dir",
+                           str(tmp_path / "kv"), "--api-keys-file", str(keys), api_key="admin-key")
+    try:
+        def complete(key: str, prompt: list[int]):
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=300)
+            response = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                                 max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+            return response.usage.prompt_tokens_details.cached_tokens
+
+        assert complete("alice-key", PROMPT_A) == 0
+        assert complete("alice-key", PROMPT_B) == 0   # evicts A's 5 blocks to disk
+        assert complete("bob-key", PROMPT_A) == 0     # bob's salt: no hit in RAM or on disk
+        figures = server.metrics_text()
+        assert metric(figures, "pagedllm:kv_tier_hit_blocks_total", tier="disk") == 0
+        assert complete("alice-key", PROMPT_A) == 32
+        figures = server.metrics_text()
+        assert metric(figures, "pagedllm:kv_tier_hit_blocks_total", tier="disk") == 4
+        assert metric(figures, "pagedllm:kv_tier_read_failures_total", tier="disk") == 0
+        assert metric(figures, "pagedllm:kv_tier_spilled_blocks_total", tier="disk") >= 5
+        assert metric(figures, "pagedllm:kv_tier_capacity_blocks", tier="disk") == 8 * 2**30 // (
+            HEADER_BYTES + block_bytes)
+    finally:
+        server.stop()

@@ -19,7 +19,7 @@ from pagedllm.engine.output_processor import BeamSearchParent, ChildState, Paren
 from pagedllm.engine.pooling import PoolingParent, check_pooling_params, check_token_type_ids
 from pagedllm.engine.request import CachePin, Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
-from pagedllm.engine.stats import EngineStats, StepStats
+from pagedllm.engine.stats import EngineStats, KVDiskStats, StepStats
 from pagedllm.kv.disk_tier import DiskTier
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.model import kernels
@@ -583,4 +583,14 @@ class LLMEngine:
         return EngineStats(kv_cache=self.kv_manager.usage(), num_running=len(self.scheduler.running),
                            num_waiting=len(self.scheduler.waiting),
                            num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step_stats,
-                           spec_decoding=spec.snapshot() if (spec := self.scheduler.spec_decoding_stats) else None)
+                           spec_decoding=spec.snapshot() if (spec := self.scheduler.spec_decoding_stats) else None,
+                           kv_disk=self._kv_disk_stats())
+
+    def _kv_disk_stats(self) -> KVDiskStats | None:
+        disk = self.kv_manager.disk
+        if disk is None:
+            return None
+        bytes_read, bytes_written = self.executor.collective_rpc("kv_disk_bytes_moved")
+        counters = disk.counters
+        return KVDiskStats(len(disk), disk.capacity_blocks, counters.hits, counters.read_failures, counters.spills,
+                           counters.evictions, bytes_read, bytes_written)
