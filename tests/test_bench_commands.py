@@ -60,3 +60,14 @@ def test_kernels_prints_a_row_per_shape_format_and_row_count(capsys):
     out = run_bench(capsys, "kernels", "--rows", "1,3", "--min-time", "0.001")
     rows = table_rows(out, "| out x in | format | rows |")
     assert rows and {row.split("|")[3].strip() for row in rows} == {"1", "3"}
+
+
+def test_multi_turn_prints_a_row_with_the_disk_tier_off_and_on(tiny_dir, capsys):
+    out = run_bench(capsys, "multi-turn", tiny_dir, "--dtype", "float32", "--block-size", "8", "--conversations", "3",
+                    "--turns", "2", "--system-len", "40", "--question-len", "8", "--output-len", "2")
+    # history 40 + 8 + 2 * 2 = 52 tokens, 7 blocks each: working set 21 blocks, a pool of max(7, 5) = 7
+    assert "KV working set 21 blocks, RAM pool 7 blocks of 8 tokens" in out
+    rows = table_rows(out, "| KV disk tier | TTFT ms p50 | p99 | output tok/s | prefix-hit prompt tokens |")
+    assert [row.split("|")[1].strip() for row in rows] == ["off", "on"]
+    disk_hits = [int(row.split("|")[6]) for row in rows]
+    assert disk_hits[0] == 0 and disk_hits[1] > 0   # the second turns find their histories on disk

@@ -14,7 +14,7 @@ import logging
 import sys
 
 from pagedllm.bench import (accuracy, cascade, dashboard_cost, embed, kernels, latency, load, logit_controls, memory,
-                            scheduling, serving, structured_outputs, sweep, throughput)
+                            multi_turn, scheduling, serving, structured_outputs, sweep, throughput)
 from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import (ACTIVATION_DTYPES, ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES,
                              KV_CACHE_DTYPES, POOLING_CHOICES, QUANTIZATIONS, RUNNERS, SCHEDULING_POLICIES,
@@ -294,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("load", load, "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),
         ("embed", embed, "embedding inputs/s and tokens/s against sentence-transformers, side by side"),
         ("logit-controls", logit_controls, "cost of logit_bias / allowed_token_ids / bad_words and prompt_logprobs"),
+        ("multi-turn", multi_turn, "multi-turn conversations over a small RAM pool, KV disk tier off and on"),
         ("reliability", reliability, "load, soak, faults, fuzzing and security checks against real servers"),
     )
     for name, module, text in benchmarks:

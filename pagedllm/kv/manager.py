@@ -173,8 +173,8 @@ class KVCacheManager:
         return request_id in self._loading
 
     def load_from_disk(self, request_id: str, token_ids: list[int], ram_hits: list[KVBlock]) -> bool:
-        """After get_computed_blocks: if the request's prefix continues on disk, takes free blocks for those
-        disk blocks (as many as are free), queues their loads for this step and holds the RAM hits too, so
+        """After get_computed_blocks: if the request's prefix continues on disk and all its blocks are free, takes
+        free blocks for those disk blocks, queues their loads for this step and holds the RAM hits too, so
         nothing of the prefix is evicted meanwhile. True when loads were queued: the request waits a step."""
         if self.disk is None or request_id in self._loading:
             return False
@@ -188,8 +188,9 @@ class KVCacheManager:
         if not found:
             return False
         self.pool.touch(ram_hits)   # before allocating, which could evict them
-        found = found[:self.pool.num_free_blocks]
-        if not found:
+        # Loads only for a request whose every block is free now: held blocks of requests that could not be
+        # admitted would otherwise starve each other, with nothing running to free any.
+        if blocks_needed(len(token_ids), self.block_size) - len(ram_hits) > self.pool.num_free_blocks:
             self.pool.free(ram_hits)
             return False
         self._release_staged(request_id)
