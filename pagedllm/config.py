@@ -30,20 +30,20 @@ RUNNERS = ("auto", "generate", "pooling")
 POOLING_CHOICES = tuple(kind.lower() for kind in POOLING_TYPES)   # --pooling, the short form of pooler_config
 
 
-def parse_memory_size(value: int | float | str) -> int:
-    """Bytes from an int or a string such as "4GiB", "512MB" or "1e9"."""
+def parse_memory_size(value: int | float | str, name: str = "kv_cache_memory") -> int:
+    """Bytes from an int or a string such as "4GiB", "512MB" or "1e9"; name: the field, for errors."""
     if isinstance(value, bool):
-        raise ValueError(f"kv_cache_memory must be a byte count or a size such as '4GiB', got {value!r}")
+        raise ValueError(f"{name} must be a byte count or a size such as '4GiB', got {value!r}")
     if isinstance(value, (int, float)):
         size = int(value)
     else:
         match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", value)
         unit = match.group(2).lower() if match else None
         if not match or unit not in _SIZE_UNITS:
-            raise ValueError(f"kv_cache_memory must be a byte count or a size such as '4GiB', got {value!r}")
+            raise ValueError(f"{name} must be a byte count or a size such as '4GiB', got {value!r}")
         size = int(float(match.group(1)) * _SIZE_UNITS[unit])
     if size <= 0:
-        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+        raise ValueError(f"{name} must be positive, got {value!r}")
     return size
 
 
@@ -68,6 +68,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Most of the KV pool that cache pins (Anthropic's cache_control) may hold; a pin past it is shortened.
     max_pinned_kv_cache_fraction: float = 0.25
+    # A disk tier under the prefix cache (docs/kv-cache.md, "KV tiers"): cached blocks evicted from RAM are kept
+    # as files here, up to kv_cache_disk_bytes, and read back on a hit, across restarts too. None: off.
+    kv_cache_dir: str | None = None
+    kv_cache_disk_bytes: int | str = "8GiB"
     enable_chunked_prefill: bool = True
     # Sequences sharing leading KV blocks read them once per step (CPU kernels; model/cascade.py). Off by
     # default until it measures faster end to end (docs/kv-cache.md, "Shared-prefix (cascade) attention").
@@ -130,6 +134,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        self._check_kv_disk_tier()
         self._check_data_parallel()
         self._check_pooling()
         if self.speculative_config is not None:
@@ -137,6 +142,21 @@ class EngineConfig:
             if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size 1 only, "
                                  f"got tensor_parallel_size {self.tensor_parallel_size}")
+
+    def _check_kv_disk_tier(self) -> None:
+        self.kv_cache_disk_bytes = parse_memory_size(self.kv_cache_disk_bytes, "kv_cache_disk_bytes")
+        if self.kv_cache_dir is None:
+            return
+        if not isinstance(self.kv_cache_dir, str) or not self.kv_cache_dir:
+            raise ValueError(f"kv_cache_dir must be a directory path, got {self.kv_cache_dir!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_cache_dir keeps prefix-cache blocks on disk: it needs enable_prefix_caching=True")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_cache_dir runs with tensor_parallel_size 1 only, got {self.tensor_parallel_size}")
+        spec = self.speculative_config
+        method = spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
+        if method == "draft_model":
+            raise ValueError("kv_cache_dir does not keep a draft model's KV: use it without draft_model speculation")
 
     def _check_pooling(self) -> None:
         """Resolves pooler_config (from itself and the short `pooling`) and checks the runner knobs."""

@@ -19,7 +19,8 @@ from pagedllm.engine.output_processor import BeamSearchParent, ChildState, Paren
 from pagedllm.engine.pooling import PoolingParent, check_pooling_params, check_token_type_ids
 from pagedllm.engine.request import CachePin, Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
-from pagedllm.engine.stats import EngineStats, StepStats
+from pagedllm.engine.stats import EngineStats, KVDiskStats, StepStats
+from pagedllm.kv.disk_tier import DiskTier
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.model import kernels
 from pagedllm.model.config import ModelConfig, kv_release_window
@@ -32,6 +33,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.planner import SpeculationPlanner
 from pagedllm.step import ModelRunnerOutput, PromptLogprobs
 from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.worker.kv_disk_store import HEADER_BYTES, weights_fingerprint
 from pagedllm.worker.model_runner import kv_bytes_per_block
 from pagedllm.worker.worker import WorkerArgs
 
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+KV_DISK_FORMAT = 1   # of kv_cache_dir's block files; a directory of another format is refused
 
 PromptType = str | dict
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "cache_pins"})
@@ -136,6 +139,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         checkpoint = load_checkpoint(config.model, config.quantization, config.runner, config.pooler_config,
                                      config.hf_overrides)
+        self.checkpoint_source = checkpoint.source
         self.model_config = checkpoint.config
         self.pooling = checkpoint.pooling   # None: the generating runner; else the pooling model's facts
         if self.pooling is not None:
@@ -157,12 +161,13 @@ class LLMEngine:
         if profile:
             num_blocks = self._num_kv_blocks(self._profiled_kv_cache_budget(token_budget))
             self.executor.collective_rpc("allocate_kv_caches", num_blocks)
+        disk_tier, root_hash = self._open_kv_disk_tier() if config.kv_cache_dir else (None, None)
         # Pooling prompts run whole and never reuse cached blocks (an encoder's K/V depend on later tokens).
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          config.enable_prefix_caching and self.pooling is None,
                                          kv_release_window([self.model_config, *filter(None, [self.draft_config])],
                                                            self.max_model_len),
-                                         config.max_pinned_kv_cache_fraction)
+                                         config.max_pinned_kv_cache_fraction, disk_tier=disk_tier, root_hash=root_hash)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)
         speculation = SpeculationPlanner(config.speculative_config) if config.speculative_config else None
@@ -233,6 +238,28 @@ class LLMEngine:
             raise ValueError(f"speculative_config.model must have the target's vocabulary ({self.model_config.vocab_size} "
                              f"tokens, the same tokenizer), got a draft model with {draft.vocab_size}")
         return draft
+
+    def _open_kv_disk_tier(self) -> tuple[DiskTier, bytes]:
+        """Opens kv_cache_dir (refused if made for another model or cache layout) and indexes its blocks."""
+        if self.pooling is not None:
+            raise ValueError("kv_cache_dir keeps prefix-cache blocks, which pooling models do not use")
+        model = self.model_config
+        identity = {"format": KV_DISK_FORMAT, "weights": weights_fingerprint(self.checkpoint_source),
+                    "architecture": model.architecture, "dtype": str(self.dtype).removeprefix("torch."),
+                    "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
+                    "block_size": self.config.block_size, "num_hidden_layers": model.num_hidden_layers,
+                    "num_key_value_heads": model.num_key_value_heads, "head_dim": model.head_dim}
+        root_hash, entries = self.executor.collective_rpc("open_kv_disk_tier", identity)
+        file_bytes = HEADER_BYTES + kv_bytes_per_block(model, self.config.block_size, self.kv_cache_dtype)
+        disk_tier = DiskTier(self.config.kv_cache_disk_bytes // file_bytes, entries)
+        logger.info("KV disk tier: %s, %d of %d blocks (%d bytes each) found", self.config.kv_cache_dir,
+                    len(disk_tier), disk_tier.capacity_blocks, file_bytes)
+        return disk_tier, root_hash
+
+    def flush_kv_disk_tier(self) -> None:
+        """Returns once every block spilled so far is written (tests, and a clean shutdown)."""
+        if self.config.kv_cache_dir:
+            self.executor.collective_rpc("flush_kv_disk_tier")
 
     def _profiled_kv_cache_budget(self, token_budget: int) -> int:
         """Runs the largest step on every rank and sizes the KV cache from rank 0's device by what it showed."""
@@ -418,8 +445,7 @@ class LLMEngine:
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         failed, self.scheduler.failed_requests = self.scheduler.failed_requests, []
-        if not (scheduler_output.num_scheduled_tokens or scheduler_output.finished_req_ids
-                or scheduler_output.preempted_req_ids):
+        if not scheduler_output.has_work:
             if failed:
                 return self._process_outputs([], None, failed)
             self._wait_for_grammars()
@@ -549,6 +575,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the executor's worker processes (tensor parallel); also done when the engine is freed."""
+        self.flush_kv_disk_tier()
         self.executor.shutdown()
         self.structured_output.shutdown()
 
@@ -556,4 +583,14 @@ class LLMEngine:
         return EngineStats(kv_cache=self.kv_manager.usage(), num_running=len(self.scheduler.running),
                            num_waiting=len(self.scheduler.waiting),
                            num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step_stats,
-                           spec_decoding=spec.snapshot() if (spec := self.scheduler.spec_decoding_stats) else None)
+                           spec_decoding=spec.snapshot() if (spec := self.scheduler.spec_decoding_stats) else None,
+                           kv_disk=self._kv_disk_stats())
+
+    def _kv_disk_stats(self) -> KVDiskStats | None:
+        disk = self.kv_manager.disk
+        if disk is None:
+            return None
+        bytes_read, bytes_written = self.executor.collective_rpc("kv_disk_bytes_moved")
+        counters = disk.counters
+        return KVDiskStats(len(disk), disk.capacity_blocks, counters.hits, counters.read_failures, counters.spills,
+                           counters.evictions, bytes_read, bytes_written)

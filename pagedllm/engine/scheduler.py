@@ -35,6 +35,9 @@ With speculation (a SpeculationPlanner), a decoding request may take 1 + k rows:
 proposals, all counted in the token budget and given slots. After the step it keeps the KV of the
 tokens it accepted only: `KVCacheManager.rollback` gives back the rejected slots, and blocks are cached
 up to the verified tokens.
+
+With a KV disk tier, a waiting request whose cached prefix continues on disk waits one step while those
+blocks are read back (the step's `disk_work`), then is admitted with them as prefix-cache hits.
 """
 from __future__ import annotations
 
@@ -174,6 +177,7 @@ class Scheduler:
                 self._fork_siblings(request, num_new, out)
         out.total_num_scheduled_tokens = sum(num_scheduled.values())
         out.block_copies = kv.take_block_copies()
+        out.disk_work = kv.take_disk_work()
         if self._num_grammar_requests:
             self._fill_grammar_bitmask(out)
 
@@ -233,6 +237,8 @@ class Scheduler:
                 continue
             if request.grammar is not None and not request.grammar.is_ready:
                 continue
+            if self.kv_manager.is_loading(request.request_id):
+                continue
             return index
         return None
 
@@ -251,6 +257,8 @@ class Scheduler:
             # Cached blocks carry no logits: a request asking for prompt logprobs recomputes its prefix.
             cached = [] if request.sampling_params.prompt_logprobs is not None else kv.get_computed_blocks(
                 request.request_id, request.all_token_ids, request.cache_salt)
+            if kv.load_from_disk(request.request_id, request.all_token_ids, cached):
+                continue   # admitted once the blocks are back from disk
             num_computed = len(cached) * kv.block_size
             num_new = request.num_tokens - num_computed
             if num_new > budget:
@@ -301,6 +309,8 @@ class Scheduler:
         Returns (request, row in runner_output) for every plain request that got a token, in row order.
         """
         requests, kv = self.requests, self.kv_manager
+        if scheduler_output.disk_work is not None and scheduler_output.disk_work.loads:
+            kv.complete_disk_loads(runner_output.kv_load_failures)
         cache_full_blocks, block_size = kv.cache_full_blocks, kv.block_size
         speculated = scheduler_output.num_spec_tokens
         for request_id, num_new in scheduler_output.num_scheduled_tokens.items():

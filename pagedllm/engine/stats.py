@@ -20,6 +20,19 @@ class StepStats:
 
 
 @dataclass(frozen=True)
+class KVDiskStats:
+    """The KV disk tier (--kv-cache-dir) since start-up: blocks and the bytes that moved."""
+    num_blocks: int         # block files indexed now
+    capacity_blocks: int    # what --kv-cache-disk-bytes holds
+    hit_blocks: int         # read back into RAM for a prefix hit
+    read_failures: int      # missing or damaged files (their tokens recomputed)
+    spilled_blocks: int     # evicted from RAM and written
+    evicted_blocks: int     # deleted to stay within the quota
+    bytes_read: int
+    bytes_written: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     kv_cache: KVCacheUsage
     num_running: int
@@ -27,3 +40,4 @@ class EngineStats:
     num_preemptions: int        # since the engine started
     last_step: StepStats | None
     spec_decoding: SpecDecodingStats | None = None   # acceptance counters since start, with speculation on
+    kv_disk: KVDiskStats | None = None               # with a KV disk tier

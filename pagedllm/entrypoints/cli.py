@@ -14,7 +14,7 @@ import logging
 import sys
 
 from pagedllm.bench import (accuracy, cascade, dashboard_cost, embed, kernels, latency, load, logit_controls, memory,
-                            scheduling, serving, structured_outputs, sweep, throughput)
+                            multi_turn, scheduling, serving, structured_outputs, sweep, throughput)
 from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import (ACTIVATION_DTYPES, ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES,
                              KV_CACHE_DTYPES, POOLING_CHOICES, QUANTIZATIONS, RUNNERS, SCHEDULING_POLICIES,
@@ -91,6 +91,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="most of the KV pool that prompt-cache pins (the Messages API's cache_control) may hold; a "
                             "pin past it is shortened to what fits "
                             f"{_default(EngineConfig, 'max_pinned_kv_cache_fraction')}")
+    group.add_argument("--kv-cache-dir", default=_UNSET,
+                       help="keep prefix-cache blocks evicted from RAM as files in this directory (made 0700 if "
+                            "absent; refused if made for another model), read back on a hit and after a restart "
+                            "(default: off)")
+    group.add_argument("--kv-cache-disk-bytes", default=_UNSET,
+                       help="most bytes of block files in --kv-cache-dir, as 64GiB, 500MB...; the least recently "
+                            f"used go first {_default(EngineConfig, 'kv_cache_disk_bytes')}")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=_UNSET,
                        help=f"split long prompts across steps {_default(EngineConfig, 'enable_chunked_prefill')}")
     group.add_argument("--enable-cascade-attention", action=argparse.BooleanOptionalAction, default=_UNSET,
@@ -287,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("load", load, "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),
         ("embed", embed, "embedding inputs/s and tokens/s against sentence-transformers, side by side"),
         ("logit-controls", logit_controls, "cost of logit_bias / allowed_token_ids / bad_words and prompt_logprobs"),
+        ("multi-turn", multi_turn, "multi-turn conversations over a small RAM pool, KV disk tier off and on"),
         ("reliability", reliability, "load, soak, faults, fuzzing and security checks against real servers"),
     )
     for name, module, text in benchmarks:

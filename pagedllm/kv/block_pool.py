@@ -65,10 +65,12 @@ class PrefixPin:
     deadline: float
 
 
-def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...], extra_key: str | None = None) -> BlockHash:
-    """sha256 of a full block's identity in a canonical, unambiguous encoding: the parent's digest,
-    the token count and ids (4-byte little-endian), then a tag and the extra key's UTF-8 bytes."""
-    digest = hashlib.sha256(_ROOT_HASH if parent_hash is None else parent_hash)
+def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...], extra_key: str | None = None,
+               root_hash: bytes = _ROOT_HASH) -> BlockHash:
+    """sha256 of a full block's identity in a canonical, unambiguous encoding: the parent's digest (root_hash
+    for a first block), the token count and ids (4-byte little-endian), then a tag and the extra key's UTF-8
+    bytes. A disk tier passes its directory's own secret root, so that its chains outlive the process."""
+    digest = hashlib.sha256(root_hash if parent_hash is None else parent_hash)
     digest.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
     digest.update(b"\x00" if extra_key is None else b"\x01" + extra_key.encode())
     return digest.digest()
@@ -112,7 +114,9 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, record_evictions: bool = False):
+        """record_evictions: keep (block id, hash, key) of each cached block that allocate() evicts, for a
+        tier below to take (take_evicted) before the block is written again."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -122,6 +126,7 @@ class BlockPool:
         self.pins: dict[BlockHash, PrefixPin] = {}   # by the hash of the prefix's last block
         self.num_pinned_blocks = 0                    # blocks with pin_count > 0
         self._next_deadline = math.inf                # no pin expires before this (it may be earlier than any)
+        self.evicted: list[tuple[int, BlockHash, BlockKey]] | None = [] if record_evictions else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -139,10 +144,17 @@ class BlockPool:
         blocks = [self.free_block_queue.popleft() for _ in range(count)]
         for block in blocks:
             if block.block_hash is not None:
+                if self.evicted is not None:
+                    self.evicted.append((block.block_id, block.block_hash, block.block_key))
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = block.block_key = None
             block.ref_count = 1
         return blocks
+
+    def take_evicted(self) -> list[tuple[int, BlockHash, BlockKey]]:
+        """The cached blocks evicted since the last call (recorded only with record_evictions)."""
+        evicted, self.evicted = self.evicted, []
+        return evicted
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Takes one more reference on each block (a prefix-cache hit or a fork)."""

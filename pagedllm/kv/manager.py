@@ -18,6 +18,12 @@ cached ones stay in the prefix cache until evicted, as any freed block.
 A request may pin a computed prefix of its tokens for a while (pin_prefix): the prefix's cached blocks
 stay in the pool until the deadline, at most max_pinned_fraction of the pool in all (a longer pin is
 shortened to what fits); deadlines are read from an injectable clock.
+
+With a disk tier (kv/disk_tier.py) cached blocks evicted from the pool are spilled to disk, and a waiting
+request whose prefix continues on disk has those blocks loaded into free blocks first (load_from_disk):
+they are held for it, cached once loaded, and taken as prefix hits when it is admitted. The manager only
+decides; take_disk_work() hands the step's spills, loads and deletes to the workers, and
+complete_disk_loads() applies what they could not read (those tokens are recomputed).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.kv.block_pool import BlockHash, BlockKey, BlockPool, KVBlock, hash_block
+from pagedllm.kv.disk_tier import DiskTier, KeyDigest, key_digest
 
 
 RELEASED = -1   # the block id of a table entry outside the window, given back
@@ -39,6 +46,15 @@ def blocks_outside_window(num_computed_tokens: int, sliding_window: int, block_s
     """Leading blocks that tokens from position num_computed_tokens on never see: a token at p sees
     keys p - sliding_window + 1 .. p."""
     return max(0, num_computed_tokens - sliding_window + 1) // block_size
+
+
+@dataclass
+class DiskWork:
+    """What the workers do with the disk tier in one step, in this order: copy the spilled blocks out (the
+    step may overwrite them), read the loads in, then hand writes and deletes to the background writer."""
+    spills: list[tuple[int, BlockHash, KeyDigest]]   # (block id, hash, key digest)
+    loads: list[tuple[int, BlockHash, KeyDigest]]
+    deletes: list[BlockHash]
 
 
 @dataclass(frozen=True)
@@ -75,13 +91,24 @@ class KVCacheUsage:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None, max_pinned_fraction: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, disk_tier: DiskTier | None = None,
+                 root_hash: bytes | None = None):
+        """disk_tier: the tier below the pool (needs the prefix cache); root_hash: the parent of every first
+        block's hash (a disk tier's, stable across restarts; default: the process's random one)."""
         if not 0 <= max_pinned_fraction <= 1:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
-        self.pool = BlockPool(num_blocks)
+        if disk_tier is not None and not enable_prefix_caching:
+            raise ValueError("a KV disk tier extends the prefix cache: it needs enable_prefix_caching=True")
+        self.disk = disk_tier
+        self._hash_root = {} if root_hash is None else {"root_hash": root_hash}
+        self.pool = BlockPool(num_blocks, record_evictions=disk_tier is not None)
+        # Disk loads: blocks being read for a waiting request, then held for it (cached) until it is admitted.
+        self._loading: dict[str, list[tuple[KVBlock, BlockHash, BlockKey]]] = {}
+        self._staged: dict[str, list[KVBlock]] = {}
+        self._pending_loads: list[tuple[int, BlockHash, KeyDigest]] = []
         self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
         self.clock = clock
         self.block_tables: dict[str, list[KVBlock]] = {}
@@ -121,7 +148,7 @@ class KVCacheManager:
         """Hashes of the full blocks among the first num_tokens tokens, computed once per block."""
         hashes = self._block_hashes.setdefault(request_id, [])
         for index in range(len(hashes), num_tokens // self.block_size):
-            hashes.append(hash_block(*self._block_key(request_id, token_ids, index, hashes)))
+            hashes.append(hash_block(*self._block_key(request_id, token_ids, index, hashes), **self._hash_root))
         return hashes
 
     def get_computed_blocks(self, request_id: str, token_ids: list[int],
@@ -140,6 +167,74 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def is_loading(self, request_id: str) -> bool:
+        """Whether the request waits for blocks being read from disk in the current step."""
+        return request_id in self._loading
+
+    def load_from_disk(self, request_id: str, token_ids: list[int], ram_hits: list[KVBlock]) -> bool:
+        """After get_computed_blocks: if the request's prefix continues on disk and all its blocks are free, takes
+        free blocks for those disk blocks, queues their loads for this step and holds the RAM hits too, so
+        nothing of the prefix is evicted meanwhile. True when loads were queued: the request waits a step."""
+        if self.disk is None or request_id in self._loading:
+            return False
+        hashes = self._block_hashes.get(request_id, [])
+        found = []
+        for index in range(len(ram_hits), len(hashes)):
+            key = self._block_key(request_id, token_ids, index, hashes)
+            if not self.disk.find(hashes[index], key_digest(key)):
+                break
+            found.append((hashes[index], key))
+        if not found:
+            return False
+        self.pool.touch(ram_hits)   # before allocating, which could evict them
+        # Loads only for a request whose every block is free now: held blocks of requests that could not be
+        # admitted would otherwise starve each other, with nothing running to free any.
+        if blocks_needed(len(token_ids), self.block_size) - len(ram_hits) > self.pool.num_free_blocks:
+            self.pool.free(ram_hits)
+            return False
+        self._release_staged(request_id)
+        blocks = self.pool.allocate(len(found))
+        self._staged[request_id] = list(ram_hits)
+        self._loading[request_id] = [(block, block_hash, key) for block, (block_hash, key) in zip(blocks, found)]
+        self._pending_loads.extend((block.block_id, block_hash, key_digest(key))
+                                   for block, (block_hash, key) in zip(blocks, found))
+        return True
+
+    def complete_disk_loads(self, failed_block_ids: list[int]) -> None:
+        """The step's loads are done: loaded blocks join the prefix cache (held for their request), blocks the
+        workers could not read are freed and forgotten on disk, so their tokens are recomputed."""
+        failed = set(failed_block_ids)
+        for request_id, loads in self._loading.items():
+            staged = self._staged[request_id]
+            for block, block_hash, key in loads:
+                if block.block_id in failed:
+                    self.disk.discard(block_hash)
+                    self.disk.counters.read_failures += 1
+                    self.pool.free([block])
+                    continue
+                self.disk.counters.hits += 1
+                self.pool.cache(block, block_hash, key)
+                staged.append(block)
+        self._loading.clear()
+
+    def take_disk_work(self) -> DiskWork | None:
+        """The step's disk work, once every allocation of the step is made (None without a disk tier). Every
+        cached block evicted from the pool is spilled unless the disk holds it already or has no room."""
+        if self.disk is None:
+            return None
+        spills = []
+        for block_id, block_hash, key in self.pool.take_evicted():
+            digest = key_digest(key)
+            if self.disk.add(block_hash, digest):
+                spills.append((block_id, block_hash, digest))
+        loads, self._pending_loads = self._pending_loads, []
+        return DiskWork(spills, loads, self.disk.take_deletes())
+
+    def _release_staged(self, request_id: str) -> None:
+        staged = self._staged.pop(request_id, None)
+        if staged:
+            self.pool.free(staged[::-1])
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts one scheduled lookup, for the hit rate (only lookups that led to a run count)."""
@@ -186,6 +281,7 @@ class KVCacheManager:
             table.extend(new_blocks)
             block_ids.extend(block.block_id for block in new_blocks)
         self.block_tables[request_id] = table
+        self._release_staged(request_id)   # its table holds them now
         self._num_cached_blocks.setdefault(request_id, len(cached_blocks))
         self.num_tokens[request_id] = max(num_total_tokens, self.num_tokens.get(request_id, 0))
         return True
@@ -293,6 +389,9 @@ class KVCacheManager:
         self._forked.discard(request_id)
         self._rewritten.pop(request_id, None)
         released = self._num_released.pop(request_id, 0)
+        for block, _, _ in self._loading.pop(request_id, ()):
+            self.pool.free([block])
+        self._release_staged(request_id)
         if table:
             self.pool.free(table[released:][::-1])
 

@@ -27,6 +27,7 @@ from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.host_staging import HostStaging, fetch
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.kv_disk_store import DiskKVStore
 from pagedllm.worker.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from pagedllm.worker.sampler import SamplerOutput, SamplingBatch, choose_tokens, sample, summarise
 
@@ -107,6 +108,7 @@ class ModelRunner:
         # The cascade kernel is C++ only.
         self.use_cascade = enable_cascade_attention and self.attention_backend.uses_cpu_kernels
         self.drafter = drafter
+        self.kv_disk_store: DiskKVStore | None = None   # set by Worker.open_kv_disk_tier
         torch.manual_seed(seed)
 
     def allocate_kv_caches(self, num_blocks: int) -> None:
@@ -146,6 +148,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Moves the step's blocks to and from disk first (blocks spilled in this step may be written by it)."""
+        failures = self._move_disk_blocks(scheduler_output) if scheduler_output.disk_work is not None else []
+        output = self._execute(scheduler_output)
+        output.kv_load_failures = failures
+        return output
+
+    def _move_disk_blocks(self, scheduler_output: SchedulerOutput) -> list[int]:
+        """Copies spilled blocks out, reads loaded ones in, then queues the writes and deletes; returns the
+        block ids whose load failed."""
+        work, store = scheduler_output.disk_work, self.kv_disk_store
+        spilled = [(block_hash, digest, store.copy_out(self.kv_caches, block_id))
+                   for block_id, block_hash, digest in work.spills]
+        failures = [block_id for block_id, block_hash, digest in work.loads
+                    if not store.load(self.kv_caches, block_id, block_hash, digest)]
+        for block_hash, digest, payload in spilled:
+            store.write(block_hash, digest, payload)
+        for block_hash in work.deletes:
+            store.delete(block_hash)
+        return failures
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Updates the batch, makes the copy-on-write block copies, runs one forward pass, and samples."""
         started = time.perf_counter()
         batch = self.input_batch

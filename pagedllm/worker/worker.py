@@ -24,7 +24,8 @@ from pagedllm.model.pooling_checkpoint import build_pooling_model
 from pagedllm.model.tensor_parallel import weight_shards
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.kv_disk_store import DiskKVStore, open_kv_cache_dir
+from pagedllm.worker.model_runner import ModelRunner, kv_bytes_per_block
 from pagedllm.worker.pooling_runner import PoolingModelRunner
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class Worker:
     def __init__(self, args: WorkerArgs, rank: int = 0, checkpoint: Checkpoint | None = None):
         """checkpoint: the one the caller has opened already (rank 0); else it is opened here."""
         config = args.engine_config
+        self.engine_config = config
+        self.kv_disk_store: DiskKVStore | None = None   # opened by open_kv_disk_tier
         tp_size = config.tensor_parallel_size
         self.rank = rank
         self.previous_num_threads = torch.get_num_threads()   # restored at shutdown (rank 0 shares the process)
@@ -112,11 +115,33 @@ class Worker:
     def allocate_kv_caches(self, num_blocks: int) -> None:
         self.model_runner.allocate_kv_caches(num_blocks)
 
+    def open_kv_disk_tier(self, identity: dict) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """Opens --kv-cache-dir for this identity; returns its root hash and the blocks it holds (LRU first)."""
+        config = self.model_runner.model.config
+        root_hash = open_kv_cache_dir(self.engine_config.kv_cache_dir, identity)
+        payload = kv_bytes_per_block(config, self.engine_config.block_size, self.model_runner.kv_cache_dtype)
+        store = DiskKVStore(self.engine_config.kv_cache_dir, payload)
+        self.kv_disk_store = self.model_runner.kv_disk_store = store
+        return root_hash, store.list_blocks()
+
+    def flush_kv_disk_tier(self) -> None:
+        """Waits until every queued block write and delete is on disk."""
+        if self.kv_disk_store is not None:
+            self.kv_disk_store.flush()
+
+    def kv_disk_bytes_moved(self) -> tuple[int, int]:
+        """(bytes read, bytes written) by the disk tier since start-up."""
+        store = self.kv_disk_store
+        return (store.bytes_read, store.bytes_written) if store is not None else (0, 0)
+
     def check_health(self) -> None:
         """Answering at all is the check: a rank that can run this is alive and idle."""
 
     def shutdown(self) -> None:
         torch.set_num_threads(self.previous_num_threads)
+        if self.kv_disk_store is not None:
+            self.kv_disk_store.close()
+            self.kv_disk_store = self.model_runner.kv_disk_store = None
         if self.joined:
             destroy_tensor_parallel_group()
             self.joined = False

@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagedllm.kv import manager as manager_module
 from pagedllm.kv.block_pool import BlockPool, hash_block
+from pagedllm.kv.disk_tier import DiskTier, key_digest
 from pagedllm.kv.manager import RELEASED, KVCacheManager
 from tests.scheduling import new_request
 
@@ -242,10 +243,14 @@ class KVManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.now = 0.0
         self.manager = KVCacheManager(num_blocks=16, block_size=self.BLOCK_SIZE, sliding_window=self.SLIDING_WINDOW,
-                                      max_pinned_fraction=self.MAX_PINNED_FRACTION, clock=lambda: self.now)
+                                      max_pinned_fraction=self.MAX_PINNED_FRACTION, clock=lambda: self.now,
+                                      **self.manager_options())
         self.tokens: dict[str, list[int]] = {}
         self.computed_at_growth: dict[str, int] = {}   # num_computed_tokens of the request's last growth
         self.counter = 0
+
+    def manager_options(self) -> dict:
+        return {}
 
     def held(self, name):
         """(index, block) of the table entries the request holds (not released outside its window)."""
@@ -416,3 +421,66 @@ class WindowedKVManagerMachine(KVManagerMachine):
 
 TestWindowedKVManagerMachine = WindowedKVManagerMachine.TestCase
 TestWindowedKVManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class DiskKVManagerMachine(KVManagerMachine):
+    """The same over a disk tier of 6 blocks: evicted cached blocks spill, prefixes come back from disk (some
+    loads failing), and the disk's LRU evicts; the disk's index always equals the files a model of the
+    workers would hold (spills added, deletes removed), and every RAM block is accounted for as above."""
+
+    DISK_BLOCKS = 6
+
+    def manager_options(self) -> dict:
+        self.files: dict[bytes, bytes] = {}   # what the workers' directory holds: hash -> key digest
+        self.keys: dict[bytes, bytes] = {}    # key digest of every block ever cached
+        return {"disk_tier": DiskTier(self.DISK_BLOCKS)}
+
+    def _apply(self, work) -> None:
+        """The workers' side of a step's disk work: every spilled block is an evicted cached one."""
+        for block_id, block_hash, digest in work.spills:
+            assert self.manager.pool.blocks[block_id].block_hash != block_hash, "a spilled block is still cached"
+            assert block_hash not in self.files
+            self.files[block_hash] = digest
+        for block_hash in work.deletes:
+            del self.files[block_hash]
+
+    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+          tail=st.lists(st.integers(0, 3), min_size=1, max_size=14), fails=st.lists(st.booleans(), max_size=8))
+    def add_via_disk(self, prefix, tail, fails):
+        """A new request whose prefix may continue on disk: those blocks are loaded (fails[i]: load i could not
+        be read), then it is admitted with them as prefix hits, or refused and freed."""
+        manager, name, tokens = self.manager, self._name(), prefix + tail
+        hits = manager.get_computed_blocks(name, tokens)
+        if manager.load_from_disk(name, tokens, hits):
+            work = manager.take_disk_work()
+            for _, block_hash, digest in work.loads:   # found in the index before this step's spills
+                assert self.files[block_hash] == digest
+            self._apply(work)
+            failed = [load for load, fail in zip(work.loads, fails) if fail]
+            manager.complete_disk_loads([block_id for block_id, _, _ in failed])
+            leading = next((index for index, load in enumerate(work.loads) if load in failed), len(work.loads))
+            before, hits = len(hits), manager.get_computed_blocks(name, tokens)
+            assert len(hits) == before + leading
+            for _, block_hash, _ in failed:
+                assert block_hash not in manager.disk
+                self.files.pop(block_hash, None)
+        if manager.allocate_slots(name, len(tokens), len(hits) * self.BLOCK_SIZE, hits):
+            manager.cache_full_blocks(name, tokens, len(tokens))
+            self.tokens[name] = tokens
+        else:
+            manager.free(name)
+
+    @invariant()
+    def disk_books_balance(self):
+        """Both tiers: the index is exactly the files, within the quota, and lists no block twice."""
+        self._apply(self.manager.take_disk_work())
+        disk = self.manager.disk
+        assert dict(disk.entries) == self.files
+        assert len(disk) <= self.DISK_BLOCKS
+        counters = disk.counters
+        assert counters.spills - counters.evictions - counters.read_failures <= len(disk) <= (
+            counters.spills - counters.evictions)
+
+
+TestDiskKVManagerMachine = DiskKVManagerMachine.TestCase
+TestDiskKVManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

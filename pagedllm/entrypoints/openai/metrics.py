@@ -59,6 +59,26 @@ class _EngineCollector:
             yield family
         if stats.spec_decoding is not None:
             yield from self._spec_decoding(stats.spec_decoding)
+        if stats.kv_disk is not None:
+            yield from self._kv_tiers(stats.kv_disk)
+
+    def _kv_tiers(self, disk):
+        """The KV disk tier's figures, labelled tier="disk" (the RAM tier's are the kv_cache_* and prefix_cache_*
+        ones above)."""
+        for kind, name, text, value in (
+                (GaugeMetricFamily, "kv_tier_blocks", "KV blocks the tier holds.", disk.num_blocks),
+                (GaugeMetricFamily, "kv_tier_capacity_blocks", "KV blocks the tier may hold.", disk.capacity_blocks),
+                (CounterMetricFamily, "kv_tier_hit_blocks", "KV blocks read back for a prefix hit.", disk.hit_blocks),
+                (CounterMetricFamily, "kv_tier_read_failures", "KV block files missing or failing their checksum.",
+                 disk.read_failures),
+                (CounterMetricFamily, "kv_tier_spilled_blocks", "KV blocks written to the tier.", disk.spilled_blocks),
+                (CounterMetricFamily, "kv_tier_evicted_blocks", "KV blocks deleted to stay within the quota.",
+                 disk.evicted_blocks),
+                (CounterMetricFamily, "kv_tier_read_bytes", "Bytes read from the tier.", disk.bytes_read),
+                (CounterMetricFamily, "kv_tier_written_bytes", "Bytes written to the tier.", disk.bytes_written)):
+            family = kind(PREFIX + name, text, labels=["model_name", "tier"])
+            family.add_metric([self.model_name, "disk"], value)
+            yield family
 
     def _spec_decoding(self, spec):
         """vLLM's speculative-decoding counters; acceptance per position carries a `position` label."""

@@ -1,0 +1,236 @@
+"""The disk tier's bytes: one file per KV block under --kv-cache-dir, written by a background thread.
+
+A spilled block is copied out of the pool tensors at once (the block may be overwritten in the same
+step) and written later, so a step never waits on the disk. A file is written under a temporary name
+and renamed, and carries a header (magic, key digest, payload length, crc32), so a write cut short by
+a crash or a damaged file is refused on read, never served. The directory (0700, files 0600) records the
+identity of the model and cache layout it was made for, and a secret root for the block-hash chains, so
+that hashes are stable across restarts yet unguessable from outside.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import secrets
+import struct
+import threading
+import zlib
+from pathlib import Path
+
+import torch
+
+from pagedllm.model.attention import CacheTensor
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"PLKVBLK1"
+HEADER = struct.Struct("<8s32sQI")   # magic, key digest, payload bytes, crc32 of the payload
+HEADER_BYTES = HEADER.size
+IDENTITY_FILE = "identity.json"
+ROOT_FILE = "root_hash"
+BLOCK_SUFFIX = ".kv"
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".json")
+FINGERPRINT_SPAN = 2**20   # bytes read from each end of a weight file
+
+
+def weights_fingerprint(source: str) -> str:
+    """sha256 over each checkpoint file's name, size and first and last MiB: cheap for large checkpoints,
+    and different for any other set of weights in practice."""
+    path = Path(source)
+    files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.suffix in WEIGHT_SUFFIXES)
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        with open(file, "rb") as handle:
+            digest.update(handle.read(FINGERPRINT_SPAN))
+            handle.seek(max(0, size - FINGERPRINT_SPAN))
+            digest.update(handle.read(FINGERPRINT_SPAN))
+    return digest.hexdigest()
+
+
+def open_kv_cache_dir(directory: str, identity: dict) -> bytes:
+    """Creates the directory (0700) or checks that it was made for this identity; returns its root hash.
+    Refuses a directory made for another model or layout, naming what differs."""
+    path = Path(directory)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    identity_file = path / IDENTITY_FILE
+    if identity_file.exists():
+        recorded = json.loads(identity_file.read_text())
+        differs = [f"{key} {recorded.get(key)!r} there, {value!r} here" for key, value in identity.items()
+                   if recorded.get(key) != value]
+        if differs:
+            raise ValueError(f"kv_cache_dir {directory} holds KV blocks of another model or cache layout "
+                             f"({'; '.join(differs)}): use another directory or empty this one")
+    else:
+        _write_private(identity_file, json.dumps(identity, indent=1).encode())
+    root_file = path / ROOT_FILE
+    if not root_file.exists():
+        _write_private(root_file, secrets.token_bytes(32))
+    root_hash = root_file.read_bytes()
+    if len(root_hash) != 32:
+        raise ValueError(f"kv_cache_dir {directory}: {ROOT_FILE} is damaged ({len(root_hash)} bytes, not 32); "
+                         "empty the directory")
+    return root_hash
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Writes a 0600 file whole or not at all (a temporary name, then a rename)."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def block_tensors(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int) -> list[torch.Tensor]:
+    """Every tensor slice that holds one block: per layer K then V, each with its scales if it has them."""
+    return [tensor[block_id].reshape(-1).view(torch.uint8)
+            for layer in kv_caches for cache in layer for tensor in (cache.data, cache.scales) if tensor is not None]
+
+
+class DiskKVStore:
+    def __init__(self, directory: str, payload_bytes: int):
+        """payload_bytes: one block's K/V (and scales), every layer, as the pool holds it."""
+        self.directory = Path(directory)
+        self.payload_bytes = payload_bytes
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._pending: dict[bytes, tuple[bytes, torch.Tensor]] = {}   # hash -> (digest, payload) not yet on disk
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
+
+    def _path(self, block_hash: bytes) -> Path:
+        return self.directory / (block_hash.hex() + BLOCK_SUFFIX)
+
+    def list_blocks(self) -> list[tuple[bytes, bytes]]:
+        """(hash, key digest) of every complete block file, least recently used first; removes temporary
+        files left by a process that died mid-write and files of the wrong length."""
+        found = []
+        for file in self.directory.iterdir():
+            if file.name.endswith(".tmp"):
+                file.unlink(missing_ok=True)
+                continue
+            if not file.name.endswith(BLOCK_SUFFIX):
+                continue
+            try:
+                stat = file.stat()
+                with open(file, "rb") as handle:
+                    magic, digest, length, _ = HEADER.unpack(handle.read(HEADER_BYTES))
+                block_hash = bytes.fromhex(file.name.removesuffix(BLOCK_SUFFIX))
+            except (OSError, ValueError, struct.error):
+                file.unlink(missing_ok=True)
+                continue
+            if magic != MAGIC or length != self.payload_bytes or stat.st_size != HEADER_BYTES + length:
+                file.unlink(missing_ok=True)
+                continue
+            found.append((stat.st_atime_ns, stat.st_mtime_ns, block_hash, digest))
+        found.sort()
+        return [(block_hash, digest) for *_, block_hash, digest in found]
+
+    def copy_out(self, kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int) -> torch.Tensor:
+        """The block's bytes, copied now (the caller may overwrite the block right after)."""
+        return torch.cat(block_tensors(kv_caches, block_id)).cpu()
+
+    def write(self, block_hash: bytes, digest: bytes, payload: torch.Tensor) -> None:
+        """Queues a copied-out block for the writer; until written, loads read it from memory."""
+        with self._lock:
+            self._pending[block_hash] = (digest, payload)
+        self._queue.put(("write", block_hash))
+
+    def delete(self, block_hash: bytes) -> None:
+        self._queue.put(("delete", block_hash))
+
+    def load(self, kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, block_hash: bytes,
+             digest: bytes) -> bool:
+        """Reads the block into the pool at block_id; False (and the file removed) when it is missing, is
+        for another key, or fails its length or checksum."""
+        with self._lock:
+            pending = self._pending.get(block_hash)
+        if pending is not None and pending[0] == digest:
+            payload = pending[1]
+        else:
+            payload = self._read(block_hash, digest)
+            if payload is None:
+                return False
+        offset = 0
+        for tensor in block_tensors(kv_caches, block_id):
+            tensor.copy_(payload[offset:offset + tensor.numel()], non_blocking=False)
+            offset += tensor.numel()
+        return True
+
+    def _read(self, block_hash: bytes, digest: bytes) -> torch.Tensor | None:
+        path = self._path(block_hash)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        problem = None
+        if len(data) < HEADER_BYTES:
+            problem = f"{len(data)} bytes, shorter than its header"
+        else:
+            magic, recorded_digest, length, crc = HEADER.unpack_from(data)
+            payload = memoryview(data)[HEADER_BYTES:]
+            if magic != MAGIC or recorded_digest != digest:
+                problem = "another format or key"
+            elif length != self.payload_bytes or len(payload) != length:
+                problem = f"{len(payload)} payload bytes, {self.payload_bytes} expected"
+            elif zlib.crc32(payload) != crc:
+                problem = "checksum mismatch"
+        if problem is not None:
+            logger.warning("KV block file %s refused (%s); its tokens are recomputed", path.name, problem)
+            path.unlink(missing_ok=True)
+            return None
+        os.utime(path)   # its access time orders the LRU rebuilt at the next start
+        self.bytes_read += len(data)
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+    def flush(self) -> None:
+        """Returns once every queued write and delete is done."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._writer.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                action, block_hash = item
+                if action == "delete":
+                    self._path(block_hash).unlink(missing_ok=True)
+                else:
+                    self._write_pending(block_hash)
+            except OSError as error:   # a full or failing disk: the block stays in RAM only, no request fails
+                logger.warning("KV disk tier: %s; the block is not kept on disk", error)
+            finally:
+                self._queue.task_done()
+
+    def _write_pending(self, block_hash: bytes) -> None:
+        with self._lock:
+            entry = self._pending.get(block_hash)
+        if entry is None:
+            return
+        digest, payload = entry
+        data = payload.numpy().tobytes()
+        try:
+            _write_private(self._path(block_hash), HEADER.pack(MAGIC, digest, len(data), zlib.crc32(data)) + data)
+            self.bytes_written += HEADER_BYTES + len(data)
+        finally:
+            with self._lock:
+                if self._pending.get(block_hash) is entry:
+                    del self._pending[block_hash]
