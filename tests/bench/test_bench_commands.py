@@ -111,3 +111,14 @@ def test_serving_counts_every_request_and_prints_its_latency_table(server, capsy
     assert "3 requests (closed loop, 2 clients): 3 completed, 0 errors" in out
     rows = table_rows(out, "| ms | mean | p50 | p90 | p99 |")
     assert [row.split("|")[1].strip() for row in rows] == ["TTFT", "TPOT", "ITL", "E2E latency"]
+
+
+def test_multi_turn_prints_a_row_with_the_disk_tier_off_and_on(tiny_dir, capsys):
+    out = run_bench(capsys, "multi-turn", tiny_dir, "--dtype", "float32", "--block-size", "8", "--conversations", "3",
+                    "--turns", "2", "--system-len", "40", "--question-len", "8", "--output-len", "2")
+    # history 40 + 8 + 2 * 2 = 52 tokens, 7 blocks each: working set 21 blocks, a pool of max(7, 5) = 7
+    assert "KV working set 21 blocks, RAM pool 7 blocks of 8 tokens" in out
+    rows = table_rows(out, "| KV disk tier | TTFT ms p50 | p99 | output tok/s | prefix-hit prompt tokens |")
+    assert [row.split("|")[1].strip() for row in rows] == ["off", "on"]
+    disk_hits = [int(row.split("|")[6]) for row in rows]
+    assert disk_hits[0] == 0 and disk_hits[1] > 0   # the second turns find their histories on disk
