@@ -214,7 +214,7 @@ def test_quantized_gguf_runs_its_quantized_weights_as_transformers_does(arch, ty
     prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (9, 70)]
     llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
     model = llm.llm_engine.runner.model
-    assert model.embed_tokens.format == model.layers[0].gate_up_proj.format == type_name
+    assert model.embed_tokens.format == model.layers[0].mlp.gate_up_proj.format == type_name
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert_matches_reference(outputs, reference, prompts)
 
