@@ -28,14 +28,19 @@ def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int):
     return tokens, logprobs
 
 
+def assert_chosen_tokens_match(completion, ref_tokens, ref_logprobs):
+    """The completion's tokens are transformers' greedy ones, and their logprobs within tolerance."""
+    assert completion.token_ids == ref_tokens
+    ours = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, ref_tokens)])
+    theirs = ref_logprobs[torch.arange(len(ref_tokens)), torch.tensor(ref_tokens)]
+    torch.testing.assert_close(ours, theirs, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
 def assert_matches_reference(llm_outputs, reference_model, prompts):
     for prompt_ids, output in zip(prompts, llm_outputs):
         ref_tokens, ref_logprobs = reference_greedy(reference_model, prompt_ids, MAX_NEW_TOKENS)
         completion = output.outputs[0]
-        assert completion.token_ids == ref_tokens
-        ours = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, ref_tokens)])
-        theirs = ref_logprobs[torch.arange(len(ref_tokens)), torch.tensor(ref_tokens)]
-        torch.testing.assert_close(ours, theirs, atol=LOGPROB_TOLERANCE, rtol=0)
+        assert_chosen_tokens_match(completion, ref_tokens, ref_logprobs)
         for step, ref_step in zip(completion.logprobs, ref_logprobs):
             for token_id, logprob in step.items():
                 assert logprob.logprob == pytest.approx(ref_step[token_id].item(), abs=LOGPROB_TOLERANCE)
@@ -264,14 +269,9 @@ def test_sliding_window_holds_through_prefix_hits_chunks_speculation_and_preempt
 
 def assert_greedy_matches(folder, prompts, outputs, max_new_tokens):
     """Each output's tokens equal to transformers' greedy ones, and the chosen tokens' logprobs within tolerance."""
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for prompt, output in zip(prompts, outputs):
-        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        ref_tokens, ref_logprobs = reference_greedy(reference, prompt, max_new_tokens)
-        completion = output.outputs[0]
-        assert completion.token_ids == ref_tokens
-        ours = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, ref_tokens)])
-        theirs = ref_logprobs[torch.arange(len(ref_tokens)), torch.tensor(ref_tokens)]
-        torch.testing.assert_close(ours, theirs, atol=LOGPROB_TOLERANCE, rtol=0)
+        assert_chosen_tokens_match(output.outputs[0], *reference_greedy(reference, prompt, max_new_tokens))
 
 
 @pytest.fixture
