@@ -17,8 +17,8 @@ from pagedllm.bench import (accuracy, cascade, dashboard_cost, embed, kernels, l
                             multi_turn, scheduling, serving, structured_outputs, sweep, throughput)
 from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import (ACTIVATION_DTYPES, ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES,
-                             KV_CACHE_DTYPES, POOLING_CHOICES, QUANTIZATIONS, RUNNERS, SCHEDULING_POLICIES,
-                             EngineConfig)
+                             KV_CACHE_DTYPES, LORA_DTYPES, MAX_LORA_RANKS, POOLING_CHOICES, QUANTIZATIONS, RUNNERS,
+                             SCHEDULING_POLICIES, EngineConfig)
 from pagedllm.entrypoints.config_file import merge_config
 from pagedllm.entrypoints.openai.server_config import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES, ServerConfig
 
@@ -135,6 +135,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                             "(default: from the checkpoint)")
     group.add_argument("--hf-overrides", type=json_mapping, default=_UNSET, metavar="JSON",
                        help='config.json keys to replace, e.g. \'{"is_matryoshka": true}\' (default: none)')
+    group.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=_UNSET,
+                       help=f"serve LoRA adapters (PEFT folders) over the base model {_default(EngineConfig, 'enable_lora')}")
+    group.add_argument("--max-loras", type=int, default=_UNSET,
+                       help=f"most adapters in one step {_default(EngineConfig, 'max_loras')}")
+    group.add_argument("--max-lora-rank", type=int, choices=MAX_LORA_RANKS, default=_UNSET,
+                       help=f"largest adapter rank that loads {_default(EngineConfig, 'max_lora_rank')}")
+    group.add_argument("--max-cpu-loras", type=int, default=_UNSET,
+                       help="adapters kept loaded in memory, least recently used dropped first (default: --max-loras)")
+    group.add_argument("--lora-dtype", choices=LORA_DTYPES, default=_UNSET,
+                       help=f"dtype of the adapters' weights; auto is the model's {_default(EngineConfig, 'lora_dtype')}")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@ rows each gets (the token budget and the slots count them). Pure bookkeeping, no
 from __future__ import annotations
 
 from pagedllm.engine.request import Request
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.spec_decode.ngram import propose_ngram
 
 

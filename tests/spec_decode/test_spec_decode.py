@@ -24,7 +24,7 @@ from pagedllm.entrypoints.cli import parse_args
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.stats_logger import log_stats_periodically
 from pagedllm.kv.manager import KVCacheManager
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 from pagedllm.spec_decode.ngram import propose_ngram
 from pagedllm.spec_decode.planner import SpeculationPlanner

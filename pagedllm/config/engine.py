@@ -6,7 +6,8 @@ import re
 from dataclasses import dataclass
 
 from pagedllm.pooling_params import POOLING_TYPES, PoolerConfig
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.config.lora import LoRAConfig
+from pagedllm.config.speculative import SpeculativeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -86,6 +87,12 @@ class EngineConfig:
     pooler_config: PoolerConfig | dict | None = None   # vLLM's; a dict becomes a PoolerConfig
     pooling: str | None = None        # last, mean or cls: pooler_config's pooling_type, in short
     hf_overrides: dict | None = None  # config.json keys replaced before it is read (vLLM's)
+    # Multi-LoRA (pagedllm/lora/): requests name an adapter; off, a request with one is refused.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -120,7 +127,8 @@ class EngineConfig:
                 and not isinstance(self.max_pinned_kv_cache_fraction, bool)
                 and 0 <= self.max_pinned_kv_cache_fraction <= 1):
             raise ValueError(f"max_pinned_kv_cache_fraction must be in [0, 1], got {self.max_pinned_kv_cache_fraction!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_cascade_attention", "batch_invariant"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_cascade_attention", "batch_invariant",
+                     "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -137,6 +145,7 @@ class EngineConfig:
         self._check_kv_disk_tier()
         self._check_data_parallel()
         self._check_pooling()
+        self.lora_config   # checks the LoRA limits even while enable_lora is off
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
             if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
@@ -189,6 +198,12 @@ class EngineConfig:
             raise ValueError(f"data_parallel_size > 1 needs distributed_executor_backend 'ray' (mp runs a single "
                              f"engine), got data_parallel_size {size} with "
                              f"{self.distributed_executor_backend!r}")
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits when enable_lora is on, else None."""
+        limits = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
+        return limits if self.enable_lora else None
 
     @classmethod
     def field_names(cls) -> set[str]:
