@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedllm.kv.manager import DiskWork
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class NewRequestData:
     # A parallel sample forked in this step: it computes nothing and takes its first token from
     # this request's logits row, so n samples share one prefill.
     sample_with: str | None = None
+    lora_request: LoRARequest | None = None   # the adapter its rows run with; None: the base model
 
 
 @dataclass(slots=True)

@@ -27,3 +27,7 @@ class LoRARequest:
     @property
     def adapter_id(self) -> int:
         return self.lora_int_id
+
+
+class LoRAInUseError(RuntimeError):
+    """Removing an adapter that unfinished requests still run with (the server answers 409)."""
