@@ -123,7 +123,8 @@ def test_an_adapter_answers_as_the_offline_engine_with_it_and_unlike_the_base(cl
     assert completion_text(client, "static") != completion_text(client, BASE)
     assert completion_text(client, "json-form") == offline_text(offline, PROMPT, LoRARequest("json-form", 2,
                                                                                              adapters[1]))
-    chat_ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(MESSAGES, add_generation_prompt=True)
+    chat_ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                                                return_dict=False)
     chat = client.chat.completions.create(model="static", messages=MESSAGES, max_tokens=8, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert chat.model == "static"
