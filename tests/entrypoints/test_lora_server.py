@@ -63,19 +63,8 @@ def server(model_dir, adapters, tmp_path_factory):
                                 *ENGINE_FLAGS, "--served-model-name", BASE,
                                 "--lora-modules", f"static={adapters[0]}", json_form,
                                 api_key=API_KEY, fault_injection=True)
-    yield process
+    yield process   # conftest's client and http fixtures drive it
     process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai_client(TIMEOUT)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=TIMEOUT) as http:
-        yield http
 
 
 @pytest.fixture(scope="module")
