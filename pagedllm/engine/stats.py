@@ -41,3 +41,7 @@ class EngineStats:
     last_step: StepStats | None
     spec_decoding: SpecDecodingStats | None = None   # acceptance counters since start, with speculation on
     kv_disk: KVDiskStats | None = None               # with a KV disk tier
+    # vLLM's lora_requests_info: the adapters (by name) of running and of waiting requests, and max_loras (0: off).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
