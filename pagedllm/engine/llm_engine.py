@@ -477,6 +477,7 @@ class LLMEngine:
                 return self._process_outputs([], None, failed)
             self._wait_for_grammars()
             return []
+        num_loras = self.lora.count_in_step(scheduler_output, self.scheduler.requests)
         scheduled = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         computed = time.perf_counter()
@@ -495,6 +496,7 @@ class LLMEngine:
             num_tokens=scheduler_output.total_num_scheduled_tokens,
             num_preemptions=len(scheduler_output.preempted_req_ids),
             block_copies=scheduler_output.block_copies,
+            num_loras=num_loras,
         )
         for listener in self.step_listeners:
             listener(self.last_step_stats)

@@ -14,6 +14,7 @@ from pagedllm.engine.request import Request
 from pagedllm.lora.peft_checkpoint import load_peft_adapter
 from pagedllm.lora.request import LoRAInUseError, LoRARequest
 from pagedllm.model.config import ModelConfig
+from pagedllm.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,13 @@ class EngineLoRAAdapters:
     def list(self) -> set[int]:
         """The adapters loaded in memory now (at most max_cpu_loras)."""
         return set() if self.config is None else self.executor.collective_rpc("list_loras")
+
+    def count_in_step(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> int:
+        """Distinct adapters among the step's requests."""
+        if self.config is None:
+            return 0
+        return len({request.lora_request.lora_int_id for request_id in scheduler_output.num_scheduled_tokens
+                    if (request := requests.get(request_id)) is not None and request.lora_request is not None})
 
     def log_start(self) -> None:
         if self.config is not None:

@@ -17,6 +17,7 @@ class StepStats:
     num_tokens: int
     num_preemptions: int
     block_copies: list[tuple[int, int]] = ()   # (source, destination) blocks copied on write in this step
+    num_loras: int = 0          # distinct LoRA adapters the step ran (at most max_loras)
 
 
 @dataclass(frozen=True)
