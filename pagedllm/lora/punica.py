@@ -25,22 +25,18 @@ class LoRASegments:
         already (the common case: one adapter, or requests of one adapter next to each other), else by a stable sort."""
         if not len(token_slots) or (token_slots == NO_SLOT).all():
             return cls()
-        changes = np.flatnonzero(np.diff(token_slots)) + 1
-        starts = np.concatenate([[0], changes])
-        ends = np.concatenate([changes, [len(token_slots)]])
-        run_slots = token_slots[starts]
-        runs = [(int(slot), int(start), int(end)) for slot, start, end in zip(run_slots, starts, ends)
-                if slot != NO_SLOT]
+        runs = _runs(token_slots)
         if len({slot for slot, _, _ in runs}) == len(runs):
             return cls(runs)
         order = np.argsort(token_slots, kind="stable")
-        sorted_slots = token_slots[order]
-        changes = np.flatnonzero(np.diff(sorted_slots)) + 1
-        starts = np.concatenate([[0], changes])
-        ends = np.concatenate([changes, [len(sorted_slots)]])
-        segments = [(int(sorted_slots[start]), int(start), int(end)) for start, end in zip(starts, ends)
-                    if sorted_slots[start] != NO_SLOT]
-        return cls(segments, torch.from_numpy(order).to(device))
+        return cls(_runs(token_slots[order]), torch.from_numpy(order).to(device))
+
+
+def _runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """(slot, start, end) of each run of equal slots, base rows left out."""
+    changes = np.flatnonzero(np.diff(slots)) + 1
+    starts, ends = np.concatenate([[0], changes]), np.concatenate([changes, [len(slots)]])
+    return [(int(slots[start]), int(start), int(end)) for start, end in zip(starts, ends) if slots[start] != NO_SLOT]
 
 
 @dataclass(frozen=True)
