@@ -61,6 +61,17 @@ class _EngineCollector:
             yield from self._spec_decoding(stats.spec_decoding)
         if stats.kv_disk is not None:
             yield from self._kv_tiers(stats.kv_disk)
+        if stats.max_lora:   # 0: LoRA is off
+            yield self._lora_requests_info(stats)
+
+    def _lora_requests_info(self, stats: EngineStats) -> GaugeMetricFamily:
+        """vLLM's: the adapters of the running and of the waiting requests as comma-separated labels, the
+        value the time they were read (seconds since the epoch)."""
+        family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on lora requests.",
+                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        family.add_metric([str(stats.max_lora), ",".join(sorted(stats.running_lora_adapters)),
+                           ",".join(sorted(stats.waiting_lora_adapters))], time.time())
+        return family
 
     def _kv_tiers(self, disk):
         """The KV disk tier's figures, labelled tier="disk" (the RAM tier's are the kv_cache_* and prefix_cache_*
