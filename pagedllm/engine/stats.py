@@ -41,3 +41,12 @@ class EngineStats:
     last_step: StepStats | None
     spec_decoding: SpecDecodingStats | None = None   # acceptance counters since start, with speculation on
     kv_disk: KVDiskStats | None = None               # with a KV disk tier
+    data_parallel: DataParallelStats | None = None   # data-parallel replicas combined (DPAsyncLLM.stats)
+
+
+@dataclass(frozen=True)
+class DataParallelStats:
+    """Beside the replicas' combined figures: each live replica's own, and where the router sent requests."""
+    routing: str                         # data_parallel_routing: prefix or least-loaded
+    replicas: dict[int, EngineStats]     # by replica index
+    routed: dict[int, dict[str, int]]    # replica index -> requests sent to it, by reason (dp_router.ROUTING_REASONS)
