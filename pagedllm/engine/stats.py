@@ -46,3 +46,12 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    data_parallel: DataParallelStats | None = None   # data-parallel replicas combined (DPAsyncLLM.stats)
+
+
+@dataclass(frozen=True)
+class DataParallelStats:
+    """Beside the replicas' combined figures: each live replica's own, and where the router sent requests."""
+    routing: str                         # data_parallel_routing: prefix or least-loaded
+    replicas: dict[int, EngineStats]     # by replica index
+    routed: dict[int, dict[str, int]]    # replica index -> requests sent to it, by reason (dp_router.ROUTING_REASONS)

@@ -16,9 +16,9 @@ import sys
 from pagedllm.bench import (accuracy, cascade, dashboard_cost, embed, kernels, latency, load, logit_controls, memory,
                             multi_turn, scheduling, serving, structured_outputs, sweep, throughput)
 from pagedllm.bench.reliability import suite as reliability
-from pagedllm.config import (ACTIVATION_DTYPES, ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES,
-                             KV_CACHE_DTYPES, LORA_DTYPES, MAX_LORA_RANKS, POOLING_CHOICES, QUANTIZATIONS, RUNNERS,
-                             SCHEDULING_POLICIES, EngineConfig)
+from pagedllm.config import (ACTIVATION_DTYPES, ATTENTION_BACKENDS, DATA_PARALLEL_ROUTINGS,
+                             DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES, LORA_DTYPES, MAX_LORA_RANKS,
+                             POOLING_CHOICES, QUANTIZATIONS, RUNNERS, SCHEDULING_POLICIES, EngineConfig)
 from pagedllm.entrypoints.config_file import merge_config
 from pagedllm.entrypoints.openai.lora_modules import lora_module
 from pagedllm.entrypoints.openai.server_config import (REASONING_PARSER_NAMES, RUNTIME_LORA_UPDATING_ENV,
@@ -114,9 +114,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=_UNSET,
                        help=f"seed of the sampler's random generator {_default(EngineConfig, 'seed')}")
     group.add_argument("--data-parallel-size", type=int, default=_UNSET,
-                       help="engine replicas, each with the whole model and its own KV cache, as Ray actors; "
-                            "requests go to the least loaded one "
+                       help="engine replicas, each with the whole model and its own KV cache, as Ray actors "
                             f"{_default(EngineConfig, 'data_parallel_size')}")
+    group.add_argument("--data-parallel-routing", choices=DATA_PARALLEL_ROUTINGS, default=_UNSET,
+                       help="prefix: a request goes to the replica holding the longest cached prefix of its prompt "
+                            "(within --data-parallel-balance-abs-threshold), else the least loaded; least-loaded: "
+                            "by requests in flight only (default: prefix with several replicas and prefix caching)")
+    group.add_argument("--data-parallel-balance-abs-threshold", type=int, default=_UNSET,
+                       help="a replica gets requests for its cached prefixes only while its requests in flight exceed "
+                            "the least loaded replica's by at most this many "
+                            f"{_default(EngineConfig, 'data_parallel_balance_abs_threshold')}")
     group.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS, default=_UNSET,
                        help="ray: the engine replicas are Ray actors (joining a cluster started with `ray start`, "
                             "or a local one); mp: one engine in this process "
