@@ -5,6 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.reliability.server import metric
+from pagedllm.config import EngineConfig
+from pagedllm.engine.preemption import PreemptionPolicy
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.worker.kv_disk_store import HEADER_BYTES
 from pagedllm.worker.model_runner import kv_bytes_per_block
 
 BLOCK_SIZE = 8
@@ -89,3 +94,73 @@ def test_recompute_preempts_the_same_way_and_computes_the_lost_tokens_again(tiny
     assert llm.llm_engine.stats().num_preemptions >= 1
     assert computed > TOKENS_COMPUTED_ONCE
 
+
+
+def test_swap_figures_reach_prometheus_with_their_tier(tiny_dir, block_bytes, reference, tmp_path):
+    seeded, tokens, _ = reference
+    llm = small_pool(tiny_dir, block_bytes, preemption_mode="swap", swap_space=1)
+    assert run(llm, seeded)[0] == tokens
+    stats = llm.llm_engine.stats()
+    text = ServerMetrics("tiny").exposition(stats).decode()
+    swap = stats.kv_swap
+    assert swap.capacity_blocks == 2**30 // block_bytes
+    assert metric(text, "pagedllm:kv_tier_swap_outs_total", tier="ram") == swap.swap_outs >= 1
+    assert metric(text, "pagedllm:kv_tier_swap_ins_total", tier="ram") == swap.swap_ins == swap.swap_outs
+    assert metric(text, "pagedllm:kv_tier_swapped_out_bytes_total", tier="ram") == swap.blocks_out * block_bytes
+    assert metric(text, "pagedllm:kv_tier_swapped_in_bytes_total", tier="ram") == swap.blocks_in * block_bytes
+    assert metric(text, "pagedllm:kv_tier_swapped_blocks", tier="ram") == 0
+
+
+def test_a_full_disk_refuses_the_swap_and_the_request_recomputes(tiny_dir, block_bytes, reference, tmp_path):
+    """A disk quota of one block file: the preempted request's 3 blocks do not fit, so it recomputes."""
+    seeded, tokens, logprobs = reference
+    llm = small_pool(tiny_dir, block_bytes, preemption_mode="swap", kv_cache_dir=str(tmp_path / "kv"),
+                     kv_cache_disk_bytes=HEADER_BYTES + block_bytes)
+    got_tokens, got_logprobs, computed = run(llm, seeded)
+    assert got_tokens == tokens
+    assert got_logprobs == pytest.approx(logprobs, abs=1e-5)
+    stats = llm.llm_engine.stats()
+    assert stats.num_preemptions >= 1
+    assert (stats.kv_swap.swap_outs, stats.kv_swap.refused) == (0, stats.num_preemptions)
+    assert stats.kv_swap.recomputed_preemptions == stats.num_preemptions
+    assert computed > TOKENS_COMPUTED_ONCE
+
+
+def test_auto_swaps_where_recompute_is_dear_and_recomputes_where_it_is_cheap():
+    """The rule with given measurements: recompute ~ tokens x s/token, swap ~ 2 x blocks x s/block."""
+    policy = PreemptionPolicy("auto")
+    assert policy.wants_swap(1000, 63)   # nothing measured yet: swap (and so measure it)
+    policy.observe_prefill(num_tokens=512, seconds=1.024)       # 2 ms per prefill token
+    assert policy.wants_swap(1000, 63)   # swap unmeasured
+    policy.observe_swap(num_blocks=10, seconds=0.01)           # 1 ms per block each way
+    assert policy.recompute_seconds(1000) == pytest.approx(2.0)
+    assert policy.swap_seconds(63) == pytest.approx(0.126)
+    assert policy.wants_swap(1000, 63)          # 2 s of prefill against 0.126 s of copies
+    assert not policy.wants_swap(40, 63)        # 0.08 s against 0.126 s: 40 tokens spread over 63 blocks
+    policy.observe_swap(num_blocks=1, seconds=1.0)              # a slow disk: the average moves to 0.2008 s/block
+    assert policy.swap_seconds_per_block == pytest.approx(0.8 * 0.001 + 0.2 * 1.0)
+    assert not policy.wants_swap(1000, 63)      # 25.3 s of copies against 2 s of prefill
+    for mode, wanted in (("swap", True), ("recompute", False)):
+        assert PreemptionPolicy(mode).wants_swap(1000, 63) is wanted
+
+
+def test_auto_in_an_engine_measures_both_costs_and_keeps_the_tokens(tiny_dir, block_bytes, reference):
+    seeded, tokens, _ = reference
+    llm = small_pool(tiny_dir, block_bytes)   # the default: auto, RAM staging
+    assert llm.llm_engine.config.preemption_mode == "auto"
+    assert run(llm, seeded)[0] == tokens
+    policy = llm.llm_engine.preemption
+    assert policy.prefill_seconds_per_token > 0
+    assert policy.counters.swapped + policy.counters.recomputed == llm.llm_engine.stats().num_preemptions >= 1
+    if policy.counters.swapped:
+        assert policy.swap_seconds_per_block > 0
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"preemption_mode": "page"}, "preemption_mode must be one of recompute, swap, auto, got 'page'"),
+    ({"swap_space": -1}, "swap_space must be a number of GiB >= 0, got -1"),
+    ({"preemption_mode": "swap", "swap_space": 0}, "preemption_mode 'swap' needs a place for swapped blocks"),
+])
+def test_bad_preemption_settings_are_refused_naming_the_field(settings, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(**settings)
