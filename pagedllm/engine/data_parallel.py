@@ -73,6 +73,7 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
     used blocks over all blocks, and the prefix hit rate all hits over all lookups); the last step is the slowest
     replica's time with every replica's sequences and tokens."""
     disks = [s.kv_disk for s in stats if s.kv_disk is not None]
+    swaps = [s.kv_swap for s in stats if s.kv_swap is not None]
     steps = [s.last_step for s in stats if s.last_step is not None]
     last_step = StepStats(scheduling_seconds=max(s.scheduling_seconds for s in steps),
                           prepare_seconds=max(s.prepare_seconds for s in steps),
@@ -84,6 +85,7 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
                        num_preemptions=sum(s.num_preemptions for s in stats), last_step=last_step,
                        spec_decoding=SpecDecodingStats.combined([s.spec_decoding for s in stats if s.spec_decoding]),
                        kv_disk=sum_figures(disks) if disks else None,
+                       kv_swap=sum_figures(swaps, same=("tier",)) if swaps else None,
                        running_lora_adapters=_names_on_any(s.running_lora_adapters for s in stats),
                        waiting_lora_adapters=_names_on_any(s.waiting_lora_adapters for s in stats),
                        max_lora=stats[0].max_lora)
