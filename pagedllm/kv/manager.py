@@ -297,12 +297,14 @@ class KVCacheManager:
 
     def take_disk_work(self) -> DiskWork | None:
         """The step's tier work, once every allocation of the step is made (None without a disk tier or a
-        swap space). Every cached block evicted from the pool is spilled unless the disk holds it already or
-        has no room."""
+        swap space). Every cached block evicted from the pool is spilled unless the disk holds it already, has
+        no room, or the pool cached the same hash again within the step (the tokens were recomputed: RAM has them)."""
         if self.disk is None and self.swap is None:
             return None
         spills = []
         for block_id, block_hash, key in self.pool.take_evicted() if self.disk is not None else ():
+            if block_hash in self.pool.cached_blocks:
+                continue
             digest = key_digest(key)
             if self.disk.add(block_hash, digest):
                 spills.append((block_id, block_hash, digest))
