@@ -4,6 +4,7 @@ engine does, a refused adapter is on none, and removing it takes it off all."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import pytest
@@ -11,12 +12,28 @@ import pytest
 from pagedllm import LLM
 from pagedllm.bench.lora_adapters import make_random_adapters
 from pagedllm.config import EngineConfig
+from pagedllm.engine.stats import EngineStats
+from pagedllm.kv.manager import KVCacheUsage
 from pagedllm.lora.request import LoRARequest
 from tests.utils import greedy, random_prompts
 
 ENGINE_SETTINGS = dict(dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_lora_rank=8)
 TIMEOUT = 120   # seconds: a call that never answers fails the test, not hangs it
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # before Ray starts: nothing leaves the machine
+
+
+def test_combined_stats_name_each_adapter_running_or_waiting_on_any_replica():
+    """What /metrics' lora_requests_info shows for several replicas: every adapter once, in name order."""
+    from pagedllm.engine.data_parallel import combine_stats
+
+    kv = KVCacheUsage(**{field.name: 0 for field in dataclasses.fields(KVCacheUsage)})
+    idle = EngineStats(kv_cache=kv, num_running=0, num_waiting=0, num_preemptions=0, last_step=None, max_lora=4)
+    first = dataclasses.replace(idle, running_lora_adapters=("sql", "french"), waiting_lora_adapters=("german",))
+    second = dataclasses.replace(idle, running_lora_adapters=("french",), waiting_lora_adapters=("sql",))
+    combined = combine_stats([first, second, idle])
+    assert combined.running_lora_adapters == ("french", "sql")
+    assert combined.waiting_lora_adapters == ("german", "sql")
+    assert combined.max_lora == 4
 
 
 @pytest.fixture(scope="module")
