@@ -106,6 +106,33 @@ def test_an_adapter_added_at_run_time_serves_on_both_replicas(replicas, model_di
     assert run(replicas.remove_lora(1)) is False
 
 
+def test_prefix_routing_keeps_an_adapters_cached_prompt_apart_from_the_base(replicas, adapter_path):
+    """The router hashes a prompt as the replicas' prefix caches do, adapter included: the prompt cached under the
+    adapter draws the adapter's next request to its replica (reason prefix), never a base request (reason load)."""
+    adapter = LoRARequest("routed", 3, adapter_path)
+    prompt = random_prompts(1, seed=11, min_len=40, max_len=40)[0]   # two full blocks of 16 before its last token
+
+    async def reason_of(request_id: str, lora_request) -> tuple[int, str]:
+        before = {replica.index: dict(replica.routed) for replica in replicas.replicas}
+        [output async for output in replicas.generate(prompt, greedy(2), request_id, lora_request=lora_request)]
+        moved = [(replica.index, reason) for replica in replicas.replicas for reason, count in replica.routed.items()
+                 if count != before[replica.index][reason]]
+        assert len(moved) == 1, moved
+        return moved[0]
+
+    async def scenario():
+        await replicas.add_lora(adapter)
+        try:
+            return [await reason_of("first", adapter), await reason_of("base", None),
+                    await reason_of("again", adapter)]
+        finally:
+            await replicas.remove_lora(adapter.lora_int_id)
+
+    (first, first_reason), (_, base_reason), (again, again_reason) = run(scenario())
+    assert (first_reason, base_reason) == ("load", "load")
+    assert (again, again_reason) == (first, "prefix")
+
+
 def test_a_refused_adapter_is_on_no_replica(replicas, tmp_path):
     (tmp_path / "adapter_config.json").write_text("{}")   # a folder that is no PEFT adapter
     with pytest.raises(ValueError):
