@@ -380,16 +380,21 @@ class DPAsyncLLM:
         return {replica.index: stats for replica, stats in results.items()}
 
     async def _on_replicas(self, replicas: list[Replica], call: Callable) -> dict[Replica, object]:
-        """call(actor) on each replica at once: their results, without the replicas found dead meanwhile."""
-        outcomes = await asyncio.gather(*(call(replica.actor) for replica in replicas), return_exceptions=True)
+        """call(actor) on each replica at once: their results, without the replicas found dead meanwhile. A result
+        may be an exception object the replica returned (a refused adapter): it is a result like any other."""
+        async def outcome(replica: Replica) -> tuple[bool, object]:
+            try:
+                return True, await call(replica.actor)
+            except self._ray.exceptions.RayActorError as exc:
+                return False, exc
+
+        outcomes = await asyncio.gather(*(outcome(replica) for replica in replicas))
         results = {}
-        for replica, outcome in zip(replicas, outcomes):
-            if isinstance(outcome, self._ray.exceptions.RayActorError):
-                self._mark_dead(replica, outcome)
-            elif isinstance(outcome, BaseException):
-                raise outcome
+        for replica, (alive, result) in zip(replicas, outcomes):
+            if alive:
+                results[replica] = result
             else:
-                results[replica] = outcome
+                self._mark_dead(replica, result)
         return results
 
     async def stats(self) -> EngineStats:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import sys
 
 import pytest
 
@@ -14,7 +15,7 @@ from pagedllm.bench.lora_adapters import make_random_adapters
 from pagedllm.config import EngineConfig
 from pagedllm.engine.stats import EngineStats
 from pagedllm.kv.manager import KVCacheUsage
-from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.request import LoRAInUseError, LoRARequest
 from tests.utils import greedy, random_prompts
 
 ENGINE_SETTINGS = dict(dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_lora_rank=8)
@@ -131,6 +132,34 @@ def test_prefix_routing_keeps_an_adapters_cached_prompt_apart_from_the_base(repl
     (first, first_reason), (_, base_reason), (again, again_reason) = run(scenario())
     assert (first_reason, base_reason) == ("load", "load")
     assert (again, again_reason) == (first, "prefix")
+
+
+def park_request(replica, request_id: str, lora_request: LoRARequest) -> None:
+    """Runs inside a replica's actor: a request with the adapter put straight into its idle engine, without waking
+    the step loop, so it waits there, unfinished, until unpark_request takes it out (no timing involved)."""
+    replica.llm.engine.add_request(request_id, {"prompt_token_ids": [5, 6, 7]}, greedy(4), lora_request=lora_request)
+
+
+def unpark_request(replica, request_id: str) -> None:
+    replica.llm.engine.abort_request(request_id)
+
+
+def test_an_unload_refused_on_one_replica_leaves_the_adapter_on_every_replica(replicas, adapter_path):
+    import ray
+
+    adapter = LoRARequest("parked", 4, adapter_path)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the replicas need not import this module
+    run(replicas.add_lora(adapter))
+    first = replicas.replicas[0].actor
+    ray.get(first.__ray_call__.remote(park_request, "parked-0", adapter), timeout=TIMEOUT)
+    try:
+        with pytest.raises(LoRAInUseError):
+            run(replicas.remove_lora(adapter.lora_int_id))
+        assert adapters_on_each_replica(replicas) == [{4}, {4}]   # the replica that had dropped it took it back
+    finally:
+        ray.get(first.__ray_call__.remote(unpark_request, "parked-0"), timeout=TIMEOUT)
+    assert run(replicas.remove_lora(adapter.lora_int_id)) is True
+    assert adapters_on_each_replica(replicas) == [set(), set()]
 
 
 def test_a_refused_adapter_is_on_no_replica(replicas, tmp_path):
