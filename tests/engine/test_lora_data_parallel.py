@@ -52,6 +52,41 @@ def adapter_path(model_dir, tmp_path_factory):
     return str(make_random_adapters(str(model_dir), tmp_path_factory.mktemp("lora-dp-adapter"), 1, rank=8)[0])
 
 
+def test_serve_with_two_replicas_loads_lora_modules_on_both(ray_module, model_dir, adapter_path, tmp_path,
+                                                            monkeypatch):
+    """`pagedllm serve --data-parallel-size 2 --lora-modules`: the adapter is a model, answers as one in-process
+    engine with it does, and the server stops without leaving a process behind. (First in the module: its Ray
+    cluster is the server's own, started before the module's replicas.)"""
+    import psutil
+
+    from pagedllm.bench.reliability.server import ServerProcess
+
+    monkeypatch.setenv("RAY_ADDRESS", "local")   # the server starts a Ray cluster of its own
+    server = ServerProcess(tmp_path / "server.log", str(model_dir), "--dtype", "float32", "--kv-cache-memory", "16MiB",
+                           "--data-parallel-size", "2", "--enable-lora", "--max-lora-rank", "8",
+                           "--served-model-name", "tiny", "--lora-modules", f"adapter={adapter_path}")
+    descendants = psutil.Process(server.process.pid).children(recursive=True)
+    try:
+        client = server.openai_client()
+        models = [model.id for model in client.models.list().data]
+        prompts = [prompt["prompt_token_ids"] for prompt in random_prompts(2, seed=9)]
+        texts = [client.completions.create(model="adapter", prompt=prompt, max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].text for prompt in prompts]
+        log = server.log()
+    finally:
+        server.stop()
+        _, alive = psutil.wait_procs(descendants, timeout=TIMEOUT)
+        for process in alive:
+            process.kill()
+    assert not alive, f"pagedllm serve left processes behind: {[process.pid for process in alive]}"
+    assert models == ["tiny", "adapter"]
+    assert f"LoRA adapters: adapter (id 1, {adapter_path})" in log
+    expected = LLM(str(model_dir), **ENGINE_SETTINGS).generate(
+        [{"prompt_token_ids": prompt} for prompt in prompts], greedy(6), use_tqdm=False,
+        lora_request=LoRARequest("adapter", 1, adapter_path))
+    assert texts == [output.outputs[0].text for output in expected]
+
+
 @pytest.fixture(scope="module")
 def replicas(ray_module, model_dir):
     from pagedllm.engine.data_parallel import DPAsyncLLM
