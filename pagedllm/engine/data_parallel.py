@@ -36,6 +36,7 @@ from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError, En
 from pagedllm.engine.dp_router import (ROUTING_REASONS, CachedBlocksMirror, RouteCandidate, choose_replica,
                                        prompt_block_hashes)
 from pagedllm.engine.llm_engine import CheckedPrompt, PromptType, cache_salt_of, prefix_cache_salt, tokenize_prompt
+from pagedllm.engine.lora_adapters import lora_cache_salt
 from pagedllm.engine.ray_replica import EngineReplica, ReplicaInfo, ReplicaStats
 from pagedllm.engine.stats import DataParallelStats, EngineStats, StepStats
 from pagedllm.lora.request import LoRAInUseError, LoRARequest
@@ -246,7 +247,7 @@ class DPAsyncLLM:
         replica = None
         waiting, done = True, False   # done: the replica holds nothing more of this request
         try:
-            replica = await self._route(prompt)
+            replica = await self._route(prompt, lora_request)
             self._owner[request_id] = replica
             replica.request_ids.add(request_id)
             replica.num_in_flight += 1
@@ -280,13 +281,13 @@ class DPAsyncLLM:
                     # No await here: this also runs while the caller's task is being cancelled.
                     replica.actor.abort.remote(request_id)
 
-    async def _route(self, prompt: PromptType) -> Replica:
+    async def _route(self, prompt: PromptType, lora_request: LoRARequest | None) -> Replica:
         """The live replica for the prompt (dp_router.choose_replica), counted as routed there. With prefix
         routing the replicas' block hashes are brought up to date first (a ValueError for a prompt that cannot
         be tokenized is the one the replica would raise)."""
         hashes: dict[bytes, list[int]] = {}
         if self.routing == "prefix":
-            hashes = self._prompt_block_hashes(prompt)
+            hashes = self._prompt_block_hashes(prompt, lora_request)
             if any(hashes.values()):
                 await asyncio.gather(*(self._refresh_cached_blocks(replica) for replica in self._live_replicas()))
         live = self._live_replicas()
@@ -302,11 +303,13 @@ class DPAsyncLLM:
         replica.routed[reason] += 1
         return replica
 
-    def _prompt_block_hashes(self, prompt: PromptType) -> dict[bytes, list[int]]:
-        """The prompt's block hashes in each live replica's chain (by root: one chain when they share it)."""
+    def _prompt_block_hashes(self, prompt: PromptType, lora_request: LoRARequest | None) -> dict[bytes, list[int]]:
+        """The prompt's block hashes in each live replica's chain (by root: one chain when they share it), under
+        the salt the replica's engine caches them with: an adapter's blocks are its own."""
         view = self.engine
         _, token_ids = tokenize_prompt(prompt, view.tokenizer, view.model_config.vocab_size)
-        extra_key = prefix_cache_salt(cache_salt_of(prompt), view.model_config, len(token_ids), view.max_model_len)
+        extra_key = lora_cache_salt(prefix_cache_salt(cache_salt_of(prompt), view.model_config, len(token_ids),
+                                                      view.max_model_len), lora_request)
         roots = {replica.info.block_hash_root for replica in self._live_replicas()}
         block_size = self.replicas[0].info.block_size
         return {root: prompt_block_hashes(token_ids, extra_key, block_size, root) for root in roots}
@@ -377,16 +380,21 @@ class DPAsyncLLM:
         return {replica.index: stats for replica, stats in results.items()}
 
     async def _on_replicas(self, replicas: list[Replica], call: Callable) -> dict[Replica, object]:
-        """call(actor) on each replica at once: their results, without the replicas found dead meanwhile."""
-        outcomes = await asyncio.gather(*(call(replica.actor) for replica in replicas), return_exceptions=True)
+        """call(actor) on each replica at once: their results, without the replicas found dead meanwhile. A result
+        may be an exception object the replica returned (a refused adapter): it is a result like any other."""
+        async def outcome(replica: Replica) -> tuple[bool, object]:
+            try:
+                return True, await call(replica.actor)
+            except self._ray.exceptions.RayActorError as exc:
+                return False, exc
+
+        outcomes = await asyncio.gather(*(outcome(replica) for replica in replicas))
         results = {}
-        for replica, outcome in zip(replicas, outcomes):
-            if isinstance(outcome, self._ray.exceptions.RayActorError):
-                self._mark_dead(replica, outcome)
-            elif isinstance(outcome, BaseException):
-                raise outcome
+        for replica, (alive, result) in zip(replicas, outcomes):
+            if alive:
+                results[replica] = result
             else:
-                results[replica] = outcome
+                self._mark_dead(replica, result)
         return results
 
     async def stats(self) -> EngineStats:

@@ -132,6 +132,15 @@ def test_the_responses_and_messages_apis_pick_the_adapter_by_model(client, http)
         client.responses.create(model="nowhere", input="hi", max_output_tokens=2)
 
 
+def test_tokenize_takes_an_adapter_name_and_pooling_refuses_one(http):
+    """An adapter shares the base model's tokenizer; it cannot pool, so naming it there is refused, not ignored."""
+    tokens = http.post("/tokenize", json={"model": "static", "prompt": PROMPT})
+    assert tokens.status_code == 200 and tokens.json() == http.post("/tokenize", json={"prompt": PROMPT}).json()
+    embeddings = http.post("/v1/embeddings", json={"model": "static", "input": PROMPT})
+    assert embeddings.status_code == 400
+    assert embeddings.json()["error"]["message"].startswith("'static' is a LoRA adapter, which serves text generation")
+
+
 def test_loading_using_and_unloading_an_adapter_at_run_time(client, http, offline, adapters):
     loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "runtime", "lora_path": adapters[2]})
     assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'runtime' added successfully.")
