@@ -19,6 +19,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # int8, activations quantized per row and 32-column group (faster for small batches, less accurate).
 ACTIVATION_DTYPES = ("auto", "int8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap", "auto")   # vLLM's old names, and auto (engine/preemption.py)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: the model dtype
 # vLLM's: mp runs one engine in this process (its tensor parallel workers as subprocesses);
 # ray runs data_parallel_size engine replicas as Ray actors (pagedllm/engine/data_parallel.py).
@@ -76,6 +77,11 @@ class EngineConfig:
     # as files here, up to kv_cache_disk_bytes, and read back on a hit, across restarts too. None: off.
     kv_cache_dir: str | None = None
     kv_cache_disk_bytes: int | str = "8GiB"
+    # How a preempted request gives back its KV blocks (docs/kv-cache.md, "Preemption"): recompute them later,
+    # swap them out (to kv_cache_dir's quota if set, else to swap_space GiB of RAM) and back, or auto: the
+    # cheaper of the two by measured cost.
+    preemption_mode: str = "auto"
+    swap_space: float = 4   # GiB of host RAM for swapped blocks when kv_cache_dir is not set (vLLM's old flag)
     enable_chunked_prefill: bool = True
     # Sequences sharing leading KV blocks read them once per step (CPU kernels; model/cascade.py). Off by
     # default until it measures faster end to end (docs/kv-cache.md, "Shared-prefix (cascade) attention").
@@ -150,14 +156,32 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         self._check_kv_disk_tier()
+        self._check_preemption()
         self._check_data_parallel()
         self._check_pooling()
         self.lora_config   # checks the LoRA limits even while enable_lora is off
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+            if self.speculative_config.method == "draft_model" and self.enable_lora:
+                raise ValueError("speculative_config method 'draft_model' does not run with enable_lora (the draft "
+                                 "model has no adapters); use method 'ngram', which does")
             if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size 1 only, "
                                  f"got tensor_parallel_size {self.tensor_parallel_size}")
+
+    def _check_preemption(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        if self.preemption_mode == "swap" and self.kv_cache_dir is None and self.swap_space == 0:
+            raise ValueError("preemption_mode 'swap' needs a place for swapped blocks: swap_space > 0 (GiB of RAM) "
+                             "or kv_cache_dir")
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * 2**30)
 
     def _check_kv_disk_tier(self) -> None:
         self.kv_cache_disk_bytes = parse_memory_size(self.kv_cache_disk_bytes, "kv_cache_disk_bytes")

@@ -15,7 +15,8 @@ OpenAI server drives instead of an AsyncLLM:
   replica's own figures and the router's choices beside them (DataParallelStats);
 - a replica that dies (killed, its node lost) fails only the requests it held, with
   EngineRequestError, and is skipped from then on; when none is left, requests get EngineDeadError;
-- max_waiting_requests bounds the requests sent to replicas that have not yet had an output back.
+- max_waiting_requests bounds the requests sent to replicas that have not yet had an output back;
+- a LoRA adapter is added to (and removed from) every live replica, so a request with it can go to any.
 
 Ray is an optional extra (`pip install pagedllm[ray]`) and is imported only here, when used.
 """
@@ -25,7 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,8 +36,10 @@ from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError, En
 from pagedllm.engine.dp_router import (ROUTING_REASONS, CachedBlocksMirror, RouteCandidate, choose_replica,
                                        prompt_block_hashes)
 from pagedllm.engine.llm_engine import CheckedPrompt, PromptType, cache_salt_of, prefix_cache_salt, tokenize_prompt
+from pagedllm.engine.lora_adapters import lora_cache_salt
 from pagedllm.engine.ray_replica import EngineReplica, ReplicaInfo, ReplicaStats
 from pagedllm.engine.stats import DataParallelStats, EngineStats, StepStats
+from pagedllm.lora.request import LoRAInUseError, LoRARequest
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestOutput
@@ -71,17 +74,27 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
     used blocks over all blocks, and the prefix hit rate all hits over all lookups); the last step is the slowest
     replica's time with every replica's sequences and tokens."""
     disks = [s.kv_disk for s in stats if s.kv_disk is not None]
+    swaps = [s.kv_swap for s in stats if s.kv_swap is not None]
     steps = [s.last_step for s in stats if s.last_step is not None]
     last_step = StepStats(scheduling_seconds=max(s.scheduling_seconds for s in steps),
                           prepare_seconds=max(s.prepare_seconds for s in steps),
                           model_seconds=max(s.model_seconds for s in steps),
                           num_seqs=sum(s.num_seqs for s in steps), num_tokens=sum(s.num_tokens for s in steps),
-                          num_preemptions=sum(s.num_preemptions for s in steps)) if steps else None
+                          num_preemptions=sum(s.num_preemptions for s in steps),
+                          num_loras=sum(s.num_loras for s in steps)) if steps else None
     return EngineStats(kv_cache=sum_figures([s.kv_cache for s in stats], same=("block_size",)),
                        num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
                        num_preemptions=sum(s.num_preemptions for s in stats), last_step=last_step,
                        spec_decoding=SpecDecodingStats.combined([s.spec_decoding for s in stats if s.spec_decoding]),
-                       kv_disk=sum_figures(disks) if disks else None)
+                       kv_disk=sum_figures(disks) if disks else None,
+                       kv_swap=sum_figures(swaps, same=("tier",)) if swaps else None,
+                       running_lora_adapters=_names_on_any(s.running_lora_adapters for s in stats),
+                       waiting_lora_adapters=_names_on_any(s.waiting_lora_adapters for s in stats),
+                       max_lora=stats[0].max_lora)
+
+
+def _names_on_any(per_replica) -> tuple[str, ...]:
+    return tuple(sorted(set().union(*per_replica)))
 
 
 @dataclass(eq=False)
@@ -133,6 +146,7 @@ class DPAsyncLLM:
         self._placement_group = placement_group
         self._owns_ray = owns_ray
         self._owner: dict[str, Replica] = {}
+        self._loras: dict[int, LoRARequest] = {}   # adapters added on every replica, by id
         self._num_waiting = 0   # sent to a replica, no output back yet
         self._dead: EngineDeadError | None = None
         self._closed = False
@@ -221,7 +235,7 @@ class DPAsyncLLM:
         return self._owner.get(request_id)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """As AsyncLLM.generate, on the live replica the router picks. Closing or cancelling the iterator
         aborts the request on its replica; the replica dying raises EngineRequestError."""
         if self._dead is not None:
@@ -234,12 +248,12 @@ class DPAsyncLLM:
         replica = None
         waiting, done = True, False   # done: the replica holds nothing more of this request
         try:
-            replica = await self._route(prompt)
+            replica = await self._route(prompt, lora_request)
             self._owner[request_id] = replica
             replica.request_ids.add(request_id)
             replica.num_in_flight += 1
             stream = replica.actor.generate.options(num_returns="streaming").remote(
-                prompt, sampling_params, request_id, priority)
+                prompt, sampling_params, request_id, priority, lora_request)
             async for ref in stream:
                 item = await ref
                 if waiting:
@@ -268,13 +282,13 @@ class DPAsyncLLM:
                     # No await here: this also runs while the caller's task is being cancelled.
                     replica.actor.abort.remote(request_id)
 
-    async def _route(self, prompt: PromptType) -> Replica:
+    async def _route(self, prompt: PromptType, lora_request: LoRARequest | None) -> Replica:
         """The live replica for the prompt (dp_router.choose_replica), counted as routed there. With prefix
         routing the replicas' block hashes are brought up to date first (a ValueError for a prompt that cannot
         be tokenized is the one the replica would raise)."""
         hashes: dict[bytes, list[int]] = {}
         if self.routing == "prefix":
-            hashes = self._prompt_block_hashes(prompt)
+            hashes = self._prompt_block_hashes(prompt, lora_request)
             if any(hashes.values()):
                 await asyncio.gather(*(self._refresh_cached_blocks(replica) for replica in self._live_replicas()))
         live = self._live_replicas()
@@ -290,11 +304,13 @@ class DPAsyncLLM:
         replica.routed[reason] += 1
         return replica
 
-    def _prompt_block_hashes(self, prompt: PromptType) -> dict[bytes, list[int]]:
-        """The prompt's block hashes in each live replica's chain (by root: one chain when they share it)."""
+    def _prompt_block_hashes(self, prompt: PromptType, lora_request: LoRARequest | None) -> dict[bytes, list[int]]:
+        """The prompt's block hashes in each live replica's chain (by root: one chain when they share it), under the
+        key its engine caches it under: its salt, rope-length key and adapter (as LLMEngine.add_request keys it)."""
         view = self.engine
         _, token_ids = tokenize_prompt(prompt, view.tokenizer, view.model_config.vocab_size)
-        extra_key = prefix_cache_salt(cache_salt_of(prompt), view.model_config, len(token_ids), view.max_model_len)
+        extra_key = lora_cache_salt(prefix_cache_salt(cache_salt_of(prompt), view.model_config, len(token_ids),
+                                                      view.max_model_len), lora_request)
         roots = {replica.info.block_hash_root for replica in self._live_replicas()}
         block_size = self.replicas[0].info.block_size
         return {root: prompt_block_hashes(token_ids, extra_key, block_size, root) for root in roots}
@@ -325,19 +341,57 @@ class DPAsyncLLM:
         except self._ray.exceptions.RayActorError as exc:
             self._mark_dead(replica, exc)
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Adds the adapter on every live replica: usable once all have it. If one refuses it (ValueError, raised
+        here with the reason), the replicas that took it drop it again."""
+        live = self._live_replicas()
+        results = await self._on_replicas(live, lambda actor: actor.add_lora.remote(lora_request))
+        refusal = next((result for result in results.values() if isinstance(result, ValueError)), None)
+        if refusal is not None:
+            added = [replica for replica, result in results.items() if result is True]
+            await self._on_replicas(added, lambda actor: actor.remove_lora.remote(lora_request.lora_int_id))
+            raise refusal
+        if not results:
+            raise self._no_replica_left()
+        self._loras[lora_request.lora_int_id] = lora_request
+        return any(results.values())
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Removes the adapter from every live replica; False if none had it. While a replica still runs a
+        request with it, LoRAInUseError, and the replicas that had dropped it take it back, so it stays whole."""
+        live = self._live_replicas()
+        results = await self._on_replicas(live, lambda actor: actor.remove_lora.remote(lora_int_id))
+        in_use = next((result for result in results.values() if isinstance(result, LoRAInUseError)), None)
+        if in_use is not None:
+            removed = [replica for replica, result in results.items() if result is True]
+            if lora_int_id in self._loras:
+                await self._on_replicas(removed, lambda actor: actor.add_lora.remote(self._loras[lora_int_id]))
+            raise in_use
+        self._loras.pop(lora_int_id, None)
+        return any(results.values())
+
+    async def list_loras(self) -> set[int]:
+        """The adapters every live replica holds."""
+        results = await self._on_replicas(self._live_replicas(), lambda actor: actor.list_loras.remote())
+        return set.intersection(*results.values()) if results else set()
+
     async def replica_stats(self) -> dict[int, ReplicaStats]:
         """Each live replica's own figures, by replica index."""
-        live = self._live_replicas()
-        results = await asyncio.gather(*(replica.actor.stats.remote() for replica in live), return_exceptions=True)
-        stats = {}
-        for replica, result in zip(live, results):
-            if isinstance(result, self._ray.exceptions.RayActorError):
-                self._mark_dead(replica, result)
-            elif isinstance(result, BaseException):
-                raise result
+        results = await self._on_replicas(self._live_replicas(), lambda actor: actor.stats.remote())
+        return {replica.index: stats for replica, stats in results.items()}
+
+    async def _on_replicas(self, replicas: list[Replica], call: Callable) -> dict[Replica, object]:
+        """call(actor) on each replica at once: their results, without the replicas found dead meanwhile."""
+        outcomes = await asyncio.gather(*(call(replica.actor) for replica in replicas), return_exceptions=True)
+        results = {}
+        for replica, outcome in zip(replicas, outcomes):
+            if isinstance(outcome, self._ray.exceptions.RayActorError):
+                self._mark_dead(replica, outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
             else:
-                stats[replica.index] = result
-        return stats
+                results[replica] = outcome
+        return results
 
     async def stats(self) -> EngineStats:
         """The live replicas' figures combined (see combine_stats), with each one's own and the router's choices."""

@@ -15,13 +15,17 @@ from pagedllm.engine.bad_words import bad_words_token_ids
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.executor.abstract import Executor
+from pagedllm.engine.lora_adapters import EngineLoRAAdapters, adapter_names, lora_cache_salt
 from pagedllm.engine.output_processor import BeamSearchParent, ChildState, ParentRequest, process_token
 from pagedllm.engine.pooling import PoolingParent, check_pooling_params, check_token_type_ids
+from pagedllm.engine.preemption import PreemptionPolicy
 from pagedllm.engine.request import CachePin, Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
-from pagedllm.engine.stats import EngineStats, KVDiskStats, StepStats
+from pagedllm.engine.stats import EngineStats, KVDiskStats, KVSwapStats, StepStats
 from pagedllm.kv.disk_tier import DiskTier
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.lora.request import LoRARequest
+from pagedllm.kv.swap import SwapSpace
 from pagedllm.model import kernels
 from pagedllm.model.config import ModelConfig, kv_release_window
 from pagedllm.model.loader import load_checkpoint
@@ -31,7 +35,7 @@ from pagedllm.outputs import Logprob, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.planner import SpeculationPlanner
-from pagedllm.step import ModelRunnerOutput, PromptLogprobs
+from pagedllm.step import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import Tokenizer
 from pagedllm.worker.kv_disk_store import HEADER_BYTES, weights_fingerprint
@@ -185,23 +189,29 @@ class LLMEngine:
                                                    self.max_model_len, num_blocks), checkpoint)
         del checkpoint
         self.runner = self.executor.driver_worker.model_runner   # rank 0's
+        self.lora = EngineLoRAAdapters(self.executor, self.model_config, config.lora_config,
+                                       config.tensor_parallel_size)
         model = self.runner.model
         token_budget = self._resolve_token_budget()
         if profile:
             num_blocks = self._num_kv_blocks(self._profiled_kv_cache_budget(token_budget))
             self.executor.collective_rpc("allocate_kv_caches", num_blocks)
         disk_tier, root_hash = self._open_kv_disk_tier() if config.kv_cache_dir else (None, None)
+        swap_space = self._open_kv_swap_space(disk_tier)
+        self.preemption = PreemptionPolicy(config.preemption_mode) if swap_space is not None else None
         # Pooling prompts run whole and never reuse cached blocks (an encoder's K/V depend on later tokens).
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          config.enable_prefix_caching and self.pooling is None,
                                          kv_release_window([self.model_config, *filter(None, [self.draft_config])],
                                                            self.max_model_len),
-                                         config.max_pinned_kv_cache_fraction, disk_tier=disk_tier, root_hash=root_hash)
+                                         config.max_pinned_kv_cache_fraction, disk_tier=disk_tier, root_hash=root_hash,
+                                         swap_space=swap_space)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)
         speculation = SpeculationPlanner(config.speculative_config) if config.speculative_config else None
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, token_budget, self._chunks_prefill,
-                                   config.scheduling_policy, self.structured_output, speculation)
+                                   config.scheduling_policy, self.structured_output, speculation,
+                                   config.max_loras if config.enable_lora else None, self.preemption)
         self.parents: dict[str, ParentRequest | BeamSearchParent | PoolingParent] = {}
         self.children: dict[str, ChildState] = {}   # plain and parallel samples (not beams) by request id
         self.parent_of: dict[str, str] = {}
@@ -222,6 +232,7 @@ class LLMEngine:
                         model.matmul.describe(self.dtype))
         if config.speculative_config is not None:
             logger.info("speculative decoding: %s", config.speculative_config)
+        self.lora.log_start()
         if self.pooling is not None:
             logger.info("pooling runner: %s pooling, normalize %s, %s; prompts run whole (up to %d tokens a step), "
                         "prefix caching off", self.pooling.pooler.pooling_type, self.pooling.pooler.normalize,
@@ -234,6 +245,8 @@ class LLMEngine:
         return self.config.enable_chunked_prefill and self.pooling is None
 
     def _check_pooling_engine(self) -> None:
+        if self.config.enable_lora:
+            raise ValueError("enable_lora applies to generating models; this is a pooling model")
         if self.config.speculative_config is not None:
             raise ValueError("speculative_config applies to generation; a pooling model generates nothing")
         if self.config.tensor_parallel_size > 1:
@@ -279,11 +292,35 @@ class LLMEngine:
                     "block_size": self.config.block_size, "num_hidden_layers": model.num_hidden_layers,
                     "num_key_value_heads": model.num_key_value_heads, "head_dim": model.head_dim}
         root_hash, entries = self.executor.collective_rpc("open_kv_disk_tier", identity)
-        file_bytes = HEADER_BYTES + kv_bytes_per_block(model, self.config.block_size, self.kv_cache_dtype)
+        file_bytes = HEADER_BYTES + self.kv_block_bytes
         disk_tier = DiskTier(self.config.kv_cache_disk_bytes // file_bytes, entries)
         logger.info("KV disk tier: %s, %d of %d blocks (%d bytes each) found", self.config.kv_cache_dir,
                     len(disk_tier), disk_tier.capacity_blocks, file_bytes)
         return disk_tier, root_hash
+
+    def _open_kv_swap_space(self, disk_tier: DiskTier | None) -> SwapSpace | None:
+        """Room for preempted requests' blocks unless preemption_mode is recompute: the disk tier's quota, else
+        swap_space of RAM (None when that holds no block: then every preemption recomputes)."""
+        config = self.config
+        if config.preemption_mode == "recompute" or self.pooling is not None:
+            return None   # pooling prompts run whole in one step: nothing computed is ever preempted
+        if disk_tier is not None:
+            swap_space = SwapSpace(0, disk_tier)
+        else:
+            capacity = config.swap_space_bytes // self.kv_block_bytes
+            if capacity == 0:
+                return None
+            swap_space = SwapSpace(capacity)
+        self.executor.collective_rpc("open_kv_swap_space")
+        logger.info("preemption %s: swapped blocks go to %s (room for %d blocks)", config.preemption_mode,
+                    config.kv_cache_dir or f"{config.swap_space} GiB of RAM", swap_space.capacity_blocks)
+        return swap_space
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """One KV block's bytes on one rank: what a swap or a disk file moves."""
+        return kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype,
+                                  self.config.tensor_parallel_size)
 
     def flush_kv_disk_tier(self) -> None:
         """Returns once every block spilled so far is written (tests, and a clean shutdown)."""
@@ -320,19 +357,25 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | PoolingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validates and queues a request, sampled, (with BeamSearchParams) beam-searched or (with PoolingParams)
-        pooled; raises ValueError (naming the numbers) if it can never run."""
+        pooled; raises ValueError (naming the numbers) if it can never run. lora_request: the adapter it runs
+        with (loaded now if it is not yet); None: the base model."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival_time = arrival_time or time.monotonic()
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request applies to generation, not to pooling requests")
             self._add_pooling_request(request_id, prompt, params, arrival_time, priority)
             return
         checked = self.check_prompt(prompt, params)
+        self.lora.check_request(lora_request)
+        checked = dataclasses.replace(checked, cache_salt=lora_cache_salt(checked.cache_salt, lora_request))
         if isinstance(params, BeamSearchParams):
             search = BeamSearch(request_id, checked.token_ids, params, self.model_config.eos_token_ids,
-                                checked.max_tokens, checked.cache_salt, arrival_time, priority)
+                                checked.max_tokens, checked.cache_salt, arrival_time, priority, lora_request)
             search.first_request.cache_pins = checked.cache_pins
             parent = BeamSearchParent(request_id, checked.text, checked.token_ids, search, self.tokenizer)
             self.parents[request_id] = parent
@@ -350,7 +393,7 @@ class LLMEngine:
             child_id = request_id if num_children == 1 else f"{index}_{request_id}"
             request = Request(child_id, prompt_ids, child_params, self.model_config.eos_token_ids,
                               checked.max_tokens, arrival_time=arrival_time, priority=priority,
-                              cache_salt=checked.cache_salt, cache_pins=checked.cache_pins)
+                              cache_salt=checked.cache_salt, cache_pins=checked.cache_pins, lora_request=lora_request)
             if params.structured_outputs is not None:
                 request.grammar = self.structured_output.request_grammar(params.structured_outputs)
             children.append(ChildState(request, index,
@@ -436,6 +479,19 @@ class LLMEngine:
             if outside:
                 raise ValueError(f"{name} must name token ids below the vocabulary size {vocab}, got {outside[:10]}")
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads the adapter on every rank now, checked against the base (ValueError naming the reason); True if
+        loaded now, False if an adapter with its lora_int_id was loaded already."""
+        return self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads the adapter; LoRAInUseError while an unfinished request uses it; False if it is unknown."""
+        return self.lora.remove(lora_int_id, list(self.scheduler.requests.values()))
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_ids of the adapters loaded now."""
+        return self.lora.list()
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their blocks return to the pool at once."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -462,6 +518,7 @@ class LLMEngine:
                 return self._process_outputs([], None, failed)
             self._wait_for_grammars()
             return []
+        num_loras = self.lora.count_in_step(scheduler_output, self.scheduler.requests)
         scheduled = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         computed = time.perf_counter()
@@ -480,10 +537,21 @@ class LLMEngine:
             num_tokens=scheduler_output.total_num_scheduled_tokens,
             num_preemptions=len(scheduler_output.preempted_req_ids),
             block_copies=scheduler_output.block_copies,
+            num_loras=num_loras,
         )
+        if self.preemption is not None:
+            self._observe_preemption_costs(scheduler_output, runner_output)
         for listener in self.step_listeners:
             listener(self.last_step_stats)
         return outputs
+
+    def _observe_preemption_costs(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """Feeds preemption_mode auto the step's measured costs: seconds per prefill token (a step of mostly
+        prefill tokens) and seconds per swapped block copied."""
+        step, work = self.last_step_stats, scheduler_output.disk_work
+        self.preemption.observe_swap(len(work.swap_outs) + len(work.swap_ins), runner_output.kv_swap_seconds)
+        if step.num_tokens >= 2 * step.num_seqs:
+            self.preemption.observe_prefill(step.num_tokens, step.model_seconds - runner_output.kv_swap_seconds)
 
     def _wait_for_grammars(self, timeout: float = 0.05) -> None:
         """Nothing could run: if requests wait for their grammars to compile, wait for one rather than spin."""
@@ -596,13 +664,27 @@ class LLMEngine:
                            num_waiting=len(self.scheduler.waiting),
                            num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step_stats,
                            spec_decoding=spec.snapshot() if (spec := self.scheduler.spec_decoding_stats) else None,
-                           kv_disk=self._kv_disk_stats())
+                           kv_disk=self._kv_disk_stats(), kv_swap=self._kv_swap_stats(),
+                           running_lora_adapters=adapter_names(self.scheduler.running),
+                           waiting_lora_adapters=adapter_names(self.scheduler.waiting),
+                           max_lora=self.config.max_loras if self.config.enable_lora else 0)
 
     def _kv_disk_stats(self) -> KVDiskStats | None:
         disk = self.kv_manager.disk
         if disk is None:
             return None
-        bytes_read, bytes_written = self.executor.collective_rpc("kv_disk_bytes_moved")
+        bytes_read, bytes_written, stale_files_removed = self.executor.collective_rpc("kv_disk_bytes_moved")
         counters = disk.counters
         return KVDiskStats(len(disk), disk.capacity_blocks, counters.hits, counters.read_failures, counters.spills,
-                           counters.evictions, bytes_read, bytes_written)
+                           counters.evictions, bytes_read, bytes_written, stale_files_removed)
+
+    def _kv_swap_stats(self) -> KVSwapStats | None:
+        swap = self.kv_manager.swap
+        if swap is None:
+            return None
+        counters, block_bytes = swap.counters, self.kv_block_bytes
+        return KVSwapStats(swap.tier, swap.capacity_blocks, swap.num_blocks, counters.swap_outs, counters.swap_ins,
+                           counters.blocks_out, counters.blocks_in, counters.blocks_reused,
+                           counters.blocks_out * block_bytes,
+                           counters.blocks_in * block_bytes, counters.refused, counters.failed_blocks,
+                           self.preemption.counters.recomputed)

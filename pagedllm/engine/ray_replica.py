@@ -22,6 +22,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.dp_router import BlockHashReport
 from pagedllm.engine.llm_engine import CheckedPrompt, LLMEngine, PromptType
 from pagedllm.engine.stats import EngineStats
+from pagedllm.lora.request import LoRAInUseError, LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -80,16 +81,33 @@ class EngineReplica:
         except ValueError as exc:
             return exc
 
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput | Exception]:
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput | Exception]:
         """AsyncLLM.generate's outputs; a failure is yielded as the last item instead of raised."""
         try:
-            async for output in self.llm.generate(prompt, params, request_id, priority):
+            async for output in self.llm.generate(prompt, params, request_id, priority, lora_request=lora_request):
                 if output.finished:
                     self.num_requests_served += 1
                 yield output
         except Exception as exc:   # ValueError, EngineRequestError, EngineDeadError...: the caller's to raise
             yield exc
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool | ValueError:
+        """AsyncLLM.add_lora; a refused adapter's ValueError is returned, as check_prompt returns its own."""
+        try:
+            return await self.llm.add_lora(lora_request)
+        except ValueError as exc:
+            return exc
+
+    async def remove_lora(self, lora_int_id: int) -> bool | LoRAInUseError:
+        """AsyncLLM.remove_lora; the LoRAInUseError of an adapter still in use is returned, not raised."""
+        try:
+            return await self.llm.remove_lora(lora_int_id)
+        except LoRAInUseError as exc:
+            return exc
+
+    async def list_loras(self) -> set[int]:
+        return await self.llm.list_loras()
 
     async def block_hash_report(self) -> BlockHashReport:
         """The block hashes its tiers gained and lost since the last report; the whole state (read between two

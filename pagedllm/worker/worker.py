@@ -17,6 +17,9 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import (SINGLE_PROCESS, TensorParallelGroup,
                                                  destroy_tensor_parallel_group, init_tensor_parallel_group)
+from pagedllm.lora.layer import LoRAModel
+from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.worker_manager import LoRAWorkerManager
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.quantized_matmul import QuantizedMatmul
 from pagedllm.model.loader import Checkpoint, load_checkpoint
@@ -25,6 +28,7 @@ from pagedllm.model.tensor_parallel import weight_shards
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.kv_disk_store import DiskKVStore, open_kv_cache_dir
+from pagedllm.worker.kv_swap import DiskSwapSpace, RamSwapSpace
 from pagedllm.worker.model_runner import ModelRunner, kv_bytes_per_block
 from pagedllm.worker.pooling_runner import PoolingModelRunner
 
@@ -76,11 +80,12 @@ class Worker:
             model, runner_class = build_pooling_model(checkpoint.config, checkpoint.pooling, weights, args.dtype,
                                                       self.device, args.max_model_len), PoolingModelRunner
         del checkpoint, weights
+        runner_kwargs = {"lora": self._lora(model, args)} if config.lora_config is not None else {}
         self.model_runner = runner_class(model, args.num_blocks, config.block_size, args.kv_cache_dtype,
                                         self.device, config.seed, args.max_model_len, config.max_num_seqs,
                                         attention_backend=config.attention_backend, dtype=args.dtype,
                                         enable_cascade_attention=config.enable_cascade_attention,
-                                        drafter=self._drafter(args))
+                                        drafter=self._drafter(args), **runner_kwargs)
 
     def _drafter(self, args: WorkerArgs) -> DraftModelProposer | None:
         """The draft model and its KV pool, for draft_model speculation (tensor parallel size 1 only)."""
@@ -96,6 +101,22 @@ class Worker:
                          matmul=matmul)
         return DraftModelProposer(model, args.num_blocks, args.engine_config.block_size, args.kv_cache_dtype,
                                   self.device)
+
+    def _lora(self, model: CausalLM, args: WorkerArgs) -> LoRAWorkerManager:
+        """Wraps the model's projections for LoRA and makes the manager of this rank's adapters."""
+        lora_config = args.engine_config.lora_config
+        dtype = args.dtype if lora_config.lora_dtype == "auto" else getattr(torch, lora_config.lora_dtype)
+        lora_model = LoRAModel(model, model.config, lora_config.max_loras, self.rank, self.group.world_size)
+        return LoRAWorkerManager(lora_model, lora_config, dtype, self.device)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.model_runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.model_runner.lora.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.model_runner.lora.list()
 
     def init_distributed(self) -> None:
         """Joins the tensor-parallel group, once every rank has built its model (so a rank that fails to
@@ -124,15 +145,20 @@ class Worker:
         self.kv_disk_store = self.model_runner.kv_disk_store = store
         return root_hash, store.list_blocks()
 
+    def open_kv_swap_space(self) -> None:
+        """Where swapped-out blocks go: the disk tier's directory if it is open, else host RAM."""
+        runner = self.model_runner
+        runner.kv_swap_space = DiskSwapSpace(self.kv_disk_store) if self.kv_disk_store is not None else RamSwapSpace()
+
     def flush_kv_disk_tier(self) -> None:
         """Waits until every queued block write and delete is on disk."""
         if self.kv_disk_store is not None:
             self.kv_disk_store.flush()
 
-    def kv_disk_bytes_moved(self) -> tuple[int, int]:
-        """(bytes read, bytes written) by the disk tier since start-up."""
+    def kv_disk_bytes_moved(self) -> tuple[int, int, int]:
+        """(bytes read, bytes written, stale files removed at start-up) by the disk tier."""
         store = self.kv_disk_store
-        return (store.bytes_read, store.bytes_written) if store is not None else (0, 0)
+        return (store.bytes_read, store.bytes_written, store.stale_files_removed) if store is not None else (0, 0, 0)
 
     def check_health(self) -> None:
         """Answering at all is the check: a rank that can run this is alive and idle."""
@@ -141,7 +167,7 @@ class Worker:
         torch.set_num_threads(self.previous_num_threads)
         if self.kv_disk_store is not None:
             self.kv_disk_store.close()
-            self.kv_disk_store = self.model_runner.kv_disk_store = None
+            self.kv_disk_store = self.model_runner.kv_disk_store = self.model_runner.kv_swap_space = None
         if self.joined:
             destroy_tensor_parallel_group()
             self.joined = False
