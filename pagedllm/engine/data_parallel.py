@@ -80,7 +80,8 @@ def combine_stats(stats: list[EngineStats]) -> EngineStats:
                           prepare_seconds=max(s.prepare_seconds for s in steps),
                           model_seconds=max(s.model_seconds for s in steps),
                           num_seqs=sum(s.num_seqs for s in steps), num_tokens=sum(s.num_tokens for s in steps),
-                          num_preemptions=sum(s.num_preemptions for s in steps)) if steps else None
+                          num_preemptions=sum(s.num_preemptions for s in steps),
+                          num_loras=sum(s.num_loras for s in steps)) if steps else None
     return EngineStats(kv_cache=sum_figures([s.kv_cache for s in stats], same=("block_size",)),
                        num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
                        num_preemptions=sum(s.num_preemptions for s in stats), last_step=last_step,
@@ -304,8 +305,8 @@ class DPAsyncLLM:
         return replica
 
     def _prompt_block_hashes(self, prompt: PromptType, lora_request: LoRARequest | None) -> dict[bytes, list[int]]:
-        """The prompt's block hashes in each live replica's chain (by root: one chain when they share it), under
-        the salt the replica's engine caches them with: an adapter's blocks are its own."""
+        """The prompt's block hashes in each live replica's chain (by root: one chain when they share it), under the
+        key its engine caches it under: its salt, rope-length key and adapter (as LLMEngine.add_request keys it)."""
         view = self.engine
         _, token_ids = tokenize_prompt(prompt, view.tokenizer, view.model_config.vocab_size)
         extra_key = lora_cache_salt(prefix_cache_salt(cache_salt_of(prompt), view.model_config, len(token_ids),

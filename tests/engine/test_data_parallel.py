@@ -117,19 +117,23 @@ def test_combined_stats_sum_counts_and_pool_kv_usage():
     assert combined.kv_disk is None
 
 
-def test_combined_stats_sum_the_disk_tiers_and_speculation():
+def test_combined_stats_sum_the_disk_tiers_speculation_and_adapters_per_step():
     from pagedllm.engine.data_parallel import combine_stats
     from pagedllm.engine.stats import KVDiskStats
     from pagedllm.spec_decode.metrics import SpecDecodingStats
 
-    first = dataclasses.replace(_stats(100, 10, 0, 0, 0, 0, None), kv_disk=KVDiskStats(5, 50, 7, 1, 9, 2, 700, 900, 1),
+    def step(num_loras):
+        return StepStats(scheduling_seconds=0.001, prepare_seconds=0.001, model_seconds=0.1, num_seqs=2, num_tokens=2,
+                         num_preemptions=0, num_loras=num_loras)
+    first = dataclasses.replace(_stats(100, 10, 0, 0, 0, 0, step(2)), kv_disk=KVDiskStats(5, 50, 7, 1, 9, 2, 700, 900, 1),
                                 spec_decoding=SpecDecodingStats(2, 3, 6, 4, [3, 1]))
-    second = dataclasses.replace(_stats(100, 20, 0, 0, 0, 0, None), kv_disk=KVDiskStats(6, 50, 3, 0, 4, 1, 300, 400, 2),
+    second = dataclasses.replace(_stats(100, 20, 0, 0, 0, 0, step(1)), kv_disk=KVDiskStats(6, 50, 3, 0, 4, 1, 300, 400, 0),
                                  spec_decoding=SpecDecodingStats(2, 1, 2, 2, [1, 1]))
     combined = combine_stats([first, second])
+    assert (combined.last_step.num_seqs, combined.last_step.num_loras) == (4, 3)
     assert combined.kv_disk == KVDiskStats(num_blocks=11, capacity_blocks=100, hit_blocks=10, read_failures=1,
                                            spilled_blocks=13, evicted_blocks=3, bytes_read=1000, bytes_written=1300,
-                                           stale_files_removed=3)
+                                           stale_files_removed=1)
     assert (combined.spec_decoding.num_drafts, combined.spec_decoding.num_accepted_tokens_per_pos) == (4, [4, 2])
     assert combine_stats([first, _stats(100, 0, 0, 0, 0, 0, None)]).kv_disk == first.kv_disk
 

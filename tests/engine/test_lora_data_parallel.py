@@ -202,3 +202,38 @@ def test_a_refused_adapter_is_on_no_replica(replicas, tmp_path):
     with pytest.raises(ValueError):
         run(replicas.add_lora(LoRARequest("broken", 2, str(tmp_path))))
     assert adapters_on_each_replica(replicas) == [set(), set()]
+
+
+def test_prefix_routing_keys_a_prompt_by_its_adapter(replicas, adapter_path):
+    """A 40-token prompt (2 full blocks before its last token) with an adapter, then again with it: the second goes
+    to the replica holding it, for that prefix, and hits its 32 tokens there. The same prompt on the base model
+    is cached under another key on the replicas, so the router finds no affinity for it either: no new hit."""
+    adapter = LoRARequest("affinity", 3, adapter_path)
+    prompt = random_prompts(1, seed=41, min_len=40, max_len=40)[0]
+
+    async def scenario():
+        await replicas.add_lora(adapter)
+        try:
+            figures = []
+            for index, lora_request in enumerate((adapter, adapter, None)):
+                before = await replicas.stats()
+                [output async for output in replicas.generate(prompt, greedy(2), f"affinity-{index}",
+                                                              lora_request=lora_request)]
+                after = await replicas.stats()
+                figures.append((before, after))
+            return figures
+        finally:
+            await replicas.remove_lora(3)
+
+    def reasons(stats) -> dict[str, int]:
+        return {reason: sum(r[reason] for r in stats.data_parallel.routed.values())
+                for reason in ("prefix", "balance", "load")}
+
+    def delta(before, after) -> tuple[dict[str, int], int]:
+        new_reasons = {k: reasons(after)[k] - reasons(before)[k] for k in ("prefix", "balance", "load")}
+        return new_reasons, after.kv_cache.prefix_cache_hits - before.kv_cache.prefix_cache_hits
+
+    figures = run(scenario())
+    assert [delta(*pair) for pair in figures] == [({"prefix": 0, "balance": 0, "load": 1}, 0),
+                                                  ({"prefix": 1, "balance": 0, "load": 0}, 32),
+                                                  ({"prefix": 0, "balance": 0, "load": 1}, 0)]
