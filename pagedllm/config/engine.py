@@ -23,7 +23,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: 
 # vLLM's: mp runs one engine in this process (its tensor parallel workers as subprocesses);
 # ray runs data_parallel_size engine replicas as Ray actors (pagedllm/engine/data_parallel.py).
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
-# auto: triton on CUDA, the C++ kernels on CPU (pagedllm/model/attention_backends.py); torch: the PyTorch reference.
+# auto: triton on CUDA, the C++ kernels on CPU (pagedllm/model/attention/selector.py); torch: the PyTorch reference.
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 # vLLM's --runner: auto picks pooling for encoder, bare-model and sequence-classification checkpoints and for
 # sentence-transformers folders (pagedllm/model/pooling_checkpoint.py), generate for the rest.

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention
+from pagedllm.model.attention.cache import CacheTensor
+from pagedllm.model.attention.metadata import AttentionMetadata, LayerAttention
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_linear, padded_rows
 from pagedllm.model.mlp import GatedMLP

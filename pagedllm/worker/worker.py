@@ -22,7 +22,7 @@ from pagedllm.model.quantized_matmul import QuantizedMatmul
 from pagedllm.model.loader import Checkpoint, load_checkpoint
 from pagedllm.model.pooling_checkpoint import build_pooling_model
 from pagedllm.model.tensor_parallel import weight_shards
-from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.worker.draft_model import DraftModelProposer
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.kv_disk_store import DiskKVStore, open_kv_cache_dir
 from pagedllm.worker.model_runner import ModelRunner, kv_bytes_per_block
