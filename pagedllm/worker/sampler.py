@@ -5,13 +5,14 @@ CUDA stages them at once and the host does not wait for the GPU, so the step's o
 fetch of the sampled ids."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagedllm.model.ops import _C, on_cpu_kernel
+from pagedllm.model.kernels import kernel_for
 from pagedllm.worker.input_batch import SamplingColumns
 from pagedllm.worker.logit_controls import LogitControlsBatch
 
@@ -184,14 +185,22 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return sampled if greedy_ids is None else torch.where(batch.greedy, greedy_ids, sampled)
 
 
+@functools.cache
+def _logits_summary(device: torch.device):
+    """csrc's logits_summary for logits on device, or None: chosen (and logged) the first time a device's
+    logits are summarised, the same for every step after."""
+    return kernel_for("logits_summary", device)
+
+
 def _normaliser_and_argmax(raw_logits: torch.Tensor, need_argmax: bool
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logsumexp per row ([rows, 1]: log p = logit - it, no [rows, vocab] log-softmax written),
     and the argmax per row where asked; on CPU one kernel gives both in two passes over a row."""
-    if on_cpu_kernel(raw_logits, 1) and raw_logits.is_contiguous():
+    summary = _logits_summary(raw_logits.device)
+    if summary is not None:
         log_normaliser = raw_logits.new_empty(raw_logits.shape[0])
         best = torch.empty(raw_logits.shape[0], dtype=torch.int64)
-        _C.logits_summary(log_normaliser, best, raw_logits)
+        summary(log_normaliser, best, raw_logits.contiguous())
         return log_normaliser.unsqueeze(1), best
     log_normaliser = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
     return log_normaliser, raw_logits.argmax(dim=-1) if need_argmax else None

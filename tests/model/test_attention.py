@@ -113,7 +113,7 @@ def test_kernel_and_pytorch_paths_agree_inside_paged_attention(cache_dtype, laye
     k_new = torch.randn(num_rows, 2, 32, generator=generator)
     v_new = torch.randn(num_rows, 2, 32, generator=generator)
     results, caches = [], []
-    for backend in (CpuAttentionBackend(_C), TorchAttentionBackend()):
+    for backend in (CpuAttentionBackend(), TorchAttentionBackend()):
         meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=2, decode_block_tables=tables[:2],
                                  decode_seq_lens=torch.tensor(seq_lens[:2]), prefill_query_starts=torch.tensor([2, 19, 39]),
                                  prefill_context_lens=torch.tensor([60, 0]), prefill_block_tables=tables[2:],
@@ -142,7 +142,7 @@ def test_write_kv_stores_what_the_reference_quantization_gives(dtype, cache_dtyp
     kv[3, 64:128] = 0   # one all-zero row (token 3, kv head 1 of K)
     k, v = kv[:, :192].view(5, 3, 64), kv[:, 192:384].view(5, 3, 64)   # strided rows
     caches = []
-    for write_kv in (CpuAttentionBackend(_C).write_kv, write_kv_reference):
+    for write_kv in (CpuAttentionBackend().write_kv, write_kv_reference):
         k_cache, v_cache = (CacheTensor(torch.zeros(shape, dtype=cache_dtype),
                                         torch.zeros(scales_shape) if cache_dtype == torch.int8 else None)
                             for shape in (k_shape, v_shape))

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from pagedllm.model.attention.cache import CacheTensor
+from pagedllm.model.attention.cache import CacheTensor, kv_cache_shapes, kv_scales_shape
 from pagedllm.model.attention.metadata import AttentionMetadata, LayerAttention
 from pagedllm.model.attention.torch_reference import TorchAttentionBackend
 
@@ -40,8 +40,8 @@ def tolerance(dtype):
 def random_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype, generator):
     """K and V caches in the documented layout, noise in every slot (scales too), as unwritten slots may hold;
     int8 elements and scales such that the values they stand for are of size ~1, as real K/V are."""
-    k_shape, v_shape = attention.kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
-    scales_shape = attention.kv_scales_shape(num_blocks, block_size, kv_heads)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
+    scales_shape = kv_scales_shape(num_blocks, block_size, kv_heads)
 
     def one(shape):
         noise = torch.randn(shape, generator=generator)
