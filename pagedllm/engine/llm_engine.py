@@ -15,6 +15,7 @@ from pagedllm.engine.bad_words import bad_words_token_ids
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.executor.factory import create_executor
+from pagedllm.engine.lora_adapters import EngineLoRAAdapters, adapter_names, lora_cache_salt
 from pagedllm.engine.output_processor import BeamSearchParent, ChildState, ParentRequest, process_token
 from pagedllm.engine.pooling import PoolingParent, check_pooling_params, check_token_type_ids
 from pagedllm.engine.request import CachePin, Request, RequestStatus
@@ -22,6 +23,7 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stats import EngineStats, KVDiskStats, StepStats
 from pagedllm.kv.disk_tier import DiskTier
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model import kernels
 from pagedllm.model.config import ModelConfig, kv_release_window
 from pagedllm.model.loader import load_checkpoint
@@ -156,6 +158,8 @@ class LLMEngine:
                                                    self.max_model_len, num_blocks), checkpoint)
         del checkpoint
         self.runner = self.executor.driver_worker.model_runner   # rank 0's
+        self.lora = EngineLoRAAdapters(self.executor, self.model_config, config.lora_config,
+                                       config.tensor_parallel_size)
         model = self.runner.model
         token_budget = self._resolve_token_budget()
         if profile:
@@ -172,7 +176,8 @@ class LLMEngine:
                                                          self.model_config.eos_token_ids)
         speculation = SpeculationPlanner(config.speculative_config) if config.speculative_config else None
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, token_budget, self._chunks_prefill,
-                                   config.scheduling_policy, self.structured_output, speculation)
+                                   config.scheduling_policy, self.structured_output, speculation,
+                                   config.max_loras if config.enable_lora else None)
         self.parents: dict[str, ParentRequest | BeamSearchParent | PoolingParent] = {}
         self.children: dict[str, ChildState] = {}   # plain and parallel samples (not beams) by request id
         self.parent_of: dict[str, str] = {}
@@ -193,6 +198,7 @@ class LLMEngine:
                         model.matmul.describe(self.dtype))
         if config.speculative_config is not None:
             logger.info("speculative decoding: %s", config.speculative_config)
+        self.lora.log_start()
         if self.pooling is not None:
             logger.info("pooling runner: %s pooling, normalize %s, %s; prompts run whole (up to %d tokens a step), "
                         "prefix caching off", self.pooling.pooler.pooling_type, self.pooling.pooler.normalize,
@@ -205,6 +211,8 @@ class LLMEngine:
         return self.config.enable_chunked_prefill and self.pooling is None
 
     def _check_pooling_engine(self) -> None:
+        if self.config.enable_lora:
+            raise ValueError("enable_lora applies to generating models; this is a pooling model")
         if self.config.speculative_config is not None:
             raise ValueError("speculative_config applies to generation; a pooling model generates nothing")
         if self.config.tensor_parallel_size > 1:
@@ -306,19 +314,25 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | PoolingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validates and queues a request, sampled, (with BeamSearchParams) beam-searched or (with PoolingParams)
-        pooled; raises ValueError (naming the numbers) if it can never run."""
+        pooled; raises ValueError (naming the numbers) if it can never run. lora_request: the adapter it runs
+        with (loaded now if it is not yet); None: the base model."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival_time = arrival_time or time.monotonic()
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request applies to generation, not to pooling requests")
             self._add_pooling_request(request_id, prompt, params, arrival_time, priority)
             return
         checked = self.check_prompt(prompt, params)
+        self.lora.check_request(lora_request)
+        checked = dataclasses.replace(checked, cache_salt=lora_cache_salt(checked.cache_salt, lora_request))
         if isinstance(params, BeamSearchParams):
             search = BeamSearch(request_id, checked.token_ids, params, self.model_config.eos_token_ids,
-                                checked.max_tokens, checked.cache_salt, arrival_time, priority)
+                                checked.max_tokens, checked.cache_salt, arrival_time, priority, lora_request)
             search.first_request.cache_pins = checked.cache_pins
             parent = BeamSearchParent(request_id, checked.text, checked.token_ids, search, self.tokenizer)
             self.parents[request_id] = parent
@@ -336,7 +350,7 @@ class LLMEngine:
             child_id = request_id if num_children == 1 else f"{index}_{request_id}"
             request = Request(child_id, prompt_ids, child_params, self.model_config.eos_token_ids,
                               checked.max_tokens, arrival_time=arrival_time, priority=priority,
-                              cache_salt=checked.cache_salt, cache_pins=checked.cache_pins)
+                              cache_salt=checked.cache_salt, cache_pins=checked.cache_pins, lora_request=lora_request)
             if params.structured_outputs is not None:
                 request.grammar = self.structured_output.request_grammar(params.structured_outputs)
             children.append(ChildState(request, index,
@@ -424,6 +438,19 @@ class LLMEngine:
             if outside:
                 raise ValueError(f"{name} must name token ids below the vocabulary size {vocab}, got {outside[:10]}")
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads the adapter on every rank now, checked against the base (ValueError naming the reason); True if
+        loaded now, False if an adapter with its lora_int_id was loaded already."""
+        return self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads the adapter; LoRAInUseError while an unfinished request uses it; False if it is unknown."""
+        return self.lora.remove(lora_int_id, list(self.scheduler.requests.values()))
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_ids of the adapters loaded now."""
+        return self.lora.list()
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their blocks return to the pool at once."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -450,6 +477,7 @@ class LLMEngine:
                 return self._process_outputs([], None, failed)
             self._wait_for_grammars()
             return []
+        num_loras = self.lora.count_in_step(scheduler_output, self.scheduler.requests)
         scheduled = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         computed = time.perf_counter()
@@ -468,6 +496,7 @@ class LLMEngine:
             num_tokens=scheduler_output.total_num_scheduled_tokens,
             num_preemptions=len(scheduler_output.preempted_req_ids),
             block_copies=scheduler_output.block_copies,
+            num_loras=num_loras,
         )
         for listener in self.step_listeners:
             listener(self.last_step_stats)
@@ -584,7 +613,10 @@ class LLMEngine:
                            num_waiting=len(self.scheduler.waiting),
                            num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step_stats,
                            spec_decoding=spec.snapshot() if (spec := self.scheduler.spec_decoding_stats) else None,
-                           kv_disk=self._kv_disk_stats())
+                           kv_disk=self._kv_disk_stats(),
+                           running_lora_adapters=adapter_names(self.scheduler.running),
+                           waiting_lora_adapters=adapter_names(self.scheduler.waiting),
+                           max_lora=self.config.max_loras if self.config.enable_lora else 0)
 
     def _kv_disk_stats(self) -> KVDiskStats | None:
         disk = self.kv_manager.disk
