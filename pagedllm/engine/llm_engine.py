@@ -18,12 +18,14 @@ from pagedllm.engine.executor.factory import create_executor
 from pagedllm.engine.lora_adapters import EngineLoRAAdapters, adapter_names, lora_cache_salt
 from pagedllm.engine.output_processor import BeamSearchParent, ChildState, ParentRequest, process_token
 from pagedllm.engine.pooling import PoolingParent, check_pooling_params, check_token_type_ids
+from pagedllm.engine.preemption import PreemptionPolicy
 from pagedllm.engine.request import CachePin, Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
-from pagedllm.engine.stats import EngineStats, KVDiskStats, StepStats
+from pagedllm.engine.stats import EngineStats, KVDiskStats, KVSwapStats, StepStats
 from pagedllm.kv.disk_tier import DiskTier
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.lora.request import LoRARequest
+from pagedllm.kv.swap import SwapSpace
 from pagedllm.model import kernels
 from pagedllm.model.config import ModelConfig, kv_release_window
 from pagedllm.model.loader import load_checkpoint
@@ -33,8 +35,9 @@ from pagedllm.outputs import Logprob, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.planner import SpeculationPlanner
-from pagedllm.step import ModelRunnerOutput, PromptLogprobs
+from pagedllm.step import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.tokenizer import Tokenizer
 from pagedllm.worker.kv_disk_store import HEADER_BYTES, weights_fingerprint
 from pagedllm.worker.model_runner import kv_bytes_per_block
 from pagedllm.worker.worker import WorkerArgs
@@ -68,6 +71,34 @@ def cache_salt_of(prompt: PromptType) -> str | None:
         raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
                          f"got {salt!r:.80}")
     return salt
+
+
+def tokenize_prompt(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+    """A prompt's text (if it has one) and token ids; ValueError naming what is wrong with it."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict) and not prompt.keys() <= PROMPT_KEYS:
+        raise ValueError(f"prompt keys must be among {', '.join(sorted(PROMPT_KEYS))}, "
+                         f"got {', '.join(sorted(map(str, prompt.keys() - PROMPT_KEYS)))}")
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab_size})")
+        return prompt.get("prompt"), list(ids)
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"], tokenizer.encode(prompt["prompt"])
+    raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]} "
+                     f"(either with an optional 'cache_salt' and 'cache_pins'), got {type(prompt).__name__}")
+
+
+def prefix_cache_salt(cache_salt: str | None, model_config: ModelConfig, num_prompt_tokens: int,
+                      max_model_len: int) -> str | None:
+    """The key a prompt's first KV block is cached under beside its tokens: the request's cache salt, and for
+    K/V that depend on the prompt's length (some rope scalings) that length's key, so they are shared only
+    at that length."""
+    rope_key = rope_length_key(model_config.rope_scaling, num_prompt_tokens, max_model_len)
+    return cache_salt if rope_key is None else f"{cache_salt or ''}\x00{rope_key}"
 
 
 def cache_pins_of(prompt: PromptType, num_prompt_tokens: int, enable_prefix_caching: bool) -> tuple[CachePin, ...]:
@@ -166,18 +197,21 @@ class LLMEngine:
             num_blocks = self._num_kv_blocks(self._profiled_kv_cache_budget(token_budget))
             self.executor.collective_rpc("allocate_kv_caches", num_blocks)
         disk_tier, root_hash = self._open_kv_disk_tier() if config.kv_cache_dir else (None, None)
+        swap_space = self._open_kv_swap_space(disk_tier)
+        self.preemption = PreemptionPolicy(config.preemption_mode) if swap_space is not None else None
         # Pooling prompts run whole and never reuse cached blocks (an encoder's K/V depend on later tokens).
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          config.enable_prefix_caching and self.pooling is None,
                                          kv_release_window([self.model_config, *filter(None, [self.draft_config])],
                                                            self.max_model_len),
-                                         config.max_pinned_kv_cache_fraction, disk_tier=disk_tier, root_hash=root_hash)
+                                         config.max_pinned_kv_cache_fraction, disk_tier=disk_tier, root_hash=root_hash,
+                                         swap_space=swap_space)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)
         speculation = SpeculationPlanner(config.speculative_config) if config.speculative_config else None
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, token_budget, self._chunks_prefill,
                                    config.scheduling_policy, self.structured_output, speculation,
-                                   config.max_loras if config.enable_lora else None)
+                                   config.max_loras if config.enable_lora else None, self.preemption)
         self.parents: dict[str, ParentRequest | BeamSearchParent | PoolingParent] = {}
         self.children: dict[str, ChildState] = {}   # plain and parallel samples (not beams) by request id
         self.parent_of: dict[str, str] = {}
@@ -258,11 +292,35 @@ class LLMEngine:
                     "block_size": self.config.block_size, "num_hidden_layers": model.num_hidden_layers,
                     "num_key_value_heads": model.num_key_value_heads, "head_dim": model.head_dim}
         root_hash, entries = self.executor.collective_rpc("open_kv_disk_tier", identity)
-        file_bytes = HEADER_BYTES + kv_bytes_per_block(model, self.config.block_size, self.kv_cache_dtype)
+        file_bytes = HEADER_BYTES + self.kv_block_bytes
         disk_tier = DiskTier(self.config.kv_cache_disk_bytes // file_bytes, entries)
         logger.info("KV disk tier: %s, %d of %d blocks (%d bytes each) found", self.config.kv_cache_dir,
                     len(disk_tier), disk_tier.capacity_blocks, file_bytes)
         return disk_tier, root_hash
+
+    def _open_kv_swap_space(self, disk_tier: DiskTier | None) -> SwapSpace | None:
+        """Room for preempted requests' blocks unless preemption_mode is recompute: the disk tier's quota, else
+        swap_space of RAM (None when that holds no block: then every preemption recomputes)."""
+        config = self.config
+        if config.preemption_mode == "recompute" or self.pooling is not None:
+            return None   # pooling prompts run whole in one step: nothing computed is ever preempted
+        if disk_tier is not None:
+            swap_space = SwapSpace(0, disk_tier)
+        else:
+            capacity = config.swap_space_bytes // self.kv_block_bytes
+            if capacity == 0:
+                return None
+            swap_space = SwapSpace(capacity)
+        self.executor.collective_rpc("open_kv_swap_space")
+        logger.info("preemption %s: swapped blocks go to %s (room for %d blocks)", config.preemption_mode,
+                    config.kv_cache_dir or f"{config.swap_space} GiB of RAM", swap_space.capacity_blocks)
+        return swap_space
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """One KV block's bytes on one rank: what a swap or a disk file moves."""
+        return kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype,
+                                  self.config.tensor_parallel_size)
 
     def flush_kv_disk_tier(self) -> None:
         """Returns once every block spilled so far is written (tests, and a clean shutdown)."""
@@ -295,22 +353,7 @@ class LLMEngine:
         return num_blocks
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and not prompt.keys() <= PROMPT_KEYS:
-            raise ValueError(f"prompt keys must be among {', '.join(sorted(PROMPT_KEYS))}, "
-                             f"got {', '.join(sorted(map(str, prompt.keys() - PROMPT_KEYS)))}")
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            vocab = self.model_config.vocab_size
-            if not isinstance(ids, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab})")
-            return prompt.get("prompt"), list(ids)
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]} "
-                         f"(either with an optional 'cache_salt' and 'cache_pins'), got {type(prompt).__name__}")
+        return tokenize_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | PoolingParams,
@@ -421,9 +464,7 @@ class LLMEngine:
                              f"{self.kv_manager.block_size}); raise kv_cache_memory")
         if isinstance(params, SamplingParams):
             self._check_token_ids(params)
-        rope_key = rope_length_key(self.model_config.rope_scaling, len(prompt_ids), self.max_model_len)
-        if rope_key is not None:   # K/V that depend on the prompt's length are shared only at that length
-            cache_salt = f"{cache_salt or ''}\x00{rope_key}"
+        cache_salt = prefix_cache_salt(cache_salt, self.model_config, len(prompt_ids), self.max_model_len)
         cache_pins = cache_pins_of(prompt, len(prompt_ids), self.kv_manager.enable_prefix_caching)
         return CheckedPrompt(text, prompt_ids, max_tokens, cache_salt, cache_pins)
 
@@ -498,9 +539,19 @@ class LLMEngine:
             block_copies=scheduler_output.block_copies,
             num_loras=num_loras,
         )
+        if self.preemption is not None:
+            self._observe_preemption_costs(scheduler_output, runner_output)
         for listener in self.step_listeners:
             listener(self.last_step_stats)
         return outputs
+
+    def _observe_preemption_costs(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """Feeds preemption_mode auto the step's measured costs: seconds per prefill token (a step of mostly
+        prefill tokens) and seconds per swapped block copied."""
+        step, work = self.last_step_stats, scheduler_output.disk_work
+        self.preemption.observe_swap(len(work.swap_outs) + len(work.swap_ins), runner_output.kv_swap_seconds)
+        if step.num_tokens >= 2 * step.num_seqs:
+            self.preemption.observe_prefill(step.num_tokens, step.model_seconds - runner_output.kv_swap_seconds)
 
     def _wait_for_grammars(self, timeout: float = 0.05) -> None:
         """Nothing could run: if requests wait for their grammars to compile, wait for one rather than spin."""
@@ -613,7 +664,7 @@ class LLMEngine:
                            num_waiting=len(self.scheduler.waiting),
                            num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step_stats,
                            spec_decoding=spec.snapshot() if (spec := self.scheduler.spec_decoding_stats) else None,
-                           kv_disk=self._kv_disk_stats(),
+                           kv_disk=self._kv_disk_stats(), kv_swap=self._kv_swap_stats(),
                            running_lora_adapters=adapter_names(self.scheduler.running),
                            waiting_lora_adapters=adapter_names(self.scheduler.waiting),
                            max_lora=self.config.max_loras if self.config.enable_lora else 0)
@@ -622,7 +673,18 @@ class LLMEngine:
         disk = self.kv_manager.disk
         if disk is None:
             return None
-        bytes_read, bytes_written = self.executor.collective_rpc("kv_disk_bytes_moved")
+        bytes_read, bytes_written, stale_files_removed = self.executor.collective_rpc("kv_disk_bytes_moved")
         counters = disk.counters
         return KVDiskStats(len(disk), disk.capacity_blocks, counters.hits, counters.read_failures, counters.spills,
-                           counters.evictions, bytes_read, bytes_written)
+                           counters.evictions, bytes_read, bytes_written, stale_files_removed)
+
+    def _kv_swap_stats(self) -> KVSwapStats | None:
+        swap = self.kv_manager.swap
+        if swap is None:
+            return None
+        counters, block_bytes = swap.counters, self.kv_block_bytes
+        return KVSwapStats(swap.tier, swap.capacity_blocks, swap.num_blocks, counters.swap_outs, counters.swap_ins,
+                           counters.blocks_out, counters.blocks_in, counters.blocks_reused,
+                           counters.blocks_out * block_bytes,
+                           counters.blocks_in * block_bytes, counters.refused, counters.failed_blocks,
+                           self.preemption.counters.recomputed)

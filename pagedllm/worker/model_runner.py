@@ -29,7 +29,8 @@ from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.host_staging import HostStaging, fetch
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.kv_disk_store import DiskKVStore
+from pagedllm.worker.kv_disk_store import DiskKVStore, copy_block_out
+from pagedllm.worker.kv_swap import DiskSwapSpace, RamSwapSpace
 from pagedllm.worker.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from pagedllm.worker.sampler import SamplerOutput, SamplingBatch, choose_tokens, sample, summarise
 
@@ -113,6 +114,7 @@ class ModelRunner:
         self.drafter = drafter
         self.lora = lora
         self.kv_disk_store: DiskKVStore | None = None   # set by Worker.open_kv_disk_tier
+        self.kv_swap_space: RamSwapSpace | DiskSwapSpace | None = None   # set by Worker.open_kv_swap_space
         torch.manual_seed(seed)
 
     def allocate_kv_caches(self, num_blocks: int) -> None:
@@ -152,25 +154,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Moves the step's blocks to and from disk first (blocks spilled in this step may be written by it)."""
-        failures = self._move_disk_blocks(scheduler_output) if scheduler_output.disk_work is not None else []
+        """Moves the step's blocks between the tiers first (blocks spilled or swapped out in this step may be
+        written by it)."""
+        failures, swap_seconds = [], 0.0
+        if scheduler_output.disk_work is not None:
+            failures, swap_seconds = self._move_tier_blocks(scheduler_output)
         output = self._execute(scheduler_output)
         output.kv_load_failures = failures
+        output.kv_swap_seconds = swap_seconds
         return output
 
-    def _move_disk_blocks(self, scheduler_output: SchedulerOutput) -> list[int]:
-        """Copies spilled blocks out, reads loaded ones in, then queues the writes and deletes; returns the
-        block ids whose load failed."""
-        work, store = scheduler_output.disk_work, self.kv_disk_store
-        spilled = [(block_hash, digest, store.copy_out(self.kv_caches, block_id))
+    def _move_tier_blocks(self, scheduler_output: SchedulerOutput) -> tuple[list[int], float]:
+        """Copies spilled and swapped-out blocks out, reads loads and swap-ins in, then queues the writes and
+        deletes and drops the swapped blocks no one reads; returns the block ids that could not be read and
+        the seconds the swap copies took."""
+        work, store, swap, kv_caches = scheduler_output.disk_work, self.kv_disk_store, self.kv_swap_space, self.kv_caches
+        spilled = [(block_hash, digest, copy_block_out(kv_caches, block_id))
                    for block_id, block_hash, digest in work.spills]
+        started = time.perf_counter()
+        for block_id, key in work.swap_outs:
+            swap.save(key, copy_block_out(kv_caches, block_id))
+        swap_seconds = time.perf_counter() - started
         failures = [block_id for block_id, block_hash, digest in work.loads
-                    if not store.load(self.kv_caches, block_id, block_hash, digest)]
+                    if not store.load(kv_caches, block_id, block_hash, digest)]
+        started = time.perf_counter()
+        failures += [block_id for block_id, key in work.swap_ins if not swap.restore(kv_caches, block_id, key)]
+        swap_seconds += time.perf_counter() - started
         for block_hash, digest, payload in spilled:
             store.write(block_hash, digest, payload)
         for block_hash in work.deletes:
             store.delete(block_hash)
-        return failures
+        for key in work.swap_drops:
+            swap.drop(key)
+        return failures, swap_seconds
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Updates the batch, makes the copy-on-write block copies, runs one forward pass, and samples."""

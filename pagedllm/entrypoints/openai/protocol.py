@@ -268,3 +268,15 @@ class TokenizeChatRequest(RequestModel):
 class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(RequestModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """vLLM's POST /v1/unload_lora_adapter body; lora_int_id, when given, must be the named adapter's id."""
+    lora_name: str
+    lora_int_id: int | None = None

@@ -178,6 +178,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: str
+    parent: str | None = None   # an adapter's base model; None for a base model
     max_model_len: int
 
 
