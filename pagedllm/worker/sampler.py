@@ -5,7 +5,6 @@ CUDA stages them at once and the host does not wait for the GPU, so the step's o
 fetch of the sampled ids."""
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -185,18 +184,15 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return sampled if greedy_ids is None else torch.where(batch.greedy, greedy_ids, sampled)
 
 
-@functools.cache
-def _logits_summary(device: torch.device):
-    """csrc's logits_summary for logits on device, or None: chosen (and logged) the first time a device's
-    logits are summarised, the same for every step after."""
-    return kernel_for("logits_summary", device)
+# csrc's logits_summary for CPU logits, or None (torch's logsumexp and argmax): chosen once, at start-up.
+_CPU_LOGITS_SUMMARY = kernel_for("logits_summary", torch.device("cpu"))
 
 
 def _normaliser_and_argmax(raw_logits: torch.Tensor, need_argmax: bool
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logsumexp per row ([rows, 1]: log p = logit - it, no [rows, vocab] log-softmax written),
     and the argmax per row where asked; on CPU one kernel gives both in two passes over a row."""
-    summary = _logits_summary(raw_logits.device)
+    summary = _CPU_LOGITS_SUMMARY if raw_logits.is_cpu else None   # an engine's logits stay on its device
     if summary is not None:
         log_normaliser = raw_logits.new_empty(raw_logits.shape[0])
         best = torch.empty(raw_logits.shape[0], dtype=torch.int64)
