@@ -27,7 +27,7 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # How requests are spread over data-parallel replicas (pagedllm/engine/dp_router.py): prefix, to the replica holding
 # the longest cached prefix of the prompt within a load-imbalance bound; least-loaded, by requests in flight only.
 DATA_PARALLEL_ROUTINGS = ("prefix", "least-loaded")
-# auto: triton on CUDA, the C++ kernels on CPU (pagedllm/model/attention_backends.py); torch: the PyTorch reference.
+# auto: triton on CUDA, the C++ kernels on CPU (pagedllm/model/attention/selector.py); torch: the PyTorch reference.
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 # vLLM's --runner: auto picks pooling for encoder, bare-model and sequence-classification checkpoints and for
 # sentence-transformers folders (pagedllm/model/pooling_checkpoint.py), generate for the rest.

@@ -14,7 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.bad_words import bad_words_token_ids
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.executor.abstract import Executor
+from pagedllm.engine.executor.factory import create_executor
 from pagedllm.engine.lora_adapters import EngineLoRAAdapters, adapter_names, lora_cache_salt
 from pagedllm.engine.output_processor import BeamSearchParent, ChildState, ParentRequest, process_token
 from pagedllm.engine.pooling import PoolingParent, check_pooling_params, check_token_type_ids
@@ -185,7 +185,7 @@ class LLMEngine:
         # On CUDA without kv_cache_memory the pool is sized after a profile run of the loaded model.
         profile = self.device.type == "cuda" and config.kv_cache_memory is None
         num_blocks = None if profile else self._num_kv_blocks(config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
-        self.executor = Executor.create(WorkerArgs(config, self.device, self.dtype, self.kv_cache_dtype,
+        self.executor = create_executor(WorkerArgs(config, self.device, self.dtype, self.kv_cache_dtype,
                                                    self.max_model_len, num_blocks), checkpoint)
         del checkpoint
         self.runner = self.executor.driver_worker.model_runner   # rank 0's

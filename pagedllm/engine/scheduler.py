@@ -147,7 +147,10 @@ class Scheduler:
     def _speculate(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
         """Plans the request's proposal rows and takes their slots; False (nothing changed) when it gets
         none, or the pool has no free block for them: speculation never preempts anyone."""
-        num_spec, proposals = self.speculation.plan(request, budget)
+        if request.beam_search is not None:   # beams choose their tokens from top-k candidates instead
+            return False
+        room = min(request.max_tokens - request.num_output_tokens - 1, budget - 1)
+        num_spec, proposals = self.speculation.plan(request.all_token_ids, room)
         computed = request.num_computed_tokens
         if not num_spec or not self.kv_manager.allocate_slots(request.request_id, computed + 1 + num_spec, computed):
             return False

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.model.attention import CacheTensor
+from pagedllm.model.attention.cache import CacheTensor
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.model.attention import CacheTensor
+from pagedllm.model.attention.cache import CacheTensor
 from pagedllm.worker.kv_disk_store import DiskKVStore, copy_block_in
 
 KVCaches = list[tuple[CacheTensor, CacheTensor]]

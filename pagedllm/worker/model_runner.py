@@ -17,13 +17,14 @@ import numpy as np
 import torch
 
 from pagedllm.lora.worker_manager import LoRAWorkerManager
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, has_scales, kv_cache_shapes, kv_scales_shape
-from pagedllm.model.attention_backends import select_attention_backend
+from pagedllm.model.attention.cache import CacheTensor, has_scales, kv_cache_shapes, kv_scales_shape
+from pagedllm.model.attention.metadata import AttentionMetadata
+from pagedllm.model.attention.selector import select_attention_backend
 from pagedllm.model.cascade import find_shared_prefixes
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
-from pagedllm.spec_decode.rejection_sampler import Proposal, verify
+from pagedllm.worker.rejection_sampler import Proposal, verify
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.host_staging import HostStaging, fetch
@@ -93,7 +94,7 @@ class ModelRunner:
                  enable_cascade_attention: bool = False, drafter=None, lora: LoRAWorkerManager | None = None):
         """num_blocks None: the caches are allocated later (allocate_kv_caches), once a profile run has
         measured what the model leaves free. attention_backend: an EngineConfig value, resolved here once.
-        drafter: a DraftModelProposer (pagedllm/spec_decode/draft_model.py) for draft-model speculation.
+        drafter: a DraftModelProposer (pagedllm/worker/draft_model.py) for draft-model speculation.
         lora: the adapters of a LoRA-enabled engine (pagedllm/lora/worker_manager.py)."""
         config = model.config
         self.model = model
@@ -372,7 +373,6 @@ class ModelRunner:
             prefill_context_lens=staging.to_device("context_lens", context[num_decodes:]),
             prefill_block_tables=tables[num_decodes:],
             block_size=block_size,
-            use_kernel=self.attention_backend.uses_cpu_kernels,
             query_starts=query_starts,
             seq_lens=device_seq_lens,
             block_tables=tables,

@@ -25,7 +25,7 @@ from pagedllm.model.quantized_matmul import QuantizedMatmul
 from pagedllm.model.loader import Checkpoint, load_checkpoint
 from pagedllm.model.pooling_checkpoint import build_pooling_model
 from pagedllm.model.tensor_parallel import weight_shards
-from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.worker.draft_model import DraftModelProposer
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.kv_disk_store import DiskKVStore, open_kv_cache_dir
 from pagedllm.worker.kv_swap import DiskSwapSpace, RamSwapSpace
@@ -73,7 +73,7 @@ class Worker:
             weights = weights.sharded(weight_shards(checkpoint.config, rank, tp_size))
         # The runner kind follows the checkpoint, chosen once when it was loaded.
         if checkpoint.pooling is None:
-            matmul = QuantizedMatmul(config.activation_dtype, config.batch_invariant)
+            matmul = QuantizedMatmul(config.activation_dtype, config.batch_invariant, self.device)
             model, runner_class = CausalLM(checkpoint.config, weights, args.dtype, self.device, args.max_model_len,
                                            self.group, matmul=matmul), ModelRunner
         else:
@@ -96,7 +96,7 @@ class Worker:
             raise ValueError("draft_model speculation needs kv_cache_memory set: the KV pool is not sized by a "
                              "profile run when a draft model shares it")
         checkpoint = load_checkpoint(spec.model, spec.quantization)
-        matmul = QuantizedMatmul(batch_invariant=args.engine_config.batch_invariant)
+        matmul = QuantizedMatmul(batch_invariant=args.engine_config.batch_invariant, device=self.device)
         model = CausalLM(checkpoint.config, checkpoint.weights, args.dtype, self.device, args.max_model_len,
                          matmul=matmul)
         return DraftModelProposer(model, args.num_blocks, args.engine_config.block_size, args.kv_cache_dtype,

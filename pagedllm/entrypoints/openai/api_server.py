@@ -21,11 +21,11 @@ from pagedllm.entrypoints.openai.body_limit import RequestSizeLimitMiddleware
 from pagedllm.entrypoints.openai.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompletionRequest,
-                                                  ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                                                  DetokenizeRequest, DetokenizeResponse, ERROR_RESPONSES, ModelCard,
-                                                  ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
-                                                  TokenizeResponse, VersionResponse)
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  TokenizeChatRequest, TokenizeCompletionRequest)
+from pagedllm.entrypoints.openai.response_protocol import (ChatCompletionChunk, ChatCompletionResponse,
+                                                           CompletionResponse, DetokenizeResponse, ERROR_RESPONSES,
+                                                           ModelCard, ModelList, TokenizeResponse, VersionResponse)
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.responses.serving import router as responses_router
 from pagedllm.entrypoints.openai.responses.store import ResponseStore

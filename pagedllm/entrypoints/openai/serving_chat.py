@@ -13,9 +13,9 @@ from pagedllm.entrypoints.openai.chat_output import ChoiceParser, ParsedDelta, w
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_field
 from pagedllm.engine.request import CachePin
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                                  ChatCompletionResponse, ChatMessage, ChatResponseMessage,
-                                                  ChatStreamChoice, DeltaMessage)
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.response_protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                                           ChatResponseMessage, ChatStreamChoice, DeltaMessage)
 from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, ServerState, collect_choices, has_news,

@@ -9,8 +9,8 @@ from fastapi import Request, Response
 
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.logprobs import completion_logprobs, echoed_completion_logprobs, prompt_logprobs_field
-from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                                  CompletionResponse)
+from pagedllm.entrypoints.openai.protocol import CompletionRequest
+from pagedllm.entrypoints.openai.response_protocol import CompletionChoice, CompletionLogprobs, CompletionResponse
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, ServerState, collect_choices, has_news,
                                                         note_prompt_facts, usage)

@@ -16,7 +16,8 @@ from pagedllm.engine.stats import EngineStats
 from pagedllm.lora.request import LoRARequest
 from pagedllm.entrypoints.openai.errors import APIError, api_error_for, sampling_field_named_in
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.protocol import ChatMessage, PromptTokensDetails, UsageInfo
+from pagedllm.entrypoints.openai.protocol import ChatMessage
+from pagedllm.entrypoints.openai.response_protocol import PromptTokensDetails, UsageInfo
 from pagedllm.entrypoints.openai.responses.store import ResponseStore
 from pagedllm.entrypoints.openai.serving_models import ServedAdapters
 from pagedllm.entrypoints.openai.streams import merge_streams

@@ -10,7 +10,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import ERROR_RESPONSES, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from pagedllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from pagedllm.entrypoints.openai.response_protocol import ERROR_RESPONSES
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.lora.request import LoRAInUseError, LoRARequest
 

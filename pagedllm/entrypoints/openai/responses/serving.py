@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 
 from pagedllm.entrypoints.openai.answer_segments import streamed_events, whole_answer
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import ERROR_RESPONSES
+from pagedllm.entrypoints.openai.response_protocol import ERROR_RESPONSES
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.responses.events import ResponseBuilder
 from pagedllm.entrypoints.openai.responses.protocol import (DeletedResponse, OutputFunctionCall, OutputMessage,
