@@ -117,7 +117,7 @@ def test_multi_turn_prints_a_row_with_the_disk_tier_off_and_on(tiny_dir, capsys)
     out = run_bench(capsys, "multi-turn", tiny_dir, "--dtype", "float32", "--block-size", "8", "--conversations", "3",
                     "--turns", "2", "--system-len", "40", "--question-len", "8", "--output-len", "2",
                     "--restart-prompt-len", "40", "--preempt-requests", "2", "--preempt-prompt-len", "20",
-                    "--preempt-output-len", "12")
+                    "--preempt-output-len", "28")
     # history 40 + 8 + 2 * 2 = 52 tokens, 7 blocks each: working set 21 blocks, a pool of max(7, 5) = 7
     assert "KV working set 21 blocks, RAM pool 7 blocks of 8 tokens" in out
     rows = table_rows(out, "| KV disk tier | TTFT ms p50 | p99 | output tok/s | prefix-hit prompt tokens |")
@@ -128,8 +128,9 @@ def test_multi_turn_prints_a_row_with_the_disk_tier_off_and_on(tiny_dir, capsys)
     restart = table_rows(out, "| case | TTFT ms | disk hit blocks |")
     assert [(row.split("|")[1].strip(), int(row.split("|")[3])) for row in restart] == [("cold", 0),
                                                                                        ("after restart", 4)]
-    # Preemption: 2 requests of 20 tokens (3 blocks each) in a pool of 2 x 3 + 1 blocks, each decoding 12 tokens
-    # to 32 (4 blocks): the later one is preempted; recompute computes tokens again, swap none.
+    # Preemption: 2 requests of 20 tokens (3 blocks each) in a pool of 2 x 3 + 1 blocks, each decoding 28 tokens
+    # to 48 (6 blocks): the later one is preempted and the first's growth evicts two of its cached blocks;
+    # recompute computes their tokens again, swap none.
     modes = table_rows(out, "| preemption mode | seconds |")
     assert [row.split("|")[1].strip() for row in modes] == ["recompute", "swap", "auto"]
     figures = {row.split("|")[1].strip(): [int(cell) for cell in row.split("|")[4:7]] for row in modes}

@@ -191,8 +191,12 @@ def test_the_kv_map_shows_swapped_out_requests_and_blocks_below_the_pool(tiny_di
 
 
 def test_ngram_speculation_runs_on_after_a_swap_in(tiny_dir, block_bytes, reference):
-    """A swapped-in request proposes and verifies from its restored KV: the same tokens, proposals accepted."""
+    """A swapped-in request proposes and verifies from its restored KV: greedy tokens as without speculation.
+    (Seeded sampling under speculation draws as many numbers as the batch's proposals make it, which
+    preemption changes whatever its mode, so only greedy has one right answer here.)"""
     seeded, tokens, _ = reference
+    if seeded:
+        pytest.skip("greedy only: see the docstring")
     llm = small_pool(tiny_dir, block_bytes, preemption_mode="swap",
                      speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
                                          "prompt_lookup_min": 1})
