@@ -24,6 +24,9 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: 
 # vLLM's: mp runs one engine in this process (its tensor parallel workers as subprocesses);
 # ray runs data_parallel_size engine replicas as Ray actors (pagedllm/engine/data_parallel.py).
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+# How requests are spread over data-parallel replicas (pagedllm/engine/dp_router.py): prefix, to the replica holding
+# the longest cached prefix of the prompt within a load-imbalance bound; least-loaded, by requests in flight only.
+DATA_PARALLEL_ROUTINGS = ("prefix", "least-loaded")
 # auto: triton on CUDA, the C++ kernels on CPU (pagedllm/model/attention_backends.py); torch: the PyTorch reference.
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 # vLLM's --runner: auto picks pooling for encoder, bare-model and sequence-classification checkpoints and for
@@ -87,6 +90,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1   # ranks splitting each layer; the KV cache memory is per rank
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None   # None: ray when data_parallel_size > 1, else mp
+    data_parallel_routing: str | None = None   # None: prefix with several replicas and prefix caching, else least-loaded
+    # A replica gets a request for its cached prefix only while its requests in flight exceed the least loaded
+    # replica's by at most this many (SGLang's router calls it balance_abs_threshold).
+    data_parallel_balance_abs_threshold: int = 8
     attention_backend: str = "auto"   # auto: PAGEDLLM_ATTENTION_BACKEND if set, else the device's default
     speculative_config: SpeculativeConfig | dict | None = None   # a dict in vLLM's shape becomes a SpeculativeConfig
     runner: str = "auto"
@@ -155,6 +162,9 @@ class EngineConfig:
         self.lora_config   # checks the LoRA limits even while enable_lora is off
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+            if self.speculative_config.method == "draft_model" and self.enable_lora:
+                raise ValueError("speculative_config method 'draft_model' does not run with enable_lora (the draft "
+                                 "model has no adapters); use method 'ngram', which does")
             if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size 1 only, "
                                  f"got tensor_parallel_size {self.tensor_parallel_size}")
@@ -219,6 +229,17 @@ class EngineConfig:
             raise ValueError(f"data_parallel_size > 1 needs distributed_executor_backend 'ray' (mp runs a single "
                              f"engine), got data_parallel_size {size} with "
                              f"{self.distributed_executor_backend!r}")
+        if self.data_parallel_routing is None:
+            self.data_parallel_routing = "prefix" if size > 1 and self.enable_prefix_caching else "least-loaded"
+        if self.data_parallel_routing not in DATA_PARALLEL_ROUTINGS:
+            raise ValueError(f"data_parallel_routing must be one of {', '.join(DATA_PARALLEL_ROUTINGS)}, "
+                             f"got {self.data_parallel_routing!r}")
+        if self.data_parallel_routing == "prefix" and not self.enable_prefix_caching:
+            raise ValueError("data_parallel_routing 'prefix' routes by the replicas' prefix caches: it needs "
+                             "enable_prefix_caching=True (or use 'least-loaded')")
+        threshold = self.data_parallel_balance_abs_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"data_parallel_balance_abs_threshold must be an integer >= 0, got {threshold!r}")
 
     @property
     def lora_config(self) -> LoRAConfig | None:

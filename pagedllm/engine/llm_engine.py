@@ -15,6 +15,7 @@ from pagedllm.engine.bad_words import bad_words_token_ids
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.executor.abstract import Executor
+from pagedllm.engine.lora_adapters import EngineLoRAAdapters, adapter_names, lora_cache_salt
 from pagedllm.engine.output_processor import BeamSearchParent, ChildState, ParentRequest, process_token
 from pagedllm.engine.pooling import PoolingParent, check_pooling_params, check_token_type_ids
 from pagedllm.engine.preemption import PreemptionPolicy
@@ -23,6 +24,7 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stats import EngineStats, KVDiskStats, KVSwapStats, StepStats
 from pagedllm.kv.disk_tier import DiskTier
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.kv.swap import SwapSpace
 from pagedllm.model import kernels
 from pagedllm.model.config import ModelConfig, kv_release_window
@@ -35,6 +37,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.planner import SpeculationPlanner
 from pagedllm.step import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.tokenizer import Tokenizer
 from pagedllm.worker.kv_disk_store import HEADER_BYTES, weights_fingerprint
 from pagedllm.worker.model_runner import kv_bytes_per_block
 from pagedllm.worker.worker import WorkerArgs
@@ -68,6 +71,34 @@ def cache_salt_of(prompt: PromptType) -> str | None:
         raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
                          f"got {salt!r:.80}")
     return salt
+
+
+def tokenize_prompt(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+    """A prompt's text (if it has one) and token ids; ValueError naming what is wrong with it."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict) and not prompt.keys() <= PROMPT_KEYS:
+        raise ValueError(f"prompt keys must be among {', '.join(sorted(PROMPT_KEYS))}, "
+                         f"got {', '.join(sorted(map(str, prompt.keys() - PROMPT_KEYS)))}")
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab_size})")
+        return prompt.get("prompt"), list(ids)
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"], tokenizer.encode(prompt["prompt"])
+    raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]} "
+                     f"(either with an optional 'cache_salt' and 'cache_pins'), got {type(prompt).__name__}")
+
+
+def prefix_cache_salt(cache_salt: str | None, model_config: ModelConfig, num_prompt_tokens: int,
+                      max_model_len: int) -> str | None:
+    """The key a prompt's first KV block is cached under beside its tokens: the request's cache salt, and for
+    K/V that depend on the prompt's length (some rope scalings) that length's key, so they are shared only
+    at that length."""
+    rope_key = rope_length_key(model_config.rope_scaling, num_prompt_tokens, max_model_len)
+    return cache_salt if rope_key is None else f"{cache_salt or ''}\x00{rope_key}"
 
 
 def cache_pins_of(prompt: PromptType, num_prompt_tokens: int, enable_prefix_caching: bool) -> tuple[CachePin, ...]:
@@ -158,6 +189,8 @@ class LLMEngine:
                                                    self.max_model_len, num_blocks), checkpoint)
         del checkpoint
         self.runner = self.executor.driver_worker.model_runner   # rank 0's
+        self.lora = EngineLoRAAdapters(self.executor, self.model_config, config.lora_config,
+                                       config.tensor_parallel_size)
         model = self.runner.model
         token_budget = self._resolve_token_budget()
         if profile:
@@ -177,7 +210,8 @@ class LLMEngine:
                                                          self.model_config.eos_token_ids)
         speculation = SpeculationPlanner(config.speculative_config) if config.speculative_config else None
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, token_budget, self._chunks_prefill,
-                                   config.scheduling_policy, self.structured_output, speculation, self.preemption)
+                                   config.scheduling_policy, self.structured_output, speculation,
+                                   config.max_loras if config.enable_lora else None, self.preemption)
         self.parents: dict[str, ParentRequest | BeamSearchParent | PoolingParent] = {}
         self.children: dict[str, ChildState] = {}   # plain and parallel samples (not beams) by request id
         self.parent_of: dict[str, str] = {}
@@ -198,6 +232,7 @@ class LLMEngine:
                         model.matmul.describe(self.dtype))
         if config.speculative_config is not None:
             logger.info("speculative decoding: %s", config.speculative_config)
+        self.lora.log_start()
         if self.pooling is not None:
             logger.info("pooling runner: %s pooling, normalize %s, %s; prompts run whole (up to %d tokens a step), "
                         "prefix caching off", self.pooling.pooler.pooling_type, self.pooling.pooler.normalize,
@@ -210,6 +245,8 @@ class LLMEngine:
         return self.config.enable_chunked_prefill and self.pooling is None
 
     def _check_pooling_engine(self) -> None:
+        if self.config.enable_lora:
+            raise ValueError("enable_lora applies to generating models; this is a pooling model")
         if self.config.speculative_config is not None:
             raise ValueError("speculative_config applies to generation; a pooling model generates nothing")
         if self.config.tensor_parallel_size > 1:
@@ -316,38 +353,29 @@ class LLMEngine:
         return num_blocks
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and not prompt.keys() <= PROMPT_KEYS:
-            raise ValueError(f"prompt keys must be among {', '.join(sorted(PROMPT_KEYS))}, "
-                             f"got {', '.join(sorted(map(str, prompt.keys() - PROMPT_KEYS)))}")
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            vocab = self.model_config.vocab_size
-            if not isinstance(ids, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab})")
-            return prompt.get("prompt"), list(ids)
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]} "
-                         f"(either with an optional 'cache_salt' and 'cache_pins'), got {type(prompt).__name__}")
+        return tokenize_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | PoolingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validates and queues a request, sampled, (with BeamSearchParams) beam-searched or (with PoolingParams)
-        pooled; raises ValueError (naming the numbers) if it can never run."""
+        pooled; raises ValueError (naming the numbers) if it can never run. lora_request: the adapter it runs
+        with (loaded now if it is not yet); None: the base model."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival_time = arrival_time or time.monotonic()
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request applies to generation, not to pooling requests")
             self._add_pooling_request(request_id, prompt, params, arrival_time, priority)
             return
         checked = self.check_prompt(prompt, params)
+        self.lora.check_request(lora_request)
+        checked = dataclasses.replace(checked, cache_salt=lora_cache_salt(checked.cache_salt, lora_request))
         if isinstance(params, BeamSearchParams):
             search = BeamSearch(request_id, checked.token_ids, params, self.model_config.eos_token_ids,
-                                checked.max_tokens, checked.cache_salt, arrival_time, priority)
+                                checked.max_tokens, checked.cache_salt, arrival_time, priority, lora_request)
             search.first_request.cache_pins = checked.cache_pins
             parent = BeamSearchParent(request_id, checked.text, checked.token_ids, search, self.tokenizer)
             self.parents[request_id] = parent
@@ -365,7 +393,7 @@ class LLMEngine:
             child_id = request_id if num_children == 1 else f"{index}_{request_id}"
             request = Request(child_id, prompt_ids, child_params, self.model_config.eos_token_ids,
                               checked.max_tokens, arrival_time=arrival_time, priority=priority,
-                              cache_salt=checked.cache_salt, cache_pins=checked.cache_pins)
+                              cache_salt=checked.cache_salt, cache_pins=checked.cache_pins, lora_request=lora_request)
             if params.structured_outputs is not None:
                 request.grammar = self.structured_output.request_grammar(params.structured_outputs)
             children.append(ChildState(request, index,
@@ -436,9 +464,7 @@ class LLMEngine:
                              f"{self.kv_manager.block_size}); raise kv_cache_memory")
         if isinstance(params, SamplingParams):
             self._check_token_ids(params)
-        rope_key = rope_length_key(self.model_config.rope_scaling, len(prompt_ids), self.max_model_len)
-        if rope_key is not None:   # K/V that depend on the prompt's length are shared only at that length
-            cache_salt = f"{cache_salt or ''}\x00{rope_key}"
+        cache_salt = prefix_cache_salt(cache_salt, self.model_config, len(prompt_ids), self.max_model_len)
         cache_pins = cache_pins_of(prompt, len(prompt_ids), self.kv_manager.enable_prefix_caching)
         return CheckedPrompt(text, prompt_ids, max_tokens, cache_salt, cache_pins)
 
@@ -452,6 +478,19 @@ class LLMEngine:
             outside = [token_id for token_id in token_ids if token_id >= vocab]
             if outside:
                 raise ValueError(f"{name} must name token ids below the vocabulary size {vocab}, got {outside[:10]}")
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads the adapter on every rank now, checked against the base (ValueError naming the reason); True if
+        loaded now, False if an adapter with its lora_int_id was loaded already."""
+        return self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads the adapter; LoRAInUseError while an unfinished request uses it; False if it is unknown."""
+        return self.lora.remove(lora_int_id, list(self.scheduler.requests.values()))
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_ids of the adapters loaded now."""
+        return self.lora.list()
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their blocks return to the pool at once."""
@@ -479,6 +518,7 @@ class LLMEngine:
                 return self._process_outputs([], None, failed)
             self._wait_for_grammars()
             return []
+        num_loras = self.lora.count_in_step(scheduler_output, self.scheduler.requests)
         scheduled = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         computed = time.perf_counter()
@@ -497,6 +537,7 @@ class LLMEngine:
             num_tokens=scheduler_output.total_num_scheduled_tokens,
             num_preemptions=len(scheduler_output.preempted_req_ids),
             block_copies=scheduler_output.block_copies,
+            num_loras=num_loras,
         )
         if self.preemption is not None:
             self._observe_preemption_costs(scheduler_output, runner_output)
@@ -623,7 +664,10 @@ class LLMEngine:
                            num_waiting=len(self.scheduler.waiting),
                            num_preemptions=self.scheduler.num_preemptions, last_step=self.last_step_stats,
                            spec_decoding=spec.snapshot() if (spec := self.scheduler.spec_decoding_stats) else None,
-                           kv_disk=self._kv_disk_stats(), kv_swap=self._kv_swap_stats())
+                           kv_disk=self._kv_disk_stats(), kv_swap=self._kv_swap_stats(),
+                           running_lora_adapters=adapter_names(self.scheduler.running),
+                           waiting_lora_adapters=adapter_names(self.scheduler.waiting),
+                           max_lora=self.config.max_loras if self.config.enable_lora else 0)
 
     def _kv_disk_stats(self) -> KVDiskStats | None:
         disk = self.kv_manager.disk

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pagedllm.kv.block_pool import BlockHash, BlockKey
+from pagedllm.kv.hash_log import DISK, BlockHashLog
 
 KeyDigest = bytes
 
@@ -45,6 +46,7 @@ class DiskTier:
         self.num_reserved = 0   # blocks of swapped-out requests (kv/swap.py): never evicted, they count too
         self.entries: OrderedDict[BlockHash, KeyDigest] = OrderedDict(entries)
         self.counters = DiskTierCounters()
+        self.hash_log: BlockHashLog | None = None   # records hashes entering and leaving the tier, when set
         self._pending_deletes: list[BlockHash] = []
         self._evict_to(capacity_blocks)
 
@@ -75,11 +77,14 @@ class DiskTier:
         self._evict_to(self.room - 1)
         self.entries[block_hash] = digest
         self.counters.spills += 1
+        if self.hash_log is not None:
+            self.hash_log.record(block_hash, DISK, True)
         return True
 
     def discard(self, block_hash: BlockHash) -> None:
         """Forgets a block whose file could not be read (the store has removed it)."""
-        self.entries.pop(block_hash, None)
+        if self.entries.pop(block_hash, None) is not None and self.hash_log is not None:
+            self.hash_log.record(block_hash, DISK, False)
 
     def reserve(self, num_blocks: int) -> None:
         """Takes quota for swapped blocks (the caller checked it fits), evicting cached files to make room."""
@@ -98,3 +103,5 @@ class DiskTier:
             block_hash, _ = self.entries.popitem(last=False)
             self._pending_deletes.append(block_hash)
             self.counters.evictions += 1
+            if self.hash_log is not None:
+                self.hash_log.record(block_hash, DISK, False)

@@ -36,8 +36,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedllm.kv.block_pool import BlockHash, BlockKey, BlockPool, KVBlock, hash_block
+from pagedllm.kv.block_pool import (PROCESS_ROOT_HASH, BlockHash, BlockKey, BlockPool, KVBlock, block_key,
+                                    extend_block_hashes)
 from pagedllm.kv.disk_tier import DiskTier, KeyDigest, key_digest
+from pagedllm.kv.hash_log import DISK, RAM, BlockHashLog, short_hash
 from pagedllm.kv.swap import SwapKey, SwapSpace
 
 
@@ -155,7 +157,7 @@ class KVCacheManager:
         if disk_tier is not None and not enable_prefix_caching:
             raise ValueError("a KV disk tier extends the prefix cache: it needs enable_prefix_caching=True")
         self.disk = disk_tier
-        self._hash_root = {} if root_hash is None else {"root_hash": root_hash}
+        self.root_hash = PROCESS_ROOT_HASH if root_hash is None else root_hash
         self.pool = BlockPool(num_blocks, record_evictions=disk_tier is not None)
         # Disk loads: blocks being read for a waiting request, then held for it (cached) until it is admitted.
         self._loading: dict[str, list[tuple[KVBlock, BlockHash, BlockKey]]] = {}
@@ -197,18 +199,12 @@ class KVCacheManager:
 
     def _block_key(self, request_id: str, token_ids: list[int], index: int, hashes: list[BlockHash]) -> BlockKey:
         """What the request's full block `index` is identified by (its parent's hash must be known)."""
-        size = self.block_size
-        block_tokens = tuple(token_ids[index * size:(index + 1) * size])
-        if index == 0:
-            return None, block_tokens, self._cache_salts.get(request_id)
-        return hashes[index - 1], block_tokens, None
+        return block_key(token_ids, index, self.block_size, hashes, self._cache_salts.get(request_id))
 
     def _hashes(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[BlockHash]:
         """Hashes of the full blocks among the first num_tokens tokens, computed once per block."""
-        hashes = self._block_hashes.setdefault(request_id, [])
-        for index in range(len(hashes), num_tokens // self.block_size):
-            hashes.append(hash_block(*self._block_key(request_id, token_ids, index, hashes), **self._hash_root))
-        return hashes
+        return extend_block_hashes(self._block_hashes.setdefault(request_id, []), token_ids, num_tokens,
+                                   self.block_size, self._cache_salts.get(request_id), self.root_hash)
 
     def get_computed_blocks(self, request_id: str, token_ids: list[int],
                             cache_salt: str | None = None) -> list[KVBlock]:
@@ -226,6 +222,25 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def publish_block_hashes(self, max_events: int) -> BlockHashLog:
+        """From now on the tiers record the hashes they gain and lose in the returned log (a data-parallel
+        replica reports them to its router); its first report is a snapshot (block_hash_snapshot)."""
+        log = BlockHashLog(max_events)
+        self.pool.hash_log = log
+        if self.disk is not None:
+            self.disk.hash_log = log
+        return log
+
+    def block_hash_snapshot(self) -> dict[int, int]:
+        """Short hash -> tier bits of every block the prefix cache and the disk tier hold now; restarts the log,
+        whose events from here on follow this snapshot. On the engine thread."""
+        held = {short_hash(block_hash): RAM for block_hash in self.pool.cached_blocks}
+        for block_hash in self.disk.entries if self.disk is not None else ():
+            key = short_hash(block_hash)
+            held[key] = held.get(key, 0) | DISK
+        self.pool.hash_log.restart()
+        return held
 
     def is_loading(self, request_id: str) -> bool:
         """Whether the request waits for blocks being read back (disk hits or a swap-in) in the current step."""
@@ -282,12 +297,14 @@ class KVCacheManager:
 
     def take_disk_work(self) -> DiskWork | None:
         """The step's tier work, once every allocation of the step is made (None without a disk tier or a
-        swap space). Every cached block evicted from the pool is spilled unless the disk holds it already or
-        has no room."""
+        swap space). Every cached block evicted from the pool is spilled unless the disk holds it already, has
+        no room, or the pool cached the same hash again within the step (the tokens were recomputed: RAM has them)."""
         if self.disk is None and self.swap is None:
             return None
         spills = []
         for block_id, block_hash, key in self.pool.take_evicted() if self.disk is not None else ():
+            if block_hash in self.pool.cached_blocks:
+                continue
             digest = key_digest(key)
             if self.disk.add(block_hash, digest):
                 spills.append((block_id, block_hash, digest))

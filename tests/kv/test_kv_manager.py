@@ -9,7 +9,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedllm.kv import manager as manager_module
+from pagedllm.kv import block_pool as block_pool_module
 from pagedllm.kv.block_pool import BlockPool, hash_block
 from pagedllm.kv.disk_tier import DiskTier, key_digest
 from pagedllm.kv.manager import RELEASED, KVCacheManager
@@ -140,7 +140,7 @@ def test_hash_root_is_random_per_process():
 def test_a_hash_collision_never_shares_a_block(monkeypatch):
     """With every block forced to the same hash, a prompt of other tokens finds nothing: a hit needs the
     block's own tokens (and its parent's hash, and the salt) to match, not only the hash."""
-    monkeypatch.setattr(manager_module, "hash_block", lambda *key: b"\0" * 32)
+    monkeypatch.setattr(block_pool_module, "hash_block", lambda *key, root_hash: b"\0" * 32)
     manager = KVCacheManager(num_blocks=20, block_size=4)
     victim = [10, 11, 12, 13, 14, 15, 16, 17, 18]
     new_request(manager, "victim", victim)
@@ -439,8 +439,7 @@ class DiskKVManagerMachine(KVManagerMachine):
     def _apply(self, work) -> None:
         """The workers' side of a step's disk work: every spilled block is an evicted cached one."""
         for block_id, block_hash, digest in work.spills:
-            # The spilled block may be cached again already, even under the same hash: a copy-on-write in the
-            # step that evicted it can fill it with the same tokens (its copy-out comes before the step writes).
+            assert self.manager.pool.blocks[block_id].block_hash != block_hash, "a spilled block is still cached"
             assert block_hash not in self.files
             self.files[block_hash] = digest
         for block_hash in work.deletes:

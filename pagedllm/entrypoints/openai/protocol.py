@@ -270,6 +270,18 @@ class DetokenizeRequest(RequestModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(RequestModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """vLLM's POST /v1/unload_lora_adapter body; lora_int_id, when given, must be the named adapter's id."""
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 # ---- responses ----
 
 class ErrorInfo(BaseModel):
@@ -442,6 +454,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: str
+    parent: str | None = None   # an adapter's base model; None for a base model
     max_model_len: int
 
 
