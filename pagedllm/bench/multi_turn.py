@@ -4,6 +4,10 @@ tier off and on side by side in one run. Reports TTFT p50 / p99 (all of a turn's
 output tokens/s, prompt tokens found in the prefix cache, and blocks read back from disk. With
 --data-parallel-size N > 1 the rows are Ray replica routings instead (--data-parallel-routing, each replica with
 that RAM pool, no disk tier): the prefix hit rate and TTFT of prefix-aware routing against least-loaded.
+
+Two more cases follow: a restart (one long prompt's TTFT cold, then in a new engine on the same
+--kv-cache-dir), and preemption of long contexts (requests whose decoding outgrows a small pool) under each
+--preemption-modes, with the tokens each recomputed.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import tempfile
 import time
 
 from pagedllm.bench.scheduling import percentile
+from pagedllm.config import PREEMPTION_MODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-routing", default=None,
                         help="comma-separated routings to compare, with --data-parallel-size > 1 "
                              "(default: prefix,least-loaded)")
+    parser.add_argument("--restart-prompt-len", type=int, default=4000,
+                        help="the restart case's prompt, in tokens (0: skip the case)")
+    parser.add_argument("--preemption-modes", default="recompute,swap,auto",
+                        help="comma-separated preemption modes to compare (empty: skip the case)")
+    parser.add_argument("--preempt-requests", type=int, default=4, help="long requests decoding at once")
+    parser.add_argument("--preempt-prompt-len", type=int, default=2048, help="tokens of each long request's prompt")
+    parser.add_argument("--preempt-output-len", type=int, default=128, help="tokens each long request decodes")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -46,6 +58,10 @@ def run(args: argparse.Namespace) -> None:
     if args.data_parallel_routing is not None and args.data_parallel_size <= 1:
         raise ValueError("--data-parallel-routing compares replica routings: it needs --data-parallel-size > 1, "
                          f"got {args.data_parallel_size}")
+    modes = [mode for mode in args.preemption_modes.split(",") if mode]
+    if any(mode not in PREEMPTION_MODES for mode in modes):
+        raise ValueError(f"--preemption-modes must name modes among {', '.join(PREEMPTION_MODES)}, "
+                         f"got {args.preemption_modes!r}")
     probe = LLM(args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory="1MiB").llm_engine
     block_bytes = kv_bytes_per_block(probe.model_config, args.block_size, probe.kv_cache_dtype)
     vocab_size = probe.model_config.vocab_size
@@ -70,6 +86,67 @@ def run(args: argparse.Namespace) -> None:
             print(f"| {tier} | {statistics.median(ttfts) * 1e3:.1f} | {percentile(ttfts, 0.99) * 1e3:.1f} "
                   f"| {tokens_per_second:.1f} | {stats.kv_cache.prefix_cache_hits} | {disk_hits} |")
             llm.llm_engine.shutdown()
+    if args.restart_prompt_len:
+        _restart_case(args, block_bytes, vocab_size)
+    if modes:
+        _preemption_case(args, modes, block_bytes, vocab_size)
+
+
+def _restart_case(args: argparse.Namespace, block_bytes: int, vocab_size: int) -> None:
+    """One long prompt cold, evicted to disk by another as long, then the first again in a new engine on the
+    same directory: its TTFT there against the cold one."""
+    from pagedllm import LLM, SamplingParams
+
+    rng = random.Random(args.seed + 1)
+    pool_blocks = -(-(args.restart_prompt_len + 1) // args.block_size)   # the prompt and its token
+    prompt = [rng.randrange(vocab_size) for _ in range(args.restart_prompt_len)]
+    other = [rng.randrange(vocab_size) for _ in range(pool_blocks * args.block_size - 1)]   # takes every block
+    params = SamplingParams(temperature=0, max_tokens=1)
+    print(f"\nRestart: a {args.restart_prompt_len}-token prompt, cold, then after a restart on the same --kv-cache-dir")
+    print("| case | TTFT ms | disk hit blocks |")
+    print("|---|---|---|")
+    with tempfile.TemporaryDirectory() as scratch:
+        for case in ("cold", "after restart"):
+            llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=pool_blocks * block_bytes,
+                      kv_cache_dir=scratch)
+            started = time.perf_counter()
+            llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+            ttft = time.perf_counter() - started   # one output token: the request's time is its TTFT
+            hits = llm.llm_engine.stats().kv_disk.hit_blocks
+            llm.generate({"prompt_token_ids": other}, params, use_tqdm=False)   # spills the prompt's blocks
+            llm.llm_engine.shutdown()   # writes every spilled block
+            print(f"| {case} | {ttft * 1e3:.1f} | {hits} |")
+
+
+def _preemption_case(args: argparse.Namespace, modes: list[str], block_bytes: int, vocab_size: int) -> None:
+    """Long requests decoding together in a pool that holds their prompts but not their outputs, so the latest
+    are preempted; the same workload under each mode."""
+    from pagedllm import LLM, SamplingParams
+
+    rng = random.Random(args.seed + 2)
+    prompts = [[rng.randrange(vocab_size) for _ in range(args.preempt_prompt_len)] for _ in range(args.preempt_requests)]
+    size = args.block_size
+    pool_blocks = max(-(-(args.preempt_prompt_len + args.preempt_output_len) // size),
+                      args.preempt_requests * -(-args.preempt_prompt_len // size) + 1)
+    computed_once = args.preempt_requests * (args.preempt_prompt_len + args.preempt_output_len - 1)
+    params = SamplingParams(temperature=0, max_tokens=args.preempt_output_len, ignore_eos=True)
+    print(f"\nPreemption: {args.preempt_requests} requests of {args.preempt_prompt_len} prompt tokens decoding "
+          f"{args.preempt_output_len} each in a pool of {pool_blocks} blocks")
+    print("| preemption mode | seconds | output tok/s | preemptions | swapped | tokens recomputed |")
+    print("|---|---|---|---|---|---|")
+    for mode in modes:
+        llm = LLM(args.model, dtype=args.dtype, block_size=size, kv_cache_memory=pool_blocks * block_bytes,
+                  preemption_mode=mode)
+        computed = []
+        llm.llm_engine.step_listeners.append(lambda step: computed.append(step.num_tokens))
+        started = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        stats = llm.llm_engine.stats()
+        swapped = stats.kv_swap.swap_outs if stats.kv_swap is not None else 0
+        print(f"| {mode} | {seconds:.2f} | {args.preempt_requests * args.preempt_output_len / seconds:.1f} "
+              f"| {stats.num_preemptions} | {swapped} | {sum(computed) - computed_once} |")
+        llm.llm_engine.shutdown()
 
 
 def _conversation_turns(args: argparse.Namespace, vocab_size: int):

@@ -48,11 +48,12 @@ def request_groups(engine) -> dict[str, str]:
 
 
 def phase(request: Request) -> str:
-    """What the request is doing: queued, preempted, prefilling (chunk by chunk), decoding."""
+    """What the request is doing: queued, preempted (its KV dropped, or swapped out and kept), prefilling
+    (chunk by chunk), decoding."""
     if request.status is RequestStatus.WAITING:
         return "waiting"
     if request.status is RequestStatus.PREEMPTED:
-        return "preempted"
+        return "swapped out" if request.num_computed_tokens else "preempted"
     left = request.num_tokens - request.num_computed_tokens
     if left > 1:
         return "prefill"
@@ -76,12 +77,24 @@ def capture_kv(engine, with_owners: bool = False) -> KVCapture:
     tables = {request_id: list(kv.get_block_table(request_id)) for request_id in kv.block_tables}
     counters = {"num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
                 "num_preemptions": scheduler.num_preemptions, "prefix_cache_queries": kv.prefix_cache_queries,
-                "prefix_cache_hits": kv.prefix_cache_hits, "num_pinned_blocks": kv.pool.num_pinned_blocks}
+                "prefix_cache_hits": kv.prefix_cache_hits, "num_pinned_blocks": kv.pool.num_pinned_blocks,
+                **tier_figures(kv)}
     captured = KVCapture(time.monotonic(), block_codes(kv), rows, tables, counters)
     if with_owners:
         captured.owners = block_owners(kv)
         captured.pin_counts = [block.pin_count for block in kv.pool.blocks]
     return captured
+
+
+def tier_figures(kv) -> dict:
+    """Blocks below the RAM pool: cached files on disk (with --kv-cache-dir) and swapped-out requests' blocks
+    (with preemption by swap, in the tier swap_tier names), as far as the engine has them."""
+    figures = {}
+    if kv.disk is not None:
+        figures |= {"num_disk_blocks": len(kv.disk), "disk_capacity_blocks": kv.disk.capacity_blocks}
+    if kv.swap is not None:
+        figures |= {"num_swapped_blocks": kv.swap.num_blocks, "swap_tier": kv.swap.tier}
+    return figures
 
 
 def block_holders(engine, block_id: int) -> BlockHolders:

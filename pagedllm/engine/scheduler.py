@@ -370,8 +370,7 @@ class Scheduler:
         Returns (request, row in runner_output) for every plain request that got a token, in row order.
         """
         requests, kv = self.requests, self.kv_manager
-        if scheduler_output.disk_work is not None and (scheduler_output.disk_work.loads
-                                                       or scheduler_output.disk_work.swap_ins):
+        if scheduler_output.disk_work is not None:   # (a swap-in may have found every block in RAM: no copies)
             kv.complete_disk_loads(runner_output.kv_load_failures)
         cache_full_blocks, block_size = kv.cache_full_blocks, kv.block_size
         speculated = scheduler_output.num_spec_tokens

@@ -138,13 +138,29 @@ def test_multi_turn_refuses_a_routing_without_replicas(tiny_dir, capsys):
 
 def test_multi_turn_prints_a_row_with_the_disk_tier_off_and_on(tiny_dir, capsys):
     out = run_bench(capsys, "multi-turn", tiny_dir, "--dtype", "float32", "--block-size", "8", "--conversations", "3",
-                    "--turns", "2", "--system-len", "40", "--question-len", "8", "--output-len", "2")
+                    "--turns", "2", "--system-len", "40", "--question-len", "8", "--output-len", "2",
+                    "--restart-prompt-len", "40", "--preempt-requests", "2", "--preempt-prompt-len", "20",
+                    "--preempt-output-len", "28")
     # history 40 + 8 + 2 * 2 = 52 tokens, 7 blocks each: working set 21 blocks, a pool of max(7, 5) = 7
     assert "KV working set 21 blocks, RAM pool 7 blocks of 8 tokens" in out
     rows = table_rows(out, "| KV disk tier | TTFT ms p50 | p99 | output tok/s | prefix-hit prompt tokens |")
     assert [row.split("|")[1].strip() for row in rows] == ["off", "on"]
     disk_hits = [int(row.split("|")[6]) for row in rows]
     assert disk_hits[0] == 0 and disk_hits[1] > 0   # the second turns find their histories on disk
+    # The restart case: 40 tokens, 5 blocks, of which the lookup (all but the last token) finds 4 after the restart.
+    restart = table_rows(out, "| case | TTFT ms | disk hit blocks |")
+    assert [(row.split("|")[1].strip(), int(row.split("|")[3])) for row in restart] == [("cold", 0),
+                                                                                       ("after restart", 4)]
+    # Preemption: 2 requests of 20 tokens (3 blocks each) in a pool of 2 x 3 + 1 blocks, each decoding 28 tokens
+    # to 48 (6 blocks): the later one is preempted and the first's growth evicts two of its cached blocks;
+    # recompute computes their tokens again, swap none.
+    modes = table_rows(out, "| preemption mode | seconds |")
+    assert [row.split("|")[1].strip() for row in modes] == ["recompute", "swap", "auto"]
+    figures = {row.split("|")[1].strip(): [int(cell) for cell in row.split("|")[4:7]] for row in modes}
+    preemptions, swapped, recomputed = figures["recompute"]
+    assert preemptions >= 1 and swapped == 0 and recomputed > 0
+    preemptions, swapped, recomputed = figures["swap"]
+    assert preemptions >= 1 and swapped == preemptions and recomputed == 0
 
 
 def test_throughput_and_latency_with_random_loras_run_beside_the_base(tiny_dir, capsys, tmp_path):

@@ -439,8 +439,7 @@ class DiskKVManagerMachine(KVManagerMachine):
     def _apply(self, work) -> None:
         """The workers' side of a step's disk work: every spilled block is an evicted cached one."""
         for block_id, block_hash, digest in work.spills:
-            # The spilled block may be cached again already, even under the same hash: a copy-on-write in the
-            # step that evicted it can fill it with the same tokens (its copy-out comes before the step writes).
+            assert self.manager.pool.blocks[block_id].block_hash != block_hash, "a spilled block is still cached"
             assert block_hash not in self.files
             self.files[block_hash] = digest
         for block_hash in work.deletes:

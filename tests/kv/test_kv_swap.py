@@ -7,6 +7,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.reliability.server import metric
 from pagedllm.config import EngineConfig
+from pagedllm.engine.kv_map import capture, kv_map_snapshot
 from pagedllm.engine.preemption import PreemptionPolicy
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.worker.kv_disk_store import HEADER_BYTES
@@ -164,3 +165,42 @@ def test_auto_in_an_engine_measures_both_costs_and_keeps_the_tokens(tiny_dir, bl
 def test_bad_preemption_settings_are_refused_naming_the_field(settings, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         EngineConfig(**settings)
+
+
+def test_the_kv_map_shows_swapped_out_requests_and_blocks_below_the_pool(tiny_dir, block_bytes, tmp_path):
+    """Stepped by hand: while a request is swapped out its row says so and the figures count its blocks in the
+    disk tier's quota, beside the cached block files."""
+    llm = small_pool(tiny_dir, block_bytes, preemption_mode="swap", kv_cache_dir=str(tmp_path / "kv"))
+    engine = llm.llm_engine
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{index}", {"prompt_token_ids": prompt}, sampling(False)[index])
+    seen_swapped = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        snapshot = kv_map_snapshot(engine)
+        figures, kv = snapshot["figures"], engine.kv_manager
+        assert (figures["num_disk_blocks"], figures["disk_capacity_blocks"]) == (len(kv.disk), kv.disk.capacity_blocks)
+        assert (figures["num_swapped_blocks"], figures["swap_tier"]) == (kv.swap.num_blocks, "disk")
+        swapped = [row["request_id"] for row in snapshot["requests"] if row["phase"] == "swapped out"]
+        assert swapped == [request_id for request_id in engine.scheduler.requests if kv.is_swapped(request_id)
+                           or kv.restored_tokens(request_id) is not None or kv.is_loading(request_id)]
+        if kv.swap.num_blocks:
+            seen_swapped = True
+            assert swapped == ["r1"] and capture(engine).counters["num_swapped_blocks"] == 3
+    assert seen_swapped
+
+
+def test_ngram_speculation_runs_on_after_a_swap_in(tiny_dir, block_bytes, reference):
+    """A swapped-in request proposes and verifies from its restored KV: greedy tokens as without speculation.
+    (Seeded sampling under speculation draws as many numbers as the batch's proposals make it, which
+    preemption changes whatever its mode, so only greedy has one right answer here.)"""
+    seeded, tokens, _ = reference
+    if seeded:
+        pytest.skip("greedy only: see the docstring")
+    llm = small_pool(tiny_dir, block_bytes, preemption_mode="swap",
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+                                         "prompt_lookup_min": 1})
+    assert run(llm, seeded)[0] == tokens
+    stats = llm.llm_engine.stats()
+    assert stats.kv_swap.swap_ins == stats.kv_swap.swap_outs >= 1
+    assert stats.spec_decoding.num_draft_tokens > 0

@@ -119,11 +119,10 @@ def kv_map_snapshot(engine) -> dict:
     blocks = [{"block_id": block_id, "ref_count": code >> 1, "cached": bool(code & 1), "state": block_state(code),
                "pin_count": captured.pin_counts[block_id], "owners": captured.owners.get(block_id, [])}
               for block_id, code in enumerate(codes)]
-    counters = captured.counters
+    counters = {name: value for name, value in captured.counters.items()
+                if name not in ("num_running", "num_waiting", "num_preemptions")}
     return {"num_blocks": len(codes), "block_size": engine.kv_manager.block_size,
-            "figures": {**block_figures(captured.codes), "prefix_cache_queries": counters["prefix_cache_queries"],
-                        "prefix_cache_hits": counters["prefix_cache_hits"],
-                        "num_pinned_blocks": counters["num_pinned_blocks"]},
+            "figures": {**block_figures(captured.codes), **counters},
             "blocks": blocks, "requests": requests}
 
 

@@ -306,6 +306,19 @@
     recordHistory(frame);
     scheduleRender(frame.full);
   }
+  // Blocks below the pool (disk tier, swapped-out requests) are counts beside the map, not cells in it.
+  function renderTiers(f) {
+    $('tier-disk').hidden = f.num_disk_blocks === undefined;
+    if (f.num_disk_blocks !== undefined) {
+      $('count-on_disk').textContent = f.num_disk_blocks;
+      $('disk-capacity').textContent = f.disk_capacity_blocks;
+    }
+    $('tier-swapped').hidden = f.num_swapped_blocks === undefined;
+    if (f.num_swapped_blocks !== undefined) {
+      $('count-swapped').textContent = f.num_swapped_blocks;
+      $('swap-tier').textContent = f.swap_tier;
+    }
+  }
   let renderPending = false, lastSlowRender = 0;
   function scheduleRender(all) {
     if (all) lastSlowRender = 0;
@@ -319,7 +332,10 @@
       for (const [kind, value] of Object.entries(c)) $('count-' + kind).textContent = value;
       $('cell-count').textContent = `${state.numBlocks} blocks of ${state.blockSize} tokens`;
       const f = state.figures;
-      if (f) $('summary').textContent = `KV usage ${(100 * f.kv_cache_usage).toFixed(1)}% · running ${f.num_running} · waiting ${f.num_waiting} · preemptions ${f.num_preemptions}`;
+      if (f) {
+        $('summary').textContent = `KV usage ${(100 * f.kv_cache_usage).toFixed(1)}% · running ${f.num_running} · waiting ${f.num_waiting} · preemptions ${f.num_preemptions}`;
+        renderTiers(f);
+      }
       if (now - lastSlowRender > 500) { lastSlowRender = now; renderRequests(); drawPlots(); }
       if (hovered !== null) showTooltip();
     });
