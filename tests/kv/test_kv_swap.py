@@ -7,7 +7,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.reliability.server import metric
 from pagedllm.config import EngineConfig
-from pagedllm.engine.kv_map import capture, kv_map_snapshot
+from pagedllm.entrypoints.openai.kv_map import capture, kv_map_snapshot
 from pagedllm.engine.preemption import PreemptionPolicy
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.worker.kv_disk_store import HEADER_BYTES
