@@ -12,6 +12,8 @@
 // dequantized into a bfloat16 (VNNI pairs) or float buffer that stays in cache while every activation
 // row meets it through oneDNN's batch-reduce GEMM micro-kernel (at::native::cpublas::brgemm), which
 // oneDNN generates for AMX where the CPU has it and for AVX-512 (BF16) or AVX2 (float) elsewhere.
+// Past the rows that stay in cache (a long prefill), the whole weight is dequantized first and each
+// thread's chunk of rows meets every block, so the activations are read from memory once, not per block.
 #include "ops.h"
 #include "quant_format.h"
 
@@ -21,6 +23,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -214,6 +217,12 @@ void dequantize_block(scalar_t* b, const Weights& weights, const scale_t* scales
 
 constexpr int64_t kBlockTiles = 2;    // brgemm's N: 32 weight rows dequantized at a time
 constexpr int64_t kBlockRows = 64;    // brgemm's M: activation rows per call
+constexpr int64_t kCacheBytes = 512 * 1024;   // activations a thread keeps in cache (half a 1-2 MiB L2)
+
+// Activation rows that fit kCacheBytes, in whole brgemm calls (so the row blocks are those of one pass over all rows).
+int64_t cache_rows(int64_t row_bytes) {
+  return std::max<int64_t>(1, kCacheBytes / row_bytes / kBlockRows) * kBlockRows;
+}
 
 }  // namespace
 
@@ -271,20 +280,58 @@ void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, a
     dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       constexpr int kBits = decltype(bits_constant)::value;
       using scale_t = scale_type_of<decltype(all_scales)>;
-      at::parallel_for(0, (tiles + kBlockTiles - 1) / kBlockTiles, 1, [&](int64_t begin, int64_t end) {
-        std::vector<scalar_t> b(cols * kBlockTiles * kTileRows);
-        std::vector<float> c(kBlockRows * kBlockTiles * kTileRows);
+      const int64_t num_blocks = (tiles + kBlockTiles - 1) / kBlockTiles;
+      // Block nb of weight rows: its tiles, its brgemm N, its first output and the outputs that exist.
+      auto block_shape = [&](int64_t nb) {
+        const int64_t first_tile = nb * kBlockTiles, num_tiles = std::min(kBlockTiles, tiles - first_tile);
+        const int64_t width = num_tiles * kTileRows, first_out = first_tile * kTileRows;
+        return std::array<int64_t, 4>{first_tile, num_tiles, width, std::min(width, out_features - first_out)};
+      };
+      // Activation rows [first, last) against block nb's dequantized weights b, 64 rows per brgemm call.
+      auto multiply = [&](const scalar_t* b, int64_t nb, int64_t first, int64_t last, std::vector<float>& c) {
+        const auto [first_tile, num_tiles, width, valid] = block_shape(nb);
+        for (int64_t r = first; r < last; r += kBlockRows) {
+          const int64_t block_rows = std::min(kBlockRows, last - r);
+          at::native::cpublas::brgemm(block_rows, width, cols, cols, width, width, false, activations + r * cols,
+                                      b, c.data(), kVnni);
+          store(result + r * out_features + first_tile * kTileRows, out_features, c.data(), width, block_rows, valid,
+                bias_values ? bias_values + first_tile * kTileRows : nullptr);
+        }
+      };
+      const int64_t fits = cache_rows(cols * static_cast<int64_t>(sizeof(scalar_t)));
+      if (rows <= fits) {   // the activations stay in cache: each block dequantized, then met by every row
+        at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+          std::vector<scalar_t> b(cols * kBlockTiles * kTileRows);
+          std::vector<float> c(kBlockRows * kBlockTiles * kTileRows);
+          for (int64_t nb = begin; nb < end; ++nb) {
+            const auto [first_tile, num_tiles, width, valid] = block_shape(nb);
+            dequantize_block<kBits, scale_t, scalar_t>(b.data(), weights, all_scales, all_mins, first_tile, num_tiles);
+            multiply(b.data(), nb, 0, rows, c);
+          }
+          at::native::cpublas::brgemm_release(kVnni);
+        });
+        return;
+      }
+      // Too many rows to stay in cache: streaming them from memory once per block would bound the matmul by
+      // memory, so the whole weight is dequantized once and each chunk of rows (kept in cache) meets every block.
+      const int64_t threads = at::get_num_threads();
+      const int64_t share = ((rows + threads - 1) / threads + kBlockRows - 1) / kBlockRows * kBlockRows;
+      const int64_t chunk_rows = std::min(fits, share);   // at least one chunk per thread
+      const int64_t block_size = cols * kBlockTiles * kTileRows;
+      std::vector<scalar_t> all_blocks(num_blocks * block_size);
+      at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t nb = begin; nb < end; ++nb) {
-          const int64_t first_tile = nb * kBlockTiles, num_tiles = std::min(kBlockTiles, tiles - first_tile);
-          const int64_t width = num_tiles * kTileRows, first_out = first_tile * kTileRows;
-          const int64_t valid = std::min(width, out_features - first_out);
-          dequantize_block<kBits, scale_t, scalar_t>(b.data(), weights, all_scales, all_mins, first_tile, num_tiles);
-          for (int64_t r = 0; r < rows; r += kBlockRows) {
-            const int64_t block_rows = std::min(kBlockRows, rows - r);
-            at::native::cpublas::brgemm(block_rows, width, cols, cols, width, width, false, activations + r * cols,
-                                        b.data(), c.data(), kVnni);
-            store(result + r * out_features + first_out, out_features, c.data(), width, block_rows, valid,
-                  bias_values ? bias_values + first_out : nullptr);
+          const auto [first_tile, num_tiles, width, valid] = block_shape(nb);
+          dequantize_block<kBits, scale_t, scalar_t>(all_blocks.data() + nb * block_size, weights, all_scales,
+                                                     all_mins, first_tile, num_tiles);
+        }
+      });
+      at::parallel_for(0, (rows + chunk_rows - 1) / chunk_rows, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> c(kBlockRows * kBlockTiles * kTileRows);
+        for (int64_t chunk = begin; chunk < end; ++chunk) {
+          for (int64_t nb = 0; nb < num_blocks; ++nb) {
+            multiply(all_blocks.data() + nb * block_size, nb, chunk * chunk_rows,
+                     std::min(rows, (chunk + 1) * chunk_rows), c);
           }
         }
         at::native::cpublas::brgemm_release(kVnni);

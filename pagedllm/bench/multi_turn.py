@@ -126,8 +126,10 @@ def _preemption_case(args: argparse.Namespace, modes: list[str], block_bytes: in
     rng = random.Random(args.seed + 2)
     prompts = [[rng.randrange(vocab_size) for _ in range(args.preempt_prompt_len)] for _ in range(args.preempt_requests)]
     size = args.block_size
+    # Room for every prompt and one block more each, so all are admitted while the first decode; their next
+    # blocks then do not fit, and the latest is preempted.
     pool_blocks = max(-(-(args.preempt_prompt_len + args.preempt_output_len) // size),
-                      args.preempt_requests * -(-args.preempt_prompt_len // size) + 1)
+                      args.preempt_requests * (-(-args.preempt_prompt_len // size) + 1) + 1)
     computed_once = args.preempt_requests * (args.preempt_prompt_len + args.preempt_output_len - 1)
     params = SamplingParams(temperature=0, max_tokens=args.preempt_output_len, ignore_eos=True)
     print(f"\nPreemption: {args.preempt_requests} requests of {args.preempt_prompt_len} prompt tokens decoding "
@@ -198,9 +200,11 @@ async def _serve_conversations(llm, args: argparse.Namespace, vocab_size: int, p
     try:
         ttfts, num_output_tokens, started = [], 0, time.perf_counter()
         for turn, histories in _conversation_turns(args, vocab_size):
-            answers = await asyncio.gather(*(ask(history, f"c{index}t{turn}")
-                                             for index, history in enumerate(histories)))
-            for history, (ttft, answer) in zip(histories, answers):
+            # Each turn's requests arrive in a new order, as users' do: in a fixed one, least-loaded routing would
+            # send each conversation to the same replica every turn by position alone.
+            order = random.Random(args.seed + turn).sample(range(len(histories)), len(histories))
+            answers = await asyncio.gather(*(ask(histories[index], f"c{index}t{turn}") for index in order))
+            for history, (ttft, answer) in zip((histories[index] for index in order), answers):
                 history.extend(answer)
                 ttfts.append(ttft)
                 num_output_tokens += len(answer)

@@ -177,6 +177,22 @@ def test_quantized_linear_in_bfloat16(num_rows, monkeypatch):
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_brgemm_past_the_cache_equals_it_in_cache_sized_calls(dtype, monkeypatch):
+    """Past the activation rows that stay in cache (512 KiB: 64 rows of 2,048 float32 columns, 128 in bfloat16)
+    brgemm dequantizes the whole weight first and walks the rows in chunks; its brgemm calls are the 64-row ones
+    of a pass over all rows, so the result is bitwise that of calls small enough to take the in-cache order."""
+    if brgemm_isa(dtype) is None:
+        pytest.skip(f"oneDNN's brgemm does not run {dtype} on this CPU")
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(600, 2048, generator=generator).to(dtype)
+    bias = torch.randn(72, generator=generator).to(dtype)
+    layer = QuantizedLinear(quantize(torch.randn(72, 2048, generator=generator), 4), bias, forced("brgemm", monkeypatch))
+    in_cache_sized = torch.cat([layer(x[start:start + 64]) for start in range(0, 600, 64)])
+    assert torch.equal(layer(x), in_cache_sized)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation_dtype", ["auto", "int8"])
 def test_batch_invariant_rows_do_not_depend_on_the_batch_they_share(dtype, activation_dtype):
     """With batch_invariant=True a request's logits cannot change with the batch around it (prefill or
