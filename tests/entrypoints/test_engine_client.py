@@ -98,7 +98,8 @@ class ReversingClient(EngineClient):
 def serve(client: EngineClient, check) -> None:
     """Runs check(openai_client, http_client) against the app over `client`, in process (ASGI, no socket)."""
     async def run():
-        transport = httpx.ASGITransport(app=build_app(client, ServerConfig()))
+        # As over a socket: an error the app answers (and re-raises to its server, to log) reaches the client as its response.
+        transport = httpx.ASGITransport(app=build_app(client, ServerConfig()), raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://server") as http:
             api = openai.AsyncOpenAI(api_key="unused", base_url="http://server/v1", http_client=http, max_retries=0)
             await check(api, http)

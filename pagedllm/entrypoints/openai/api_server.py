@@ -16,11 +16,11 @@ from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.anthropic.serving import router as messages_router
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.data_parallel import DPAsyncLLM
-from pagedllm.engine.protocol import EngineClient
+from pagedllm.engine.protocol import EngineClient, EngineDeadError
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.body_limit import RequestSizeLimitMiddleware
 from pagedllm.entrypoints.openai.dashboard import install_dashboard
-from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
+from pagedllm.entrypoints.openai.errors import APIError, api_error_for, install_error_handlers
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompletionRequest,
                                                   ChatCompletionResponse, CompletionRequest, CompletionResponse,
@@ -60,7 +60,11 @@ def pagedllm_version() -> str:
 @router.get("/health", response_class=Response, responses={200: {"description": "The server is up (empty body)"},
                                                             **ERROR_RESPONSES})
 async def health(request: Request) -> Response:
-    await _state(request).llm.check_health()   # EngineDeadError: a 503
+    """vLLM's: 200 while the engine serves, 503 once it is shut down or dead."""
+    try:
+        await _state(request).llm.check_health()
+    except EngineDeadError as exc:
+        raise api_error_for(exc) from exc
     return Response(status_code=200)
 
 
