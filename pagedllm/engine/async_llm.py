@@ -147,7 +147,7 @@ class AsyncLLM(EngineClient, LocalEngine):
 
     def describe(self) -> str:
         kv = self.engine.stats().kv_cache   # read before serving starts, or of figures a step only replaces
-        return (f"{str(self.engine.dtype).removeprefix('torch.')} weights, {kv.num_blocks} KV blocks of "
+        return (f"(dtype {str(self.engine.dtype).removeprefix('torch.')}) with {kv.num_blocks} KV blocks of "
                 f"{kv.block_size} tokens ({kv.num_blocks * kv.block_size} tokens)")
 
     async def shutdown(self) -> None:

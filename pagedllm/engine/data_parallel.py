@@ -190,8 +190,8 @@ class DPAsyncLLM(EngineClient):
 
     def describe(self) -> str:
         info = self.replicas[0].info
-        return (f"{info.dtype} weights, {len(self.replicas)} Ray engine replicas, each with {info.num_kv_blocks} "
-                f"KV blocks of {info.block_size} tokens")
+        return (f"(dtype {info.dtype}) with {len(self.replicas)} Ray engine replicas, each with "
+                f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens")
 
     def replica_of(self, request_id: str) -> Replica | None:
         """The replica that holds the request, while it is in flight."""

@@ -116,7 +116,7 @@ class EngineClient(ABC):
 
     @abstractmethod
     def describe(self) -> str:
-        """One line for the start-up log: where the engine runs and its KV cache."""
+        """For the start-up log line: "(dtype D) with " where the engine runs and its KV cache."""
 
     @abstractmethod
     async def shutdown(self) -> None:

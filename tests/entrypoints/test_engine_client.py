@@ -89,7 +89,7 @@ class ReversingClient(EngineClient):
         return None
 
     def describe(self) -> str:
-        return "a reversing fake"
+        return "(dtype none) with no KV cache"
 
     async def shutdown(self) -> None:
         self.dead = True

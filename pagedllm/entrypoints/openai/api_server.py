@@ -178,7 +178,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     in-flight requests shutdown_timeout seconds, cancels the rest, and the lifespan stops the engine."""
     llm = start_engine(engine_config, config.max_waiting_requests)
     app = build_app(llm, config)
-    logger.info("serving %s with %s at http://%s:%d", app.state.server.model_name, llm.describe(), config.host,
+    logger.info("serving %s %s at http://%s:%d", app.state.server.model_name, llm.describe(), config.host,
                 config.port)
     # uvicorn re-raises the signal that stopped it once its graceful shutdown is over; by then
     # everything is done, so the process exits 0 instead of dying by the signal.
