@@ -148,6 +148,9 @@ class EngineConfig:
         self.lora_config   # checks the LoRA limits even while enable_lora is off
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+            if self.speculative_config.method == "draft_model" and self.enable_lora:
+                raise ValueError("speculative_config method 'draft_model' does not run with enable_lora (the draft "
+                                 "model has no adapters); use method 'ngram', which does")
             if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size 1 only, "
                                  f"got tensor_parallel_size {self.tensor_parallel_size}")

@@ -74,6 +74,8 @@ def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
 
 def check_pooling_config(config: EngineConfig) -> None:
     """What a pooling model cannot run with."""
+    if config.enable_lora:
+        raise ValueError("enable_lora applies to generating models; this is a pooling model")
     if config.speculative_config is not None:
         raise ValueError("speculative_config applies to generation; a pooling model generates nothing")
     if config.tensor_parallel_size > 1:

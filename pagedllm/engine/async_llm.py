@@ -26,6 +26,7 @@ from pagedllm.engine.input_processor import CheckedPrompt, PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.protocol import EngineClient, EngineDeadError, EngineRequestError, LocalEngine
 from pagedllm.engine.stats import EngineStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -78,7 +79,7 @@ class AsyncLLM(EngineClient, LocalEngine):
         return self.engine.check_pooling_prompt(prompt, params)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as the engine makes them, as sampling_params.output_kind asks,
         ending after the finished one.
 
@@ -100,7 +101,7 @@ class AsyncLLM(EngineClient, LocalEngine):
         try:
             try:
                 await self._on_engine_thread(partial(self.engine.add_request, request_id, prompt, sampling_params,
-                                                     priority=priority))
+                                                     priority=priority, lora_request=lora_request))
             finally:
                 self._num_adding -= 1
             self._new_work.set()
@@ -129,6 +130,17 @@ class AsyncLLM(EngineClient, LocalEngine):
         queue = self._streams.pop(request_id, None)
         if queue is not None:
             queue.put_nowait(_ABORTED)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """LLMEngine.add_lora on the engine thread, between steps."""
+        return await self._on_engine_thread(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """LLMEngine.remove_lora on the engine thread: LoRAInUseError while an unfinished request uses it."""
+        return await self._on_engine_thread(self.engine.remove_lora, lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self._on_engine_thread(self.engine.list_loras)
 
     async def stats(self) -> EngineStats:
         """The engine's figures, read on the engine thread so no step changes them mid-read."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -79,11 +80,11 @@ class BeamSearch:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, cache_salt: str | None = None,
-                 arrival_time: float | None = None, priority: int = 0):
+                 arrival_time: float | None = None, priority: int = 0, lora_request: LoRARequest | None = None):
         self.params = params
         self._ids = (f"{request_id}-beam-{n}" for n in itertools.count())
         first = Request(next(self._ids), prompt_token_ids, params.sampling_params(), eos_token_ids, max_tokens,
-                        priority=priority, cache_salt=cache_salt, beam_search=self,
+                        priority=priority, cache_salt=cache_salt, beam_search=self, lora_request=lora_request,
                         **({} if arrival_time is None else {"arrival_time": arrival_time}))
         self.live: list[_Beam] = [_Beam(first, [])]
         self.complete: list[BeamSearchSequence] = []
@@ -137,7 +138,8 @@ class BeamSearch:
                 source = parent.request
                 child = Request(next(self._ids), source.prompt_token_ids, source.sampling_params,
                                 source.eos_token_ids, source.max_tokens, arrival_time=source.arrival_time,
-                                priority=source.priority, cache_salt=source.cache_salt, beam_search=self)
+                                priority=source.priority, cache_salt=source.cache_salt, beam_search=self,
+                                lora_request=source.lora_request)
                 scheduler.fork(source, child)
                 extended.append(_Beam(child, list(parent.logprobs), parent.cum_logprob))
             for beam, (score, token, logprob) in zip(extended, kept):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.engine.executor.abstract import Executor
+from pagedllm.engine.lora_adapters import adapter_names, adapters_in_step
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stats import EngineStats, KVDiskStats, StepStats
@@ -32,13 +33,15 @@ class CoreStep:
 class EngineCore:
     def __init__(self, executor: Executor, kv_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
-                 structured_output=None, speculative_config: SpeculativeConfig | None = None):
-        """structured_output: a StructuredOutputManager, when requests may carry grammars."""
+                 structured_output=None, speculative_config: SpeculativeConfig | None = None,
+                 max_loras: int | None = None):
+        """structured_output: a StructuredOutputManager, when requests may carry grammars; max_loras: the most
+        LoRA adapters a step may run (None: LoRA off)."""
         self.executor = executor
         self.kv_manager = kv_manager
         speculation = SpeculationPlanner(speculative_config) if speculative_config is not None else None
         self.scheduler = Scheduler(kv_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-                                   scheduling_policy, structured_output, speculation)
+                                   scheduling_policy, structured_output, speculation, max_loras)
         self.structured_output = structured_output
         self.last_step_stats: StepStats | None = None
         # Called on the engine thread with each step's StepStats (the dashboard subscribes while a page is open).
@@ -65,6 +68,8 @@ class EngineCore:
             if not failed:
                 self._wait_for_grammars()
             return CoreStep([], None, failed)
+        num_loras = 0 if self.scheduler.max_loras is None else adapters_in_step(scheduler_output,
+                                                                                 self.scheduler.requests)
         scheduled = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         computed = time.perf_counter()
@@ -78,6 +83,7 @@ class EngineCore:
             num_tokens=scheduler_output.total_num_scheduled_tokens,
             num_preemptions=len(scheduler_output.preempted_req_ids),
             block_copies=scheduler_output.block_copies,
+            num_loras=num_loras,
         )
         for listener in self.step_listeners:
             listener(self.last_step_stats)
@@ -95,7 +101,10 @@ class EngineCore:
                            num_waiting=len(scheduler.waiting), num_preemptions=scheduler.num_preemptions,
                            last_step=self.last_step_stats,
                            spec_decoding=spec.snapshot() if (spec := scheduler.spec_decoding_stats) else None,
-                           kv_disk=self._kv_disk_stats())
+                           kv_disk=self._kv_disk_stats(),
+                           running_lora_adapters=adapter_names(scheduler.running),
+                           waiting_lora_adapters=adapter_names(scheduler.waiting),
+                           max_lora=scheduler.max_loras or 0)
 
     def _kv_disk_stats(self) -> KVDiskStats | None:
         disk = self.kv_manager.disk

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 from pagedllm.engine.bad_words import bad_words_token_ids
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.lora_adapters import EngineLoRAAdapters, lora_cache_salt
 from pagedllm.engine.output_processor import BeamSearchParent, ChildState, ParentRequest
 from pagedllm.engine.pooling import PoolingParent, check_pooling_params, check_token_type_ids
 from pagedllm.engine.request import CachePin, Request
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model.bert import with_token_types
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.pooling_checkpoint import PoolingModelInfo
@@ -79,30 +81,37 @@ class InputProcessor:
     can run off the engine thread) and builds their scheduler requests."""
 
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, kv_manager: KVCacheManager,
-                 structured_output: StructuredOutputManager, pooling: PoolingModelInfo | None):
+                 structured_output: StructuredOutputManager, pooling: PoolingModelInfo | None,
+                 lora: EngineLoRAAdapters):
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.kv_manager = kv_manager
         self.structured_output = structured_output
         self.pooling = pooling   # None: a generating model
+        self.lora = lora
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | PoolingParams,
-                arrival_time: float, priority: int) -> NewRequest:
-        """Validates a request and fans it out; raises ValueError (naming the numbers) if it can never run."""
+                arrival_time: float, priority: int, lora_request: LoRARequest | None = None) -> NewRequest:
+        """Validates a request and fans it out; raises ValueError (naming the numbers) if it can never run.
+        lora_request: the adapter it runs with (loaded now if it is not yet); None: the base model."""
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request applies to generation, not to pooling requests")
             return self._pooling_request(request_id, prompt, params, arrival_time, priority)
         checked = self.check_prompt(prompt, params)
+        self.lora.check_request(lora_request)
+        checked = dataclasses.replace(checked, cache_salt=lora_cache_salt(checked.cache_salt, lora_request))
         if isinstance(params, BeamSearchParams):
             search = BeamSearch(request_id, checked.token_ids, params, self.model_config.eos_token_ids,
-                                checked.max_tokens, checked.cache_salt, arrival_time, priority)
+                                checked.max_tokens, checked.cache_salt, arrival_time, priority, lora_request)
             search.first_request.cache_pins = checked.cache_pins
             parent = BeamSearchParent(request_id, checked.text, checked.token_ids, search, self.tokenizer)
             return NewRequest(parent, search.first_request, [])
-        return self._sampled_request(request_id, checked, params, arrival_time, priority)
+        return self._sampled_request(request_id, checked, params, arrival_time, priority, lora_request)
 
     def _sampled_request(self, request_id: str, checked: CheckedPrompt, params: SamplingParams, arrival_time: float,
-                         priority: int) -> NewRequest:
+                         priority: int, lora_request: LoRARequest | None) -> NewRequest:
         """n (or best_of) child requests sharing one prefill: the first runs it, the others are forked from it
         when it samples, taking their first tokens from the same logits."""
         prompt_ids = checked.token_ids
@@ -116,7 +125,7 @@ class InputProcessor:
             child_id = request_id if num_children == 1 else f"{index}_{request_id}"
             request = Request(child_id, prompt_ids, child_params, self.model_config.eos_token_ids,
                               checked.max_tokens, arrival_time=arrival_time, priority=priority,
-                              cache_salt=checked.cache_salt, cache_pins=checked.cache_pins)
+                              cache_salt=checked.cache_salt, cache_pins=checked.cache_pins, lora_request=lora_request)
             if params.structured_outputs is not None:
                 request.grammar = self.structured_output.request_grammar(params.structured_outputs)
             children.append(ChildState(request, index,

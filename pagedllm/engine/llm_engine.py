@@ -18,10 +18,12 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.executor.abstract import Executor
 from pagedllm.engine.input_processor import CheckedPrompt, InputProcessor, PromptType
 from pagedllm.engine.kv_setup import kv_blocks_in, open_kv_disk_tier, profiled_kv_cache_budget
+from pagedllm.engine.lora_adapters import EngineLoRAAdapters
 from pagedllm.engine.model_info import ModelInfo, kv_pool_bytes
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import EngineStats, StepStats
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model import kernels
 from pagedllm.model.config import ModelConfig, kv_release_window
 from pagedllm.model.loader import load_checkpoint
@@ -61,6 +63,8 @@ class LLMEngine:
                                                    self.max_model_len, num_blocks), checkpoint)
         del checkpoint
         self.runner = self.executor.driver_worker.model_runner   # rank 0's, for in-process tests and logs
+        self.lora = EngineLoRAAdapters(self.executor, self.model_config, config.lora_config,
+                                       config.tensor_parallel_size)
         if profile:
             budget = profiled_kv_cache_budget(self.executor, config, self.device,
                                               min(token_budget, self.max_model_len))
@@ -71,11 +75,12 @@ class LLMEngine:
                                                          self.model_config.eos_token_ids)
         self.core = EngineCore(self.executor, self.kv_manager, config.max_num_seqs, token_budget,
                                chunks_prefill(config, self.pooling is not None), config.scheduling_policy,
-                               self.structured_output, config.speculative_config)
+                               self.structured_output, config.speculative_config,
+                               config.max_loras if config.enable_lora else None)
         self.scheduler = self.core.scheduler
         self.step_listeners = self.core.step_listeners
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len,
-                                              self.kv_manager, self.structured_output, self.pooling)
+                                              self.kv_manager, self.structured_output, self.pooling, self.lora)
         self.output_processor = OutputProcessor(self.tokenizer, self.core.finish_request)
         self.parents = self.output_processor.parents     # user requests in flight, by id
         self.children = self.output_processor.children
@@ -121,6 +126,7 @@ class LLMEngine:
                         model.matmul.describe(self.dtype))
         if config.speculative_config is not None:
             logger.info("speculative decoding: %s", config.speculative_config)
+        self.lora.log_start()
         if self.pooling is not None:
             logger.info("pooling runner: %s pooling, normalize %s, %s; prompts run whole (up to %d tokens a step), "
                         "prefix caching off", self.pooling.pooler.pooling_type, self.pooling.pooler.normalize,
@@ -137,14 +143,30 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | BeamSearchParams | PoolingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validates and queues a request, sampled, (with BeamSearchParams) beam-searched or (with PoolingParams)
-        pooled; raises ValueError (naming the numbers) if it can never run."""
+        pooled; raises ValueError (naming the numbers) if it can never run. lora_request: the adapter it runs
+        with (loaded now if it is not yet); None: the base model."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        new = self.input_processor.process(request_id, prompt, params, arrival_time or time.monotonic(), priority)
+        new = self.input_processor.process(request_id, prompt, params, arrival_time or time.monotonic(), priority,
+                                           lora_request)
         self.output_processor.add(new.parent)
         self.core.add_request(new.first, new.siblings)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads the adapter on every rank now, checked against the base (ValueError naming the reason); True if
+        loaded now, False if an adapter with its lora_int_id was loaded already."""
+        return self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads the adapter; LoRAInUseError while an unfinished request uses it; False if it is unknown."""
+        return self.lora.remove(lora_int_id, list(self.scheduler.requests.values()))
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_ids of the adapters loaded now."""
+        return self.lora.list()
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Drops requests wherever they are; their blocks return to the pool at once."""

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None   # enters the first KV block's hash: only equal salts share cached blocks
     cache_pins: tuple[CachePin, ...] = ()   # prefixes pinned in the prefix cache once the prompt is computed
+    lora_request: LoRARequest | None = None   # the adapter it runs with; None: the base model
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0   # of those, found in the prefix cache when it was last admitted (vLLM's name)

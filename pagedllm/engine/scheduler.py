@@ -53,8 +53,10 @@ from pagedllm.step import CachedRequestData, ModelRunnerOutput, NewRequestData, 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs", structured_output=None,
-                 speculation: SpeculationPlanner | None = None):
+                 speculation: SpeculationPlanner | None = None, max_loras: int | None = None):
+        """max_loras: the most adapters the running requests may use at once (a step's LoRA slots); None: LoRA off."""
         self.kv_manager = kv_manager
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -195,7 +197,7 @@ class Scheduler:
                           ) -> NewRequestData:
         return NewRequestData(request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                               request.sampling_params, request.eos_token_ids, list(table),
-                              request.num_computed_tokens, sample_with)
+                              request.num_computed_tokens, sample_with, request.lora_request)
 
     def _fork_siblings(self, first: Request, num_new: int, out: SchedulerOutput) -> None:
         """The first sample of n finishes its prefill in this step: its siblings take every block it holds
@@ -244,11 +246,15 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
         kv = self.kv_manager
+        adapters = self._running_adapters() if self.max_loras is not None else None
         while budget > 0 and len(self.running) < self.max_num_seqs:
             index = self._next_to_admit()
             if index is None:
                 break
             request = self.waiting[index]
+            lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
+            if lora_id is not None and lora_id not in adapters and len(adapters) >= self.max_loras:
+                break   # its adapter needs a slot the running ones hold: it waits, and those behind it (fcfs)
             if request.grammar is not None and request.grammar.error is not None:
                 request.error = request.grammar.error
                 self.finish(request, RequestStatus.FINISHED_ERROR)
@@ -277,6 +283,11 @@ class Scheduler:
             bisect.insort(self.running, request, key=self._order_key)
             scheduled.append((request, num_new))
             budget -= num_new
+            if lora_id is not None:
+                adapters.add(lora_id)
+
+    def _running_adapters(self) -> set[int]:
+        return {request.lora_request.lora_int_id for request in self.running if request.lora_request is not None}
 
     def _preempt_until_fits(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Preempts the least important running requests until `request` gets its blocks;

@@ -17,6 +17,7 @@ class StepStats:
     num_tokens: int
     num_preemptions: int
     block_copies: list[tuple[int, int]] = ()   # (source, destination) blocks copied on write in this step
+    num_loras: int = 0          # distinct LoRA adapters the step ran (at most max_loras)
 
 
 @dataclass(frozen=True)
@@ -41,3 +42,7 @@ class EngineStats:
     last_step: StepStats | None
     spec_decoding: SpecDecodingStats | None = None   # acceptance counters since start, with speculation on
     kv_disk: KVDiskStats | None = None               # with a KV disk tier
+    # vLLM's lora_requests_info: the adapters (by name) of running and of waiting requests, and max_loras (0: off).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0

@@ -13,6 +13,7 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.stats import EngineStats
 from pagedllm.entrypoints.score_utils import pair_up, plan_scoring
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
                               ScoringRequestOutput)
 from pagedllm.pooling_params import PoolingParams
@@ -45,8 +46,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates for every prompt; returns outputs in input order."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generates for every prompt; returns outputs in input order. lora_request: the adapter of every prompt,
+        or a list with one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -60,22 +63,23 @@ class LLM:
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; "
                                  "pass one SamplingParams or one per prompt")
         final_only = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
-        return self._run(prompts, final_only, use_tqdm)
+        return self._run(prompts, final_only, use_tqdm, _per_prompt(lora_request, len(prompts)))
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.llm_engine.tokenizer
         prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
                         conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template)}
                    for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
         """Beam search for each prompt; beams share KV blocks. Returns outputs in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -84,7 +88,8 @@ class LLM:
                                                      beam.cumulative_logprob, beam.text, beam.finish_reason,
                                                      len(output.prompt_token_ids))
                                   for beam in output.outputs])
-                for output in self._run(prompts, [params] * len(prompts), use_tqdm=False)]
+                for output in self._run(prompts, [params] * len(prompts), False,
+                                        _per_prompt(lora_request, len(prompts)))]
 
     def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
                use_tqdm: bool = True) -> list[PoolingRequestOutput]:
@@ -111,19 +116,30 @@ class LLM:
         return [ScoringRequestOutput(pair.request_id, ScoringOutput(pair.score), pair.prompt_token_ids)
                 for pair in plan.scores(outputs)]
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter now (LLMEngine.add_lora); requests may also name one not yet loaded."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
+
     def stats(self) -> EngineStats:
         """KV-cache figures (blocks total / free / used / cached / shared, utilisation, prefix hit
         rate) and queue sizes, derived from the engine's state now."""
         return self.llm_engine.stats()
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams | BeamSearchParams | PoolingParams],
-             use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
+             use_tqdm: bool, lora_requests: list[LoRARequest | None] | None = None
+             ) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora_request in zip(prompts, params_list, lora_requests or [None] * len(prompts)):
                 request_id = str(next(self._request_counter))
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, lora_request=lora_request)
                 request_ids.append(request_id)
         except Exception:
             engine.abort_request(request_ids)
@@ -136,3 +152,16 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+
+def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+                ) -> list[LoRARequest | None]:
+    """vLLM's lora_request argument: one adapter for every prompt, or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != num_prompts:
+            raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompts; "
+                             "pass one LoRARequest or one per prompt")
+        return list(lora_request)
+    raise ValueError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")

@@ -106,6 +106,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(capacity, np.int64)
         self.block_table = np.zeros((capacity, self.max_blocks_per_request), np.int64)
         self.num_blocks = np.zeros(capacity, np.int64)
+        self.lora_ids = np.zeros(capacity, np.int64)   # the row's adapter (LoRARequest.lora_int_id); 0: the base
         self.sampling = SamplingColumns(capacity)
 
     @property
@@ -118,11 +119,11 @@ class InputBatch:
 
     def _grow(self) -> None:
         old = (self.token_ids, self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-               self.block_table, self.num_blocks)
+               self.block_table, self.num_blocks, self.lora_ids)
         sampling = self.sampling
         self._allocate(2 * self.capacity)
         for new, previous in zip((self.token_ids, self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                                  self.block_table, self.num_blocks), old):
+                                  self.block_table, self.num_blocks, self.lora_ids), old):
             new[:len(previous)] = previous
         self.sampling = sampling.grown(self.capacity)
 
@@ -164,6 +165,7 @@ class InputBatch:
         self.num_computed_tokens[row] = request.num_computed_tokens
         self.block_table[row, :len(request.block_ids)] = request.block_ids
         self.num_blocks[row] = len(request.block_ids)
+        self.lora_ids[row] = 0 if request.lora_request is None else request.lora_request.lora_int_id
         self.sampling.set_row(row, request.sampling_params, request.eos_token_ids,
                               self._generator(request.request_id, request.sampling_params))
 
@@ -177,7 +179,8 @@ class InputBatch:
         if row != last:
             self.req_ids[row] = last_id
             self.row_of[last_id] = row
-            for array in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks):
+            for array in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
+                          self.lora_ids):
                 array[row] = array[last]
             self.token_ids[row, :self.num_tokens[row]] = self.token_ids[last, :self.num_tokens[row]]
             self.block_table[row, :self.num_blocks[row]] = self.block_table[last, :self.num_blocks[row]]

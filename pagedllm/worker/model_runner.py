@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.lora.worker_manager import LoRAWorkerManager
 from pagedllm.model.attention import AttentionMetadata, CacheTensor, has_scales, kv_cache_shapes, kv_scales_shape
 from pagedllm.model.attention_backends import select_attention_backend
 from pagedllm.model.cascade import find_shared_prefixes
@@ -88,10 +89,11 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int | None, block_size: int, kv_cache_dtype: torch.dtype,
                  device: torch.device, seed: int, max_model_len: int, max_num_seqs: int,
                  attention_backend: str = "auto", dtype: torch.dtype = torch.float32,
-                 enable_cascade_attention: bool = False, drafter=None):
+                 enable_cascade_attention: bool = False, drafter=None, lora: LoRAWorkerManager | None = None):
         """num_blocks None: the caches are allocated later (allocate_kv_caches), once a profile run has
         measured what the model leaves free. attention_backend: an EngineConfig value, resolved here once.
-        drafter: a DraftModelProposer (pagedllm/spec_decode/draft_model.py) for draft-model speculation."""
+        drafter: a DraftModelProposer (pagedllm/spec_decode/draft_model.py) for draft-model speculation.
+        lora: the adapters of a LoRA-enabled engine (pagedllm/lora/worker_manager.py)."""
         config = model.config
         self.model = model
         self.block_size = block_size
@@ -108,6 +110,7 @@ class ModelRunner:
         # The cascade kernel is C++ only.
         self.use_cascade = enable_cascade_attention and self.attention_backend.uses_cpu_kernels
         self.drafter = drafter
+        self.lora = lora
         self.kv_disk_store: DiskKVStore | None = None   # set by Worker.open_kv_disk_tier
         torch.manual_seed(seed)
 
@@ -173,6 +176,9 @@ class ModelRunner:
         started = time.perf_counter()
         batch = self.input_batch
         batch.update(scheduler_output)
+        if self.lora is not None:
+            for request in scheduler_output.scheduled_new_reqs:
+                self.lora.note(request.lora_request)
         if self.drafter is not None:
             self.drafter.update(scheduler_output)
         if scheduler_output.block_copies:
@@ -304,6 +310,8 @@ class ModelRunner:
         meta, positions, token_row = self.attention_metadata(batch.block_table[rows, :max_blocks],
                                                              batch.num_computed_tokens[rows], num_new)
         input_ids = batch.token_ids[rows[token_row], positions].astype(np.int64)
+        if self.lora is not None:
+            self.lora.prepare_step(batch.lora_ids[rows[token_row]])
         sampling_rows, logits_indices = batch.sampling_rows(rows, num_new, scheduler_output)
         if spec is not None:
             index_of = {row: index for index, row in enumerate(rows.tolist())}

@@ -17,6 +17,9 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import (SINGLE_PROCESS, TensorParallelGroup,
                                                  destroy_tensor_parallel_group, init_tensor_parallel_group)
+from pagedllm.lora.layer import LoRAModel
+from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.worker_manager import LoRAWorkerManager
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.quantized_matmul import QuantizedMatmul
 from pagedllm.model.loader import Checkpoint, load_checkpoint
@@ -76,11 +79,12 @@ class Worker:
             model, runner_class = build_pooling_model(checkpoint.config, checkpoint.pooling, weights, args.dtype,
                                                       self.device, args.max_model_len), PoolingModelRunner
         del checkpoint, weights
+        runner_kwargs = {"lora": self._lora(model, args)} if config.lora_config is not None else {}
         self.model_runner = runner_class(model, args.num_blocks, config.block_size, args.kv_cache_dtype,
                                         self.device, config.seed, args.max_model_len, config.max_num_seqs,
                                         attention_backend=config.attention_backend, dtype=args.dtype,
                                         enable_cascade_attention=config.enable_cascade_attention,
-                                        drafter=self._drafter(args))
+                                        drafter=self._drafter(args), **runner_kwargs)
 
     def _drafter(self, args: WorkerArgs) -> DraftModelProposer | None:
         """The draft model and its KV pool, for draft_model speculation (tensor parallel size 1 only)."""
@@ -96,6 +100,22 @@ class Worker:
                          matmul=matmul)
         return DraftModelProposer(model, args.num_blocks, args.engine_config.block_size, args.kv_cache_dtype,
                                   self.device)
+
+    def _lora(self, model: CausalLM, args: WorkerArgs) -> LoRAWorkerManager:
+        """Wraps the model's projections for LoRA and makes the manager of this rank's adapters."""
+        lora_config = args.engine_config.lora_config
+        dtype = args.dtype if lora_config.lora_dtype == "auto" else getattr(torch, lora_config.lora_dtype)
+        lora_model = LoRAModel(model, model.config, lora_config.max_loras, self.rank, self.group.world_size)
+        return LoRAWorkerManager(lora_model, lora_config, dtype, self.device)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.model_runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.model_runner.lora.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.model_runner.lora.list()
 
     def init_distributed(self) -> None:
         """Joins the tensor-parallel group, once every rank has built its model (so a rank that fails to

@@ -1,0 +1,117 @@
+"""A base projection plus the LoRA updates of the adapters resident this step; the base runs its own kernel untouched
+(float, or quantized GGUF / int8 / int4), and the updates are added to its output.
+
+Tensor parallel: a column-parallel base (q/k/v, gate/up) holds this rank's output columns, so each B is cut by its
+rows alike and A is whole; a row-parallel base (o, down) holds this rank's input columns, so each A is cut by its
+columns and B is whole: the update is then a partial sum, added before the layer's all-reduce completes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.lora.peft_checkpoint import LoRAAdapter
+from pagedllm.lora.punica import LoRASegments, PackedLoRA, add_lora
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.moe_config import is_sparse
+from pagedllm.model.parallel_linear import RowParallelLinear
+from pagedllm.model.tensor_parallel import Shard, num_kv_heads_per_rank, weight_shards
+
+# Our fused layers and the HF projections side by side in their output columns.
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclass
+class StepLoRA:
+    """The current step's row grouping, shared by every LoRA layer of the model; set by the runner before forward."""
+    segments: LoRASegments
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Module, max_loras: int, step: StepLoRA):
+        super().__init__()
+        self.base = base
+        self.step = step
+        self.slots: list[PackedLoRA | None] = [None] * max_loras
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        if self.step.segments.segments:
+            add_lora(out, x, self.step.segments, self.slots)
+        return out
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Where a fused layer's parts sit on this rank: each part's output columns, and how its A and B are cut."""
+    columns: tuple[int, ...]               # output columns of each part on this rank
+    shards: tuple[Shard | None, ...]       # each part's base weight shard (None: whole)
+
+
+class LoRAModel:
+    """The model's LoRA layers by (layer index, fused name), and how adapters are cut and packed for this rank."""
+
+    def __init__(self, model: nn.Module, config: ModelConfig, max_loras: int, rank: int, tp_size: int):
+        self.config = config
+        self.step = StepLoRA(LoRASegments())
+        self.layers: dict[tuple[int, str], LoRALinear] = {}
+        self.plans: dict[tuple[int, str], LayerPlan] = {}
+        shards = weight_shards(config, rank, tp_size) if tp_size > 1 else {}
+        head_dim = config.head_dim
+        q_columns = config.num_attention_heads // tp_size * head_dim
+        kv_columns = num_kv_heads_per_rank(config, tp_size) * head_dim
+        mlp_columns = config.intermediate_size // tp_size
+        columns = {"qkv_proj": (q_columns, kv_columns, kv_columns), "o_proj": (config.hidden_size,),
+                   "gate_up_proj": (mlp_columns, mlp_columns), "down_proj": (config.hidden_size,)}
+        for index, decoder_layer in enumerate(model.layers):
+            owners = {"qkv_proj": decoder_layer, "o_proj": decoder_layer}
+            if not is_sparse(config.moe, index):
+                owners |= {"gate_up_proj": decoder_layer.mlp, "down_proj": decoder_layer.mlp}
+            for fused, owner in owners.items():
+                self.layers[(index, fused)] = self._wrap(owner, fused, max_loras)
+                kind = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+                self.plans[(index, fused)] = LayerPlan(
+                    columns[fused], tuple(shards.get(f"model.layers.{index}.{kind}.{part}.weight")
+                                          for part in FUSED_PARTS[fused]))
+
+    def _wrap(self, owner: nn.Module, name: str, max_loras: int) -> LoRALinear:
+        """Puts a LoRALinear around the projection (inside a row-parallel wrapper, before its all-reduce)."""
+        module = getattr(owner, name)
+        if isinstance(module, RowParallelLinear):
+            owner, name, module = module, "layer", module.layer
+        wrapped = LoRALinear(module, max_loras, self.step)
+        setattr(owner, name, wrapped)
+        return wrapped
+
+    def pack(self, adapter: LoRAAdapter, dtype: torch.dtype, device: torch.device) -> dict[tuple[int, str], PackedLoRA]:
+        """This rank's cut of the adapter, in dtype on device, one PackedLoRA per fused layer it touches."""
+        packed = {}
+        for (index, fused), plan in self.plans.items():
+            a_parts, parts = [], []
+            column, rank = 0, 0
+            for part, width, shard in zip(FUSED_PARTS[fused], plan.columns, plan.shards):
+                module = adapter.modules.get((index, part))
+                if module is not None:
+                    lora_a, lora_b = module.lora_a, module.lora_b
+                    if shard is not None:
+                        lora_a, lora_b = (lora_a, shard.of(lora_b)) if shard.dim == 0 else (shard.of(lora_a), lora_b)
+                    a_parts.append(lora_a)
+                    parts.append((column, column + width, rank, rank + module.rank,
+                                  lora_b.t().to(device=device, dtype=dtype).contiguous()))
+                    rank += module.rank
+                column += width
+            if parts:
+                a_t = torch.cat(a_parts).t().to(device=device, dtype=dtype).contiguous()
+                packed[(index, fused)] = PackedLoRA(a_t, tuple(parts))
+        return packed
+
+    def set_slot(self, slot: int, packed: dict[tuple[int, str], PackedLoRA]) -> None:
+        """Makes slot `slot` of every LoRA layer hold this adapter's update (None where it has none)."""
+        for key, layer in self.layers.items():
+            layer.slots[slot] = packed.get(key)
+
+    def set_step(self, segments: LoRASegments) -> None:
+        self.step.segments = segments

@@ -1,0 +1,109 @@
+"""A worker's adapters: up to max_cpu_loras loaded (an LRU, packed for this rank), of which up to max_loras sit in
+the model's slots for a step. A step's adapters are made resident before its forward pass; an adapter evicted from
+the LRU is read again from its folder when a request needs it (vLLM's behaviour).
+
+Slots hold references to the packed tensors, not copies: the grouped matmuls read each adapter where it lies, so
+activating an adapter costs no copy, and max_loras bounds the segments (matmuls) a step runs.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from pagedllm.config.lora import LoRAConfig
+from pagedllm.lora.layer import LoRAModel
+from pagedllm.lora.peft_checkpoint import load_peft_adapter
+from pagedllm.lora.punica import NO_SLOT, LoRASegments, PackedLoRA
+from pagedllm.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAWorkerManager:
+    def __init__(self, lora_model: LoRAModel, lora_config: LoRAConfig, dtype: torch.dtype, device: torch.device):
+        self.lora_model = lora_model
+        self.config = lora_config
+        self.dtype = dtype
+        self.device = device
+        self.loaded: OrderedDict[int, PackedLoRA] = OrderedDict()   # least recently used first
+        self.requests: dict[int, LoRARequest] = {}    # every adapter a request has named: how to load it again
+        self.slot_adapters: list[int | None] = [None] * lora_config.max_loras
+        self.slot_last_used = [0] * lora_config.max_loras
+        self.num_steps = 0
+
+    def add(self, lora_request: LoRARequest) -> bool:
+        """Loads the adapter (ValueError naming the reason if it cannot serve this base); False if it was loaded."""
+        lora_id = lora_request.lora_int_id
+        self.requests[lora_id] = lora_request
+        if lora_id in self.loaded:
+            self.loaded.move_to_end(lora_id)
+            return False
+        adapter = load_peft_adapter(lora_request, self.lora_model.config, self.config)
+        self.loaded[lora_id] = self.lora_model.pack(adapter, self.dtype, self.device)
+        logger.info("LoRA adapter %r (id %d) loaded from %s: rank %d on %d projections, %s",
+                    lora_request.lora_name, lora_id, lora_request.lora_path, adapter.rank, len(adapter.modules),
+                    str(self.dtype).removeprefix("torch."))
+        while len(self.loaded) > self.config.max_cpu_loras:
+            self._drop(next(iter(self.loaded)))
+        return True
+
+    def remove(self, lora_id: int) -> bool:
+        """Forgets the adapter; False if it was not loaded."""
+        self.requests.pop(lora_id, None)
+        if lora_id not in self.loaded:
+            return False
+        self._drop(lora_id)
+        return True
+
+    def list(self) -> set[int]:
+        return set(self.loaded)
+
+    def note(self, lora_request: LoRARequest | None) -> None:
+        """A request joining the batch with this adapter: remembered, so that it can be loaded again if evicted."""
+        if lora_request is not None:
+            self.requests.setdefault(lora_request.lora_int_id, lora_request)
+
+    def _drop(self, lora_id: int) -> None:
+        del self.loaded[lora_id]
+        if lora_id in self.slot_adapters:
+            slot = self.slot_adapters.index(lora_id)
+            self.slot_adapters[slot] = None
+            self.lora_model.set_slot(slot, {})
+
+    def prepare_step(self, token_lora_ids: np.ndarray) -> None:
+        """Makes the step's adapters resident and groups its token rows by slot for every LoRA layer."""
+        self.num_steps += 1
+        needed = [int(lora_id) for lora_id in np.unique(token_lora_ids) if lora_id]
+        if len(needed) > len(self.slot_adapters):
+            raise RuntimeError(f"a step with {len(needed)} adapters, over max_loras {len(self.slot_adapters)}")
+        for lora_id in needed:
+            if lora_id in self.loaded:
+                self.loaded.move_to_end(lora_id)
+        for lora_id in needed:
+            if lora_id not in self.loaded:
+                self.add(self.requests[lora_id])
+        slot_of = {}
+        for lora_id in needed:
+            if lora_id in self.slot_adapters:
+                slot_of[lora_id] = self.slot_adapters.index(lora_id)
+                self.slot_last_used[slot_of[lora_id]] = self.num_steps
+        for lora_id in needed:
+            if lora_id not in slot_of:
+                slot = self._free_slot(set(slot_of.values()))
+                self.slot_adapters[slot] = lora_id
+                self.lora_model.set_slot(slot, self.loaded[lora_id])
+                self.slot_last_used[slot] = self.num_steps
+                slot_of[lora_id] = slot
+        lookup = np.full(max(needed, default=0) + 1, NO_SLOT, np.int64)
+        for lora_id, slot in slot_of.items():
+            lookup[lora_id] = slot
+        self.lora_model.set_step(LoRASegments.of(lookup[token_lora_ids], self.device))
+
+    def _free_slot(self, taken: set[int]) -> int:
+        """An empty slot, else the least recently used one this step does not need."""
+        candidates = [slot for slot in range(len(self.slot_adapters)) if slot not in taken]
+        empty = [slot for slot in candidates if self.slot_adapters[slot] is None]
+        return empty[0] if empty else min(candidates, key=self.slot_last_used.__getitem__)
