@@ -60,13 +60,13 @@ class SchedulerOutput:
     # request in num_spec_tokens but not in spec_token_ids takes its proposals from the worker's draft model.
     num_spec_tokens: dict[str, int] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    disk_work: DiskWork | None = None   # the KV disk tier's spills, loads and deletes; None without one
+    disk_work: DiskWork | None = None   # the KV tiers' block moves (disk tier, swap); None without either
 
     @property
     def has_work(self) -> bool:
         """Whether the workers have anything to do in this step."""
         return bool(self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids or (
-            self.disk_work is not None and (self.disk_work.spills or self.disk_work.loads or self.disk_work.deletes)))
+            self.disk_work is not None and self.disk_work.has_work))
 
 
 @dataclass(slots=True)
@@ -95,4 +95,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] | None = None   # by request id, for those that asked
     # Pooling runner: each request computed in the step (always whole) and its pooled float32 row.
     pooler_output: dict[str, np.ndarray] | None = None
-    kv_load_failures: list[int] = field(default_factory=list)   # block ids the disk tier could not read
+    kv_load_failures: list[int] = field(default_factory=list)   # block ids a disk load or swap-in could not fill
+    kv_swap_seconds: float = 0.0   # the step's swap copies, out and in (what preemption_mode auto weighs)

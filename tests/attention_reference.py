@@ -2,7 +2,7 @@
 caches of noise, causal SDPA, and the tolerance each query dtype earns."""
 import torch
 
-from pagedllm.model.attention import CacheTensor
+from pagedllm.model.attention.cache import CacheTensor
 
 # (model dtype, KV cache dtype) pairs the engine can make: kv_cache_dtype "auto" is the model dtype.
 DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-# Triton reads TRITON_INTERPRET when a kernel is decorated (when pagedllm.model.triton_kernels is first
+# Triton reads TRITON_INTERPRET when a kernel is decorated (when pagedllm.model.attention.triton_kernels is first
 # imported), not when triton itself is: set here, before any test imports that module, it makes the Triton
 # kernels run on CPU tensors in the interpreter, whoever imported triton earlier (xgrammar does). On a GPU
 # it stays unset, so the same tests run the compiled kernels.

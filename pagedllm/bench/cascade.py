@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from pagedllm.model import kernels
-    from pagedllm.model.attention import kv_cache_shapes
+    from pagedllm.model.attention.cache import kv_cache_shapes
     from pagedllm.model.cascade import find_shared_prefixes
 
     if kernels.kernels is None:

@@ -5,6 +5,8 @@ measured iteration) and decode tokens/s (tokens over the decode time), for each 
 and speculative config asked for, side by side in one run. The random workload has nothing to copy; the
 copy workload (`--dataset copy`) asks the model to quote code back, edit or summarise a text, where
 speculation pays. With speculation, the mean acceptance length (tokens per verification) is reported too.
+With `--lora` or `--num-loras`, every configuration is measured also with an adapter (the first), on an
+engine with LoRA on, beside the base on one without.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import statistics
 
 from pagedllm.bench.copy_workload import copy_heavy_workload
+from pagedllm.bench.lora_adapters import add_lora_arguments, lora_engine_settings, lora_requests_from_args
 from pagedllm.bench.scheduling import percentile
 from pagedllm.bench.workload import random_workload
 
@@ -38,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="random",
                         help=f"comma-separated among {', '.join(DATASETS)}: random token prompts of --input-len, "
                              "or copy-heavy chat prompts (quote code, edit, summarise)")
+    add_lora_arguments(parser)
 
 
 def _speculative_configs(values: list[str] | None) -> list[dict | None]:
@@ -51,8 +55,6 @@ def _speculative_configs(values: list[str] | None) -> list[dict | None]:
 
 
 def run(args: argparse.Namespace) -> None:
-    from pagedllm import LLM
-
     batch_sizes = [int(size) for size in args.batch_size.split(",")]
     datasets = args.dataset.split(",")
     if not set(datasets) <= set(DATASETS):
@@ -60,29 +62,39 @@ def run(args: argparse.Namespace) -> None:
     print(f"input {args.input_len} (random), output {args.output_len}, KV cache {args.kv_cache_dtype}, "
           f"tensor parallel {args.tensor_parallel_size}, {args.num_iters} iterations")
     print("| quantization | dtype | speculative | dataset | batch | prefill ms p50 | p99 | decode step ms p50 | p99 "
-          "| decode tok/s | mean acceptance length |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for quantization in args.quantization.split(","):
-        for speculative_config in _speculative_configs(args.speculative_config):
-            llm = LLM(args.model, dtype=args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
-                      block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
-                      enable_prefix_caching=False, max_num_seqs=max(batch_sizes),
-                      max_num_batched_tokens=max(2048, max(batch_sizes) * args.input_len),
-                      speculative_config=speculative_config)
-            label = "none" if speculative_config is None else json.dumps(speculative_config)
-            for dataset in datasets:
-                for batch_size in batch_sizes:
-                    prefills, decodes, tokens_per_second, acceptance = measure(llm, args, batch_size, dataset)
-                    print(f"| {quantization} | {str(llm.llm_engine.dtype).removeprefix('torch.')} | {label} "
-                          f"| {dataset} | {batch_size} | {statistics.median(prefills) * 1e3:.1f} "
-                          f"| {percentile(prefills, 0.99) * 1e3:.1f} | {statistics.median(decodes) * 1e3:.1f} "
-                          f"| {percentile(decodes, 0.99) * 1e3:.1f} | {tokens_per_second:.1f} "
-                          f"| {'-' if acceptance is None else f'{acceptance:.2f}'} |")
-            llm.llm_engine.shutdown()
-            del llm
+          "| decode tok/s | mean acceptance length | LoRA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    with lora_requests_from_args(args) as adapters:
+        for quantization in args.quantization.split(","):
+            for speculative_config in _speculative_configs(args.speculative_config):
+                for adapter in [None, *adapters[:1]]:
+                    _measure_configuration(args, batch_sizes, datasets, quantization, speculative_config, adapter)
 
 
-def measure(llm, args: argparse.Namespace, batch_size: int, dataset: str = "random"
+def _measure_configuration(args: argparse.Namespace, batch_sizes: list[int], datasets: list[str], quantization: str,
+                           speculative_config: dict | None, adapter) -> None:
+    """One engine's rows: every dataset and batch size; with an adapter, every request runs with it."""
+    from pagedllm import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
+              block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
+              enable_prefix_caching=False, max_num_seqs=max(batch_sizes),
+              max_num_batched_tokens=max(2048, max(batch_sizes) * args.input_len),
+              speculative_config=speculative_config, **(lora_engine_settings([adapter]) if adapter else {}))
+    label = "none" if speculative_config is None else json.dumps(speculative_config)
+    lora_label = adapter.lora_name if adapter else "none"
+    for dataset in datasets:
+        for batch_size in batch_sizes:
+            prefills, decodes, tokens_per_second, acceptance = measure(llm, args, batch_size, dataset, adapter)
+            print(f"| {quantization} | {str(llm.llm_engine.dtype).removeprefix('torch.')} | {label} "
+                  f"| {dataset} | {batch_size} | {statistics.median(prefills) * 1e3:.1f} "
+                  f"| {percentile(prefills, 0.99) * 1e3:.1f} | {statistics.median(decodes) * 1e3:.1f} "
+                  f"| {percentile(decodes, 0.99) * 1e3:.1f} | {tokens_per_second:.1f} "
+                  f"| {'-' if acceptance is None else f'{acceptance:.2f}'} | {lora_label} |")
+    llm.llm_engine.shutdown()
+
+
+def measure(llm, args: argparse.Namespace, batch_size: int, dataset: str = "random", lora_request=None
             ) -> tuple[list[float], list[float], float, float | None]:
     """Prefill times of the batch, every decode step's time over the measured iterations, decode tokens/s
     (every token after each request's first over the iteration's decode time; the median iteration, so a
@@ -103,7 +115,7 @@ def measure(llm, args: argparse.Namespace, batch_size: int, dataset: str = "rand
                                        vocab=engine.model_config.vocab_size, seed=iteration)
         for index, item in enumerate(workload):
             engine.add_request(f"{dataset}-{batch_size}-{iteration}-{index}",
-                               {"prompt_token_ids": item.prompt_token_ids}, params)
+                               {"prompt_token_ids": item.prompt_token_ids}, params, lora_request=lora_request)
         if iteration == args.num_iters_warmup:
             spec_before = engine.stats().spec_decoding
         step_times = []

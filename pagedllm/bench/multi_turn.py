@@ -1,11 +1,14 @@
 """`pagedllm bench multi-turn`: N conversations of M turns, each turn resending the whole history plus a new
 question, with the RAM pool sized to a fraction of the workload's KV working set (default 1/4), the KV disk
 tier off and on side by side in one run. Reports TTFT p50 / p99 (all of a turn's requests arrive at once),
-output tokens/s, prompt tokens found in the prefix cache, and blocks read back from disk.
+output tokens/s, prompt tokens found in the prefix cache, and blocks read back from disk. With
+--data-parallel-size N > 1 the rows are Ray replica routings instead (--data-parallel-routing, each replica with
+that RAM pool, no disk tier): the prefix hit rate and TTFT of prefix-aware routing against least-loaded.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics
 import tempfile
@@ -27,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-dir", default=None, help="the tier-on run's directory (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="above 1: that many Ray engine replicas, one row per --data-parallel-routing")
+    parser.add_argument("--data-parallel-routing", default=None,
+                        help="comma-separated routings to compare, with --data-parallel-size > 1 "
+                             "(default: prefix,least-loaded)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -35,6 +43,9 @@ def run(args: argparse.Namespace) -> None:
 
     if not 0 < args.ram_fraction <= 1:
         raise ValueError(f"--ram-fraction must be in (0, 1], got {args.ram_fraction}")
+    if args.data_parallel_routing is not None and args.data_parallel_size <= 1:
+        raise ValueError("--data-parallel-routing compares replica routings: it needs --data-parallel-size > 1, "
+                         f"got {args.data_parallel_size}")
     probe = LLM(args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory="1MiB").llm_engine
     block_bytes = kv_bytes_per_block(probe.model_config, args.block_size, probe.kv_cache_dtype)
     vocab_size = probe.model_config.vocab_size
@@ -43,6 +54,9 @@ def run(args: argparse.Namespace) -> None:
     pool_blocks = max(-(-(history_len + 1) // args.block_size), int(working_set_blocks * args.ram_fraction))
     print(f"{args.conversations} conversations x {args.turns} turns, history up to {history_len} tokens; KV working "
           f"set {working_set_blocks} blocks, RAM pool {pool_blocks} blocks of {args.block_size} tokens")
+    if args.data_parallel_size > 1:
+        _compare_routings(args, pool_blocks * block_bytes, vocab_size)
+        return
     print("| KV disk tier | TTFT ms p50 | p99 | output tok/s | prefix-hit prompt tokens | disk hit blocks |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
@@ -58,16 +72,71 @@ def run(args: argparse.Namespace) -> None:
             llm.llm_engine.shutdown()
 
 
-def _run_conversations(engine, args: argparse.Namespace, vocab_size: int, sampling_params_class):
-    """Every turn of every conversation; returns the TTFTs and output tokens/s over the whole run."""
+def _conversation_turns(args: argparse.Namespace, vocab_size: int):
+    """(turn, histories) for each turn: random first prompts, then a new random question on each history; the
+    caller appends each answer to its history before asking for the next turn."""
     rng = random.Random(args.seed)
     histories = [[rng.randrange(vocab_size) for _ in range(args.system_len)] for _ in range(args.conversations)]
-    params = sampling_params_class(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    ttfts, num_output_tokens, started = [], 0, time.perf_counter()
     for turn in range(args.turns):
         if turn:
             for history in histories:
                 history.extend(rng.randrange(vocab_size) for _ in range(args.question_len))
+        yield turn, histories
+
+
+def _compare_routings(args: argparse.Namespace, kv_cache_memory: int, vocab_size: int) -> None:
+    from pagedllm import SamplingParams
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.data_parallel import DPAsyncLLM
+
+    routings = (args.data_parallel_routing or "prefix,least-loaded").split(",")
+    print(f"{args.data_parallel_size} Ray engine replicas, each with that RAM pool")
+    print("| routing | TTFT ms p50 | p99 | output tok/s | prefix-hit prompt tokens | prefix hit rate "
+          "| routed for a prefix |")
+    print("|---|---|---|---|---|---|---|")
+    for routing in routings:
+        config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+                              kv_cache_memory=kv_cache_memory, data_parallel_size=args.data_parallel_size,
+                              data_parallel_routing=routing)
+        llm = DPAsyncLLM.from_config(config)
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        ttfts, tokens_per_second, stats = asyncio.run(_serve_conversations(llm, args, vocab_size, params))
+        kv = stats.kv_cache
+        routed = sum(reasons["prefix"] for reasons in stats.data_parallel.routed.values())
+        print(f"| {routing} | {statistics.median(ttfts) * 1e3:.1f} | {percentile(ttfts, 0.99) * 1e3:.1f} "
+              f"| {tokens_per_second:.1f} | {kv.prefix_cache_hits} | {kv.prefix_cache_hit_rate:.1%} | {routed} |")
+
+
+async def _serve_conversations(llm, args: argparse.Namespace, vocab_size: int, params):
+    """Every turn of every conversation through data-parallel replicas, each turn's requests at once; returns the
+    TTFTs, output tokens/s over the whole run and the replicas' combined figures. Shuts the replicas down."""
+    async def ask(history: list[int], request_id: str) -> tuple[float, list[int]]:
+        arrived, first_token, final = time.perf_counter(), None, None
+        async for output in llm.generate({"prompt_token_ids": list(history)}, params, request_id):
+            if first_token is None and output.outputs[0].token_ids:
+                first_token = time.perf_counter() - arrived
+            final = output
+        return first_token, final.outputs[0].token_ids
+
+    try:
+        ttfts, num_output_tokens, started = [], 0, time.perf_counter()
+        for turn, histories in _conversation_turns(args, vocab_size):
+            answers = await asyncio.gather(*(ask(history, f"c{index}t{turn}")
+                                             for index, history in enumerate(histories)))
+            for history, (ttft, answer) in zip(histories, answers):
+                history.extend(answer)
+                ttfts.append(ttft)
+                num_output_tokens += len(answer)
+        return ttfts, num_output_tokens / (time.perf_counter() - started), await llm.stats()
+    finally:
+        await llm.shutdown()
+
+
+def _run_conversations(engine, args: argparse.Namespace, vocab_size: int, sampling_params_class):
+    """Every turn of every conversation; returns the TTFTs and output tokens/s over the whole run."""
+    params = sampling_params_class(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    ttfts, num_output_tokens, started = [], 0, time.perf_counter()
+    for turn, histories in _conversation_turns(args, vocab_size):
         arrived = time.perf_counter()
         for index, history in enumerate(histories):
             engine.add_request(f"c{index}t{turn}", {"prompt_token_ids": list(history)}, params)

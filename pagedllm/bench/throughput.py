@@ -6,17 +6,21 @@ padding; only each request's own tokens are counted), in the same process, which
 the brief's baseline; `--backend both` measures the two side by side in one run.
 `--cascade-attention off,on` runs pagedllm with shared-prefix attention off and on, side by
 side, and `--profile-attention` times the attention layers of each run with torch.profiler.
+`--lora` (adapter folders) or `--num-loras N --lora-rank R` (random adapters over every linear layer)
+runs pagedllm with the adapters, each request given a random one (seeded), beside the base alone.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import random
 import time
 
 from pagedllm.bench import kv_trace
 from pagedllm.bench.compute_floor import measure_matmul_rate, workload_flops
 from pagedllm.bench.kv_trace import KVTrace
+from pagedllm.bench.lora_adapters import add_lora_arguments, lora_engine_settings, lora_requests_from_args
 from pagedllm.bench.workload import BenchRequest, add_workload_arguments, workload_from_args
 
 
@@ -42,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "last (the peers' protocol, ../shared/bench/peers: 2, with --no-prefix-caching)")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="enable_prefix_caching for pagedllm (off: a repeat cannot reuse the previous run's KV)")
+    add_lora_arguments(parser)
     parser.add_argument("--hf-max-batch-size", type=int, default=16)
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--trace", metavar="FILE", default=None,
@@ -78,25 +83,31 @@ def _attention_times(profile, num_layers: int) -> dict:
             "prefill_attention_s": round(totals.get(PREFILL_RANGE, (0.0, 0))[0], 3)}
 
 
-def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantization: str, cascade: str) -> dict:
+def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantization: str, cascade: str,
+                 adapters: list) -> dict:
+    """One configuration's run; with adapters, each request runs with one of them, drawn with --seed."""
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, quantization=quantization, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=args.kv_cache_memory, enable_cascade_attention=CASCADE_VALUES[cascade],
-              enable_prefix_caching=args.prefix_caching)
+              enable_prefix_caching=args.prefix_caching, **(lora_engine_settings(adapters) if adapters else {}))
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
+    for adapter in adapters:   # loaded before the clock starts
+        llm.add_lora(adapter)
+    rng = random.Random(args.seed)
+    lora_requests = [rng.choice(adapters) for _ in workload] if adapters else None
     trace = None
     if args.trace:
         trace = KVTrace(llm.llm_engine.kv_manager)
         llm.llm_engine.step_listeners.append(trace)
     for _ in range(args.repeats - 1):   # untimed runs first: warm caches, touched KV pages, oneDNN's kernels
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
     profiler = _attention_profiler() if args.profile_attention else contextlib.nullcontext()
     started = time.perf_counter()
     with profiler as profile:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
     elapsed = time.perf_counter() - started
     engine = llm.llm_engine
     attention_times = _attention_times(profile, engine.model_config.num_hidden_layers) if profile else {}
@@ -109,7 +120,8 @@ def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantiz
     stats = llm.stats()
     rate = measure_matmul_rate(engine.model_config, engine.dtype)
     floor = workload_flops(engine.model_config, workload) / rate
-    return _figures(f"pagedllm (quantization={quantization}, cascade={cascade})", workload, generated, elapsed,
+    loras = f", {len(adapters)} LoRAs" if adapters else ""
+    return _figures(f"pagedllm (quantization={quantization}, cascade={cascade}{loras})", workload, generated, elapsed,
                     dtype=str(engine.dtype).removeprefix("torch."),
                     weights_mib=round(engine.model_info().weight_bytes / 2**20, 1),
                     preemptions=stats.num_preemptions, matmul_gflops=round(rate / 1e9, 1),
@@ -167,8 +179,10 @@ def run(args: argparse.Namespace) -> None:
     cascades = _cascade_values(args.cascade_attention)
     results = []
     if args.backend in ("pagedllm", "both"):
-        results.extend(run_pagedllm(args, workload, quantization, cascade)
-                       for quantization in args.quantization.split(",") for cascade in cascades)
+        with lora_requests_from_args(args) as adapters:
+            results.extend(run_pagedllm(args, workload, quantization, cascade, lora_set)
+                           for quantization in args.quantization.split(",") for cascade in cascades
+                           for lora_set in ([[], adapters] if adapters else [[]]))
     if args.backend in ("hf", "both"):
         results.append(run_hf(args, workload))
     print(f"{len(workload)} requests, {results[0]['prompt_tokens']} prompt + "

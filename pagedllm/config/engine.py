@@ -19,11 +19,15 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # int8, activations quantized per row and 32-column group (faster for small batches, less accurate).
 ACTIVATION_DTYPES = ("auto", "int8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap", "auto")   # vLLM's old names, and auto (engine/preemption.py)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: the model dtype
 # vLLM's: mp runs one engine in this process (its tensor parallel workers as subprocesses);
 # ray runs data_parallel_size engine replicas as Ray actors (pagedllm/engine/data_parallel.py).
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
-# auto: triton on CUDA, the C++ kernels on CPU (pagedllm/model/attention_backends.py); torch: the PyTorch reference.
+# How requests are spread over data-parallel replicas (pagedllm/engine/dp_router.py): prefix, to the replica holding
+# the longest cached prefix of the prompt within a load-imbalance bound; least-loaded, by requests in flight only.
+DATA_PARALLEL_ROUTINGS = ("prefix", "least-loaded")
+# auto: triton on CUDA, the C++ kernels on CPU (pagedllm/model/attention/selector.py); torch: the PyTorch reference.
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 # vLLM's --runner: auto picks pooling for encoder, bare-model and sequence-classification checkpoints and for
 # sentence-transformers folders (pagedllm/model/pooling_checkpoint.py), generate for the rest.
@@ -73,6 +77,11 @@ class EngineConfig:
     # as files here, up to kv_cache_disk_bytes, and read back on a hit, across restarts too. None: off.
     kv_cache_dir: str | None = None
     kv_cache_disk_bytes: int | str = "8GiB"
+    # How a preempted request gives back its KV blocks (docs/kv-cache.md, "Preemption"): recompute them later,
+    # swap them out (to kv_cache_dir's quota if set, else to swap_space GiB of RAM) and back, or auto: the
+    # cheaper of the two by measured cost.
+    preemption_mode: str = "auto"
+    swap_space: float = 4   # GiB of host RAM for swapped blocks when kv_cache_dir is not set (vLLM's old flag)
     enable_chunked_prefill: bool = True
     # Sequences sharing leading KV blocks read them once per step (CPU kernels; model/cascade.py). Off by
     # default until it measures faster end to end (docs/kv-cache.md, "Shared-prefix (cascade) attention").
@@ -81,6 +90,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1   # ranks splitting each layer; the KV cache memory is per rank
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None   # None: ray when data_parallel_size > 1, else mp
+    data_parallel_routing: str | None = None   # None: prefix with several replicas and prefix caching, else least-loaded
+    # A replica gets a request for its cached prefix only while its requests in flight exceed the least loaded
+    # replica's by at most this many (SGLang's router calls it balance_abs_threshold).
+    data_parallel_balance_abs_threshold: int = 8
     attention_backend: str = "auto"   # auto: PAGEDLLM_ATTENTION_BACKEND if set, else the device's default
     speculative_config: SpeculativeConfig | dict | None = None   # a dict in vLLM's shape becomes a SpeculativeConfig
     runner: str = "auto"
@@ -143,6 +156,7 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         self._check_kv_disk_tier()
+        self._check_preemption()
         self._check_data_parallel()
         self._check_pooling()
         self.lora_config   # checks the LoRA limits even while enable_lora is off
@@ -154,6 +168,20 @@ class EngineConfig:
             if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size 1 only, "
                                  f"got tensor_parallel_size {self.tensor_parallel_size}")
+
+    def _check_preemption(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        if self.preemption_mode == "swap" and self.kv_cache_dir is None and self.swap_space == 0:
+            raise ValueError("preemption_mode 'swap' needs a place for swapped blocks: swap_space > 0 (GiB of RAM) "
+                             "or kv_cache_dir")
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * 2**30)
 
     def _check_kv_disk_tier(self) -> None:
         self.kv_cache_disk_bytes = parse_memory_size(self.kv_cache_disk_bytes, "kv_cache_disk_bytes")
@@ -201,6 +229,17 @@ class EngineConfig:
             raise ValueError(f"data_parallel_size > 1 needs distributed_executor_backend 'ray' (mp runs a single "
                              f"engine), got data_parallel_size {size} with "
                              f"{self.distributed_executor_backend!r}")
+        if self.data_parallel_routing is None:
+            self.data_parallel_routing = "prefix" if size > 1 and self.enable_prefix_caching else "least-loaded"
+        if self.data_parallel_routing not in DATA_PARALLEL_ROUTINGS:
+            raise ValueError(f"data_parallel_routing must be one of {', '.join(DATA_PARALLEL_ROUTINGS)}, "
+                             f"got {self.data_parallel_routing!r}")
+        if self.data_parallel_routing == "prefix" and not self.enable_prefix_caching:
+            raise ValueError("data_parallel_routing 'prefix' routes by the replicas' prefix caches: it needs "
+                             "enable_prefix_caching=True (or use 'least-loaded')")
+        threshold = self.data_parallel_balance_abs_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"data_parallel_balance_abs_threshold must be an integer >= 0, got {threshold!r}")
 
     @property
     def lora_config(self) -> LoRAConfig | None:

@@ -22,6 +22,7 @@ from pagedllm.model.rope_scaling import rope_length_key
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.tokenizer import Tokenizer
 
 PromptType = str | dict
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "cache_pins"})
@@ -55,6 +56,34 @@ def cache_salt_of(prompt: PromptType) -> str | None:
         raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
                          f"got {salt!r:.80}")
     return salt
+
+
+def tokenize_prompt(prompt: PromptType, tokenizer: Tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+    """A prompt's text (if it has one) and token ids; ValueError naming what is wrong with it."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict) and not prompt.keys() <= PROMPT_KEYS:
+        raise ValueError(f"prompt keys must be among {', '.join(sorted(PROMPT_KEYS))}, "
+                         f"got {', '.join(sorted(map(str, prompt.keys() - PROMPT_KEYS)))}")
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab_size})")
+        return prompt.get("prompt"), list(ids)
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"], tokenizer.encode(prompt["prompt"])
+    raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]} "
+                     f"(either with an optional 'cache_salt' and 'cache_pins'), got {type(prompt).__name__}")
+
+
+def prefix_cache_salt(cache_salt: str | None, model_config: ModelConfig, num_prompt_tokens: int,
+                      max_model_len: int) -> str | None:
+    """The key a prompt's first KV block is cached under beside its tokens: the request's cache salt, and for
+    K/V that depend on the prompt's length (some rope scalings) that length's key, so they are shared only
+    at that length."""
+    rope_key = rope_length_key(model_config.rope_scaling, num_prompt_tokens, max_model_len)
+    return cache_salt if rope_key is None else f"{cache_salt or ''}\x00{rope_key}"
 
 
 def cache_pins_of(prompt: PromptType, num_prompt_tokens: int, enable_prefix_caching: bool) -> tuple[CachePin, ...]:
@@ -190,9 +219,7 @@ class InputProcessor:
                              f"{self.kv_manager.block_size}); raise kv_cache_memory")
         if isinstance(params, SamplingParams):
             self._check_token_ids(params)
-        rope_key = rope_length_key(self.model_config.rope_scaling, len(prompt_ids), self.max_model_len)
-        if rope_key is not None:   # K/V that depend on the prompt's length are shared only at that length
-            cache_salt = f"{cache_salt or ''}\x00{rope_key}"
+        cache_salt = prefix_cache_salt(cache_salt, self.model_config, len(prompt_ids), self.max_model_len)
         cache_pins = cache_pins_of(prompt, len(prompt_ids), self.kv_manager.enable_prefix_caching)
         return CheckedPrompt(text, prompt_ids, max_tokens, cache_salt, cache_pins)
 
@@ -208,19 +235,4 @@ class InputProcessor:
                 raise ValueError(f"{name} must name token ids below the vocabulary size {vocab}, got {outside[:10]}")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and not prompt.keys() <= PROMPT_KEYS:
-            raise ValueError(f"prompt keys must be among {', '.join(sorted(PROMPT_KEYS))}, "
-                             f"got {', '.join(sorted(map(str, prompt.keys() - PROMPT_KEYS)))}")
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            vocab = self.model_config.vocab_size
-            if not isinstance(ids, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt_token_ids must be a list of integers in [0, {vocab})")
-            return prompt.get("prompt"), list(ids)
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]} "
-                         f"(either with an optional 'cache_salt' and 'cache_pins'), got {type(prompt).__name__}")
+        return tokenize_prompt(prompt, self.tokenizer, self.model_config.vocab_size)

@@ -15,9 +15,10 @@ from pagedllm.config.resolve import (DEFAULT_CPU_KV_CACHE_MEMORY, check_draft_vo
                                      resolve_max_model_len, resolve_token_budget)
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.executor.abstract import Executor
+from pagedllm.engine.executor.factory import create_executor
 from pagedllm.engine.input_processor import CheckedPrompt, InputProcessor, PromptType
-from pagedllm.engine.kv_setup import kv_blocks_in, open_kv_disk_tier, profiled_kv_cache_budget
+from pagedllm.engine.kv_setup import (kv_block_bytes, kv_blocks_in, open_kv_disk_tier, open_kv_swap_space,
+                                      profiled_kv_cache_budget)
 from pagedllm.engine.lora_adapters import EngineLoRAAdapters
 from pagedllm.engine.model_info import ModelInfo, kv_pool_bytes
 from pagedllm.engine.output_processor import OutputProcessor
@@ -59,7 +60,7 @@ class LLMEngine:
         # On CUDA without kv_cache_memory the pool is sized after a profile run of the loaded model.
         profile = self.device.type == "cuda" and config.kv_cache_memory is None
         num_blocks = None if profile else self._kv_blocks_in(config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
-        self.executor = Executor.create(WorkerArgs(config, self.device, self.dtype, self.kv_cache_dtype,
+        self.executor = create_executor(WorkerArgs(config, self.device, self.dtype, self.kv_cache_dtype,
                                                    self.max_model_len, num_blocks), checkpoint)
         del checkpoint
         self.runner = self.executor.driver_worker.model_runner   # rank 0's, for in-process tests and logs
@@ -76,8 +77,10 @@ class LLMEngine:
         self.core = EngineCore(self.executor, self.kv_manager, config.max_num_seqs, token_budget,
                                chunks_prefill(config, self.pooling is not None), config.scheduling_policy,
                                self.structured_output, config.speculative_config,
-                               config.max_loras if config.enable_lora else None)
+                               config.max_loras if config.enable_lora else None, config.preemption_mode,
+                               self.kv_block_bytes)
         self.scheduler = self.core.scheduler
+        self.preemption = self.core.preemption   # None: every preemption recomputes
         self.step_listeners = self.core.step_listeners
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len,
                                               self.kv_manager, self.structured_output, self.pooling, self.lora)
@@ -106,10 +109,19 @@ class LLMEngine:
                 raise ValueError("kv_cache_dir keeps prefix-cache blocks, which pooling models do not use")
             disk_tier, root_hash = open_kv_disk_tier(self.executor, config, self.model_config,
                                                      self.checkpoint_source, self.dtype, self.kv_cache_dtype)
-        # Pooling prompts run whole and never reuse cached blocks (an encoder's K/V depend on later tokens).
+        # Pooling prompts run whole in one step (nothing computed is ever preempted, so no swap space) and never
+        # reuse cached blocks (an encoder's K/V depend on later tokens).
+        swap_space = None if self.pooling is not None else open_kv_swap_space(self.executor, config, disk_tier,
+                                                                               self.kv_block_bytes)
         window = kv_release_window([self.model_config, *filter(None, [self.draft_config])], self.max_model_len)
         return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching and self.pooling is None,
-                              window, config.max_pinned_kv_cache_fraction, disk_tier=disk_tier, root_hash=root_hash)
+                              window, config.max_pinned_kv_cache_fraction, disk_tier=disk_tier, root_hash=root_hash,
+                              swap_space=swap_space)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """One KV block's bytes on one rank: what a swap or a disk file moves."""
+        return kv_block_bytes(self.config, self.model_config, self.kv_cache_dtype)
 
     def _log_start_up(self, num_blocks: int, token_budget: int) -> None:
         config, model = self.config, self.runner.model

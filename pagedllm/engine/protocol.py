@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.input_processor import CheckedPrompt, PromptType
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.lora.request import LoRARequest
     from pagedllm.model.config import ModelConfig
     from pagedllm.model.pooling_checkpoint import PoolingModelInfo
 
@@ -89,9 +90,10 @@ class EngineClient(ABC):
 
     @abstractmethod
     def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine makes them, ending after the finished one. Raises ValueError,
-        EngineOverloadedError, EngineRequestError or EngineDeadError; closing the iterator aborts the request."""
+                 priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the engine makes them, ending after the finished one; lora_request: the
+        adapter it runs with (None: the base model). Raises ValueError, EngineOverloadedError,
+        EngineRequestError or EngineDeadError; closing the iterator aborts the request."""
 
     def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
                priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
@@ -101,6 +103,19 @@ class EngineClient(ABC):
     @abstractmethod
     async def abort(self, request_id: str) -> None:
         """Drops the request (freeing its blocks); its stream ends quietly."""
+
+    @abstractmethod
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads the adapter (on every engine): True if loaded now, False if it was loaded already; ValueError
+        naming why it does not fit the base model."""
+
+    @abstractmethod
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads the adapter; LoRAInUseError while an unfinished request uses it; False if it is unknown."""
+
+    @abstractmethod
+    async def list_loras(self) -> set[int]:
+        """The lora_int_ids of the adapters loaded now (on every engine)."""
 
     @abstractmethod
     async def stats(self) -> EngineStats:

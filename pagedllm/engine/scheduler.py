@@ -38,11 +38,16 @@ up to the verified tokens.
 
 With a KV disk tier, a waiting request whose cached prefix continues on disk waits one step while those
 blocks are read back (the step's `disk_work`), then is admitted with them as prefix-cache hits.
+
+Preemption by swap (a PreemptionPolicy that chooses it, and room in the KV manager's swap space): the victim's
+computed blocks are copied out instead of dropped and it keeps its num_computed_tokens; when its turn comes it
+waits one step while they are copied back into fresh blocks, then runs on from where it stopped.
 """
 from __future__ import annotations
 
 import bisect
 
+from pagedllm.engine.preemption import PreemptionPolicy
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.spec_decode.metrics import SpecDecodingStats
@@ -53,10 +58,13 @@ from pagedllm.step import CachedRequestData, ModelRunnerOutput, NewRequestData, 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs", structured_output=None,
-                 speculation: SpeculationPlanner | None = None, max_loras: int | None = None):
-        """max_loras: the most adapters the running requests may use at once (a step's LoRA slots); None: LoRA off."""
+                 speculation: SpeculationPlanner | None = None, max_loras: int | None = None,
+                 preemption: PreemptionPolicy | None = None):
+        """max_loras: the most adapters the running requests may use at once (a step's LoRA slots); None: LoRA off.
+        preemption: how preempted requests give back their blocks (None: recompute)."""
         self.kv_manager = kv_manager
         self.max_loras = max_loras
+        self.preemption = preemption
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -139,7 +147,10 @@ class Scheduler:
     def _speculate(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
         """Plans the request's proposal rows and takes their slots; False (nothing changed) when it gets
         none, or the pool has no free block for them: speculation never preempts anyone."""
-        num_spec, proposals = self.speculation.plan(request, budget)
+        if request.beam_search is not None:   # beams choose their tokens from top-k candidates instead
+            return False
+        room = min(request.max_tokens - request.num_output_tokens - 1, budget - 1)
+        num_spec, proposals = self.speculation.plan(request.all_token_ids, room)
         computed = request.num_computed_tokens
         if not num_spec or not self.kv_manager.allocate_slots(request.request_id, computed + 1 + num_spec, computed):
             return False
@@ -260,12 +271,21 @@ class Scheduler:
                 self.finish(request, RequestStatus.FINISHED_ERROR)
                 self.failed_requests.append(request)
                 continue
-            # Cached blocks carry no logits: a request asking for prompt logprobs recomputes its prefix.
-            cached = [] if request.sampling_params.prompt_logprobs is not None else kv.get_computed_blocks(
-                request.request_id, request.all_token_ids, request.cache_salt)
-            if kv.load_from_disk(request.request_id, request.all_token_ids, cached):
-                continue   # admitted once the blocks are back from disk
-            num_computed = len(cached) * kv.block_size
+            if kv.is_swapped(request.request_id):
+                if kv.swap_in(request.request_id, request.num_tokens) or (
+                        not self.running and self._make_room_when_idle(request)):
+                    continue   # admitted once its blocks are copied back
+                break
+            restored = kv.restored_tokens(request.request_id)
+            if restored is not None:   # swapped back in: its KV is in place
+                cached, num_computed = [], restored
+            else:
+                # Cached blocks carry no logits: a request asking for prompt logprobs recomputes its prefix.
+                cached = [] if request.sampling_params.prompt_logprobs is not None else kv.get_computed_blocks(
+                    request.request_id, request.all_token_ids, request.cache_salt)
+                if kv.load_from_disk(request.request_id, request.all_token_ids, cached):
+                    continue   # admitted once the blocks are back from disk
+                num_computed = len(cached) * kv.block_size
             num_new = request.num_tokens - num_computed
             if num_new > budget:
                 if not self.enable_chunked_prefill:
@@ -274,11 +294,18 @@ class Scheduler:
             if not kv.allocate_slots(request.request_id, num_computed + num_new, num_computed, cached) and not (
                     not self.running and kv.drop_pins_for(num_new)
                     and kv.allocate_slots(request.request_id, num_computed + num_new, num_computed, cached)):
+                if restored is not None and not self.running:
+                    kv.free(request.request_id)   # nothing runs to free blocks for it: it recomputes instead
+                    request.num_computed_tokens = 0
+                    continue
                 break
-            kv.record_prefix_lookup(request.num_tokens, num_computed)
             self.waiting.pop(index)
             self._parked.pop(request.request_id, None)
-            request.num_computed_tokens = request.num_cached_tokens = num_computed
+            if restored is None:
+                kv.record_prefix_lookup(request.num_tokens, num_computed)
+                request.num_cached_tokens = num_computed
+            kv.take_restored(request.request_id)
+            request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._order_key)
             scheduled.append((request, num_new))
@@ -288,6 +315,17 @@ class Scheduler:
 
     def _running_adapters(self) -> set[int]:
         return {request.lora_request.lora_int_id for request in self.running if request.lora_request is not None}
+
+    def _make_room_when_idle(self, request: Request) -> bool:
+        """Nothing runs, so nothing will free blocks for a swapped-out request: pins go, then the blocks that
+        other waiting requests got back by swapping (they recompute). Whether it could start its swap-in."""
+        kv = self.kv_manager
+        kv.drop_pins_for(request.num_tokens)
+        for other in self.waiting:
+            if other is not request and kv.restored_tokens(other.request_id) is not None:
+                kv.free(other.request_id)
+                other.num_computed_tokens = 0
+        return kv.swap_in(request.request_id, request.num_tokens)
 
     def _preempt_until_fits(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Preempts the least important running requests until `request` gets its blocks;
@@ -303,14 +341,26 @@ class Scheduler:
                 return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.kv_manager.free(request.request_id)
-        request.num_computed_tokens = 0
+        if not self._swap_out(request):
+            self.kv_manager.free(request.request_id)
+            request.num_computed_tokens = 0
         if request.worker_num_tokens:
             out.preempted_req_ids.append(request.request_id)
             request.worker_num_tokens = request.worker_num_blocks = 0
         self.num_preemptions += 1
         self._enqueue(request)
         request.status = RequestStatus.PREEMPTED
+
+    def _swap_out(self, request: Request) -> bool:
+        """Swaps the request out if the policy wants it and there is room; whether it did."""
+        policy, kv = self.preemption, self.kv_manager
+        if policy is None or kv.swap is None or not request.num_computed_tokens:
+            return False
+        num_blocks = kv.num_blocks_to_swap(request.request_id, request.num_computed_tokens)
+        swapped = (policy.wants_swap(request.num_computed_tokens, num_blocks)
+                   and kv.swap_out(request.request_id, request.num_computed_tokens))
+        policy.record(swapped)
+        return swapped
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
                            ) -> list[tuple[Request, int]]:
@@ -320,7 +370,8 @@ class Scheduler:
         Returns (request, row in runner_output) for every plain request that got a token, in row order.
         """
         requests, kv = self.requests, self.kv_manager
-        if scheduler_output.disk_work is not None and scheduler_output.disk_work.loads:
+        if scheduler_output.disk_work is not None and (scheduler_output.disk_work.loads
+                                                       or scheduler_output.disk_work.swap_ins):
             kv.complete_disk_loads(runner_output.kv_load_failures)
         cache_full_blocks, block_size = kv.cache_full_blocks, kv.block_size
         speculated = scheduler_output.num_spec_tokens

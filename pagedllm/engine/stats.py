@@ -31,6 +31,25 @@ class KVDiskStats:
     evicted_blocks: int     # deleted to stay within the quota
     bytes_read: int
     bytes_written: int
+    stale_files_removed: int   # at start-up: half-written files (a process killed mid-write) and old swaps
+
+
+@dataclass(frozen=True)
+class KVSwapStats:
+    """Preemption by swap since start-up (preemption_mode swap or auto), in the tier swapped blocks go to."""
+    tier: str                 # "disk" (the kv_cache_dir's quota) or "ram" (swap_space)
+    capacity_blocks: int
+    num_blocks: int           # swapped-out blocks held now
+    swap_outs: int            # requests swapped out
+    swap_ins: int             # requests swapped back in
+    blocks_out: int
+    blocks_in: int
+    blocks_reused: int        # copied out, then found still in the prefix cache on swap-in
+    bytes_out: int
+    bytes_in: int
+    refused: int              # swap-outs refused for want of room (those requests recompute)
+    failed_blocks: int        # copies that could not be read back (their tokens recomputed)
+    recomputed_preemptions: int   # preemptions that recompute (by choice or refusal)
 
 
 @dataclass(frozen=True)
@@ -46,3 +65,13 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    kv_swap: KVSwapStats | None = None               # with preemption by swap possible
+    data_parallel: DataParallelStats | None = None   # data-parallel replicas combined (DPAsyncLLM.stats)
+
+
+@dataclass(frozen=True)
+class DataParallelStats:
+    """Beside the replicas' combined figures: each live replica's own, and where the router sent requests."""
+    routing: str                         # data_parallel_routing: prefix or least-loaded
+    replicas: dict[int, EngineStats]     # by replica index
+    routed: dict[int, dict[str, int]]    # replica index -> requests sent to it, by reason (dp_router.ROUTING_REASONS)

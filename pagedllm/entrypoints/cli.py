@@ -14,11 +14,14 @@ import json
 import logging
 import sys
 
-from pagedllm.config import (ACTIVATION_DTYPES, ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES,
-                             KV_CACHE_DTYPES, LORA_DTYPES, MAX_LORA_RANKS, POOLING_CHOICES, QUANTIZATIONS, RUNNERS,
-                             SCHEDULING_POLICIES, EngineConfig)
+from pagedllm.config import (ACTIVATION_DTYPES, ATTENTION_BACKENDS, DATA_PARALLEL_ROUTINGS,
+                             DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES, LORA_DTYPES, MAX_LORA_RANKS,
+                             POOLING_CHOICES, PREEMPTION_MODES, QUANTIZATIONS, RUNNERS, SCHEDULING_POLICIES,
+                             EngineConfig)
 from pagedllm.entrypoints.config_file import merge_config
-from pagedllm.entrypoints.openai.server_config import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES, ServerConfig
+from pagedllm.entrypoints.openai.lora_modules import lora_module
+from pagedllm.entrypoints.openai.server_config import (REASONING_PARSER_NAMES, RUNTIME_LORA_UPDATING_ENV,
+                                                       TOOL_PARSER_NAMES, ServerConfig)
 
 _UNSET = argparse.SUPPRESS
 
@@ -120,6 +123,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-disk-bytes", default=_UNSET,
                        help="most bytes of block files in --kv-cache-dir, as 64GiB, 500MB...; the least recently "
                             f"used go first {_default(EngineConfig, 'kv_cache_disk_bytes')}")
+    group.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=_UNSET,
+                       help="what a preempted request does with its KV: recompute it later, swap it out (to "
+                            "--kv-cache-dir if set, else to --swap-space of RAM) and back, or auto: the cheaper by "
+                            f"measured cost {_default(EngineConfig, 'preemption_mode')}")
+    group.add_argument("--swap-space", type=float, default=_UNSET,
+                       help="GiB of RAM for swapped-out KV blocks when --kv-cache-dir is not set "
+                            f"{_default(EngineConfig, 'swap_space')}")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=_UNSET,
                        help=f"split long prompts across steps {_default(EngineConfig, 'enable_chunked_prefill')}")
     group.add_argument("--enable-cascade-attention", action=argparse.BooleanOptionalAction, default=_UNSET,
@@ -134,9 +144,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=_UNSET,
                        help=f"seed of the sampler's random generator {_default(EngineConfig, 'seed')}")
     group.add_argument("--data-parallel-size", type=int, default=_UNSET,
-                       help="engine replicas, each with the whole model and its own KV cache, as Ray actors; "
-                            "requests go to the least loaded one "
+                       help="engine replicas, each with the whole model and its own KV cache, as Ray actors "
                             f"{_default(EngineConfig, 'data_parallel_size')}")
+    group.add_argument("--data-parallel-routing", choices=DATA_PARALLEL_ROUTINGS, default=_UNSET,
+                       help="prefix: a request goes to the replica holding the longest cached prefix of its prompt "
+                            "(within --data-parallel-balance-abs-threshold), else the least loaded; least-loaded: "
+                            "by requests in flight only (default: prefix with several replicas and prefix caching)")
+    group.add_argument("--data-parallel-balance-abs-threshold", type=int, default=_UNSET,
+                       help="a replica gets requests for its cached prefixes only while its requests in flight exceed "
+                            "the least loaded replica's by at most this many "
+                            f"{_default(EngineConfig, 'data_parallel_balance_abs_threshold')}")
     group.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS, default=_UNSET,
                        help="ray: the engine replicas are Ray actors (joining a cluster started with `ray start`, "
                             "or a local one); mp: one engine in this process "
@@ -207,6 +224,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             f"go {_default(ServerConfig, 'responses_store_size')}")
     group.add_argument("--responses-store-ttl", type=float, default=_UNSET, metavar="SECONDS",
                        help=f"how long a stored response is kept {_default(ServerConfig, 'responses_store_ttl')}")
+    group.add_argument("--lora-modules", nargs="+", type=_lora_module_flag, default=_UNSET, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) served from start-up, each a model name of its own: "
+                            "name=path or '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
+                            "(needs --enable-lora) (default: none)")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true", default=_UNSET,
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora; "
+                            f"as {RUNTIME_LORA_UPDATING_ENV}=True does) (default: off)")
+
+
+def _lora_module_flag(text: str):
+    try:
+        return lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def resolve_settings(args: argparse.Namespace, settings: dict[str, type]) -> dict[str, object]:
@@ -333,6 +364,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.settings:
         try:
             resolved = resolve_settings(args, args.settings)
+            if "server_config" in resolved:
+                resolved["server_config"].check_engine(resolved["engine_config"])
         except (OSError, ValueError) as exc:
             parser.error(str(exc))
         vars(args).update(resolved)

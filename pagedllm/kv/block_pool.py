@@ -26,14 +26,17 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from pagedllm.kv.hash_log import RAM, BlockHashLog
+
 BlockHash = bytes
 # What a full block's hash is computed over: the parent block's hash (None for the first block),
 # the block's token ids, and an extra key (the request's cache salt, first block only).
 BlockKey = tuple[BlockHash | None, tuple[int, ...], str | None]
 
 # The parent of every first block: random per process, so no one outside can precompute a chain
-# (vLLM's advisory GHSA-rm76-4mrf-v9r8: a constant root made crafted collisions possible).
-_ROOT_HASH = secrets.token_bytes(32)
+# (vLLM's advisory GHSA-rm76-4mrf-v9r8: a constant root made crafted collisions possible). A secret: never logged;
+# only a data-parallel router of the same deployment is told it, to hash prompts into this process's chains.
+PROCESS_ROOT_HASH = secrets.token_bytes(32)
 
 
 class KVBlock:
@@ -66,7 +69,7 @@ class PrefixPin:
 
 
 def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...], extra_key: str | None = None,
-               root_hash: bytes = _ROOT_HASH) -> BlockHash:
+               root_hash: bytes = PROCESS_ROOT_HASH) -> BlockHash:
     """sha256 of a full block's identity in a canonical, unambiguous encoding: the parent's digest (root_hash
     for a first block), the token count and ids (4-byte little-endian), then a tag and the extra key's UTF-8
     bytes. A disk tier passes its directory's own secret root, so that its chains outlive the process."""
@@ -74,6 +77,25 @@ def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...], extra_
     digest.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
     digest.update(b"\x00" if extra_key is None else b"\x01" + extra_key.encode())
     return digest.digest()
+
+
+def block_key(token_ids: list[int], index: int, block_size: int, hashes: list[BlockHash],
+              extra_key: str | None) -> BlockKey:
+    """What full block `index` of a token sequence is identified by (its parent's hash, hashes[index - 1], known);
+    the extra key enters the first block only, and through it the whole chain."""
+    block_tokens = tuple(token_ids[index * block_size:(index + 1) * block_size])
+    if index == 0:
+        return None, block_tokens, extra_key
+    return hashes[index - 1], block_tokens, None
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], num_tokens: int, block_size: int,
+                        extra_key: str | None, root_hash: bytes = PROCESS_ROOT_HASH) -> list[BlockHash]:
+    """Appends to `hashes` those of the full blocks among the first num_tokens tokens that it lacks: the one chain
+    the KV manager caches blocks under and a data-parallel router hashes prompts into."""
+    for index in range(len(hashes), num_tokens // block_size):
+        hashes.append(hash_block(*block_key(token_ids, index, block_size, hashes, extra_key), root_hash=root_hash))
+    return hashes
 
 
 class FreeBlockQueue:
@@ -127,6 +149,7 @@ class BlockPool:
         self.num_pinned_blocks = 0                    # blocks with pin_count > 0
         self._next_deadline = math.inf                # no pin expires before this (it may be earlier than any)
         self.evicted: list[tuple[int, BlockHash, BlockKey]] | None = [] if record_evictions else None
+        self.hash_log: BlockHashLog | None = None   # records hashes entering and leaving the cache, when set
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,6 +169,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.evicted is not None:
                     self.evicted.append((block.block_id, block.block_hash, block.block_key))
+                if self.hash_log is not None:
+                    self.hash_log.record(block.block_hash, RAM, False)
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = block.block_key = None
             block.ref_count = 1
@@ -182,6 +207,8 @@ class BlockPool:
         if block.block_hash is None and block_hash not in self.cached_blocks:
             block.block_hash, block.block_key = block_hash, block_key
             self.cached_blocks[block_hash] = block
+            if self.hash_log is not None:
+                self.hash_log.record(block_hash, RAM, True)
 
     def num_cached_idle_blocks(self) -> int:
         """Free blocks that still hold reusable prefix KV (derived by a walk; for stats, not hot paths)."""

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pagedllm.kv.block_pool import BlockHash, BlockKey
+from pagedllm.kv.hash_log import DISK, BlockHashLog
 
 KeyDigest = bytes
 
@@ -42,13 +43,21 @@ class DiskTier:
         if capacity_blocks < 0:
             raise ValueError(f"the disk tier's capacity must be >= 0 blocks, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
+        self.num_reserved = 0   # blocks of swapped-out requests (kv/swap.py): never evicted, they count too
         self.entries: OrderedDict[BlockHash, KeyDigest] = OrderedDict(entries)
         self.counters = DiskTierCounters()
+        self.hash_log: BlockHashLog | None = None   # records hashes entering and leaving the tier, when set
         self._pending_deletes: list[BlockHash] = []
         self._evict_to(capacity_blocks)
 
     def __len__(self) -> int:
+        """Cached block files (swapped blocks are not counted)."""
         return len(self.entries)
+
+    @property
+    def room(self) -> int:
+        """Cached block files the quota allows beside the swapped blocks."""
+        return self.capacity_blocks - self.num_reserved
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self.entries
@@ -63,16 +72,27 @@ class DiskTier:
     def add(self, block_hash: BlockHash, digest: KeyDigest) -> bool:
         """Records a block about to be written; False (nothing to write) when it is there already or the
         quota holds no block at all. The least recently used files make room."""
-        if block_hash in self.entries or self.capacity_blocks == 0:
+        if block_hash in self.entries or self.room == 0:
             return False
-        self._evict_to(self.capacity_blocks - 1)
+        self._evict_to(self.room - 1)
         self.entries[block_hash] = digest
         self.counters.spills += 1
+        if self.hash_log is not None:
+            self.hash_log.record(block_hash, DISK, True)
         return True
 
     def discard(self, block_hash: BlockHash) -> None:
         """Forgets a block whose file could not be read (the store has removed it)."""
-        self.entries.pop(block_hash, None)
+        if self.entries.pop(block_hash, None) is not None and self.hash_log is not None:
+            self.hash_log.record(block_hash, DISK, False)
+
+    def reserve(self, num_blocks: int) -> None:
+        """Takes quota for swapped blocks (the caller checked it fits), evicting cached files to make room."""
+        self.num_reserved += num_blocks
+        self._evict_to(self.room)
+
+    def release(self, num_blocks: int) -> None:
+        self.num_reserved -= num_blocks
 
     def take_deletes(self) -> list[BlockHash]:
         deletes, self._pending_deletes = self._pending_deletes, []
@@ -83,3 +103,5 @@ class DiskTier:
             block_hash, _ = self.entries.popitem(last=False)
             self._pending_deletes.append(block_hash)
             self.counters.evictions += 1
+            if self.hash_log is not None:
+                self.hash_log.record(block_hash, DISK, False)

@@ -24,15 +24,23 @@ request whose prefix continues on disk has those blocks loaded into free blocks 
 they are held for it, cached once loaded, and taken as prefix hits when it is admitted. The manager only
 decides; take_disk_work() hands the step's spills, loads and deletes to the workers, and
 complete_disk_loads() applies what they could not read (those tokens are recomputed).
+
+With a swap space (kv/swap.py) a preempted request may be swapped out instead of recomputed: its computed
+blocks are copied out (except shared prefix-cache blocks, found again by their hash) and freed; when it is
+admitted again, swap_in takes fresh blocks for them and queues their copies back for one step, after which
+its table and computed tokens are back as they were (shortened at the first block that could not be read).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pagedllm.kv.block_pool import BlockHash, BlockKey, BlockPool, KVBlock, hash_block
+from pagedllm.kv.block_pool import (PROCESS_ROOT_HASH, BlockHash, BlockKey, BlockPool, KVBlock, block_key,
+                                    extend_block_hashes)
 from pagedllm.kv.disk_tier import DiskTier, KeyDigest, key_digest
+from pagedllm.kv.hash_log import DISK, RAM, BlockHashLog, short_hash
+from pagedllm.kv.swap import SwapKey, SwapSpace
 
 
 RELEASED = -1   # the block id of a table entry outside the window, given back
@@ -50,11 +58,56 @@ def blocks_outside_window(num_computed_tokens: int, sliding_window: int, block_s
 
 @dataclass
 class DiskWork:
-    """What the workers do with the disk tier in one step, in this order: copy the spilled blocks out (the
-    step may overwrite them), read the loads in, then hand writes and deletes to the background writer."""
+    """What the workers do with the KV tiers in one step, in this order: copy the spilled and swapped-out
+    blocks out (the step may overwrite them), read the loads and swap-ins in, then hand writes and deletes to
+    the background writer and drop the swapped blocks no one will read."""
     spills: list[tuple[int, BlockHash, KeyDigest]]   # (block id, hash, key digest)
     loads: list[tuple[int, BlockHash, KeyDigest]]
     deletes: list[BlockHash]
+    swap_outs: list[tuple[int, SwapKey]] = field(default_factory=list)   # (block id, key)
+    swap_ins: list[tuple[int, SwapKey]] = field(default_factory=list)
+    swap_drops: list[SwapKey] = field(default_factory=list)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.spills or self.loads or self.deletes or self.swap_outs or self.swap_ins or self.swap_drops)
+
+
+@dataclass
+class SwapEntry:
+    """One table entry of a swapped-out request."""
+    key: SwapKey | None             # where its copy is; None: a shared prefix-cache block, found again by hash
+    block_hash: BlockHash | None    # set when the block was in the prefix cache
+    block_key: BlockKey | None
+
+
+@dataclass
+class SwappedRequest:
+    """What a swapped-out request's table was, to rebuild it when it is swapped in."""
+    num_tokens: int                 # computed tokens whose KV was kept
+    num_released: int               # leading entries outside the window (nothing kept)
+    entries: list[SwapEntry]        # the entries from num_released on, covering num_tokens
+    block_hashes: list[BlockHash]
+    num_cached_blocks: int
+    cache_salt: str | None
+    forked: bool
+
+    @property
+    def keys(self) -> list[SwapKey]:
+        return [entry.key for entry in self.entries if entry.key is not None]
+
+
+@dataclass
+class SwapIn:
+    """A swap-in in flight: the table being rebuilt (placeholders for released entries first) and the blocks
+    whose copies are read back in this step."""
+    record: SwappedRequest
+    table: list[KVBlock]
+    copied_back: list[KVBlock]
+
+
+# The table entry of a released block in a swapped-in table: never freed, cached or read.
+_RELEASED_BLOCK = KVBlock(-1)
 
 
 @dataclass(frozen=True)
@@ -92,9 +145,10 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None, max_pinned_fraction: float = 0.0,
                  clock: Callable[[], float] = time.monotonic, disk_tier: DiskTier | None = None,
-                 root_hash: bytes | None = None):
+                 root_hash: bytes | None = None, swap_space: SwapSpace | None = None):
         """disk_tier: the tier below the pool (needs the prefix cache); root_hash: the parent of every first
-        block's hash (a disk tier's, stable across restarts; default: the process's random one)."""
+        block's hash (a disk tier's, stable across restarts; default: the process's random one); swap_space:
+        where swap_out puts preempted requests' blocks (None: no swapping)."""
         if not 0 <= max_pinned_fraction <= 1:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction!r}")
         self.block_size = block_size
@@ -103,12 +157,19 @@ class KVCacheManager:
         if disk_tier is not None and not enable_prefix_caching:
             raise ValueError("a KV disk tier extends the prefix cache: it needs enable_prefix_caching=True")
         self.disk = disk_tier
-        self._hash_root = {} if root_hash is None else {"root_hash": root_hash}
+        self.root_hash = PROCESS_ROOT_HASH if root_hash is None else root_hash
         self.pool = BlockPool(num_blocks, record_evictions=disk_tier is not None)
         # Disk loads: blocks being read for a waiting request, then held for it (cached) until it is admitted.
         self._loading: dict[str, list[tuple[KVBlock, BlockHash, BlockKey]]] = {}
         self._staged: dict[str, list[KVBlock]] = {}
         self._pending_loads: list[tuple[int, BlockHash, KeyDigest]] = []
+        self.swap = swap_space
+        self._swapped: dict[str, SwappedRequest] = {}
+        self._swapping_in: dict[str, SwapIn] = {}
+        self._restored: dict[str, int] = {}   # swapped in, not yet admitted: request id -> its computed tokens
+        self._pending_swap_outs: list[tuple[int, SwapKey]] = []
+        self._pending_swap_ins: list[tuple[int, SwapKey]] = []
+        self._pending_swap_drops: list[SwapKey] = []
         self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
         self.clock = clock
         self.block_tables: dict[str, list[KVBlock]] = {}
@@ -138,18 +199,12 @@ class KVCacheManager:
 
     def _block_key(self, request_id: str, token_ids: list[int], index: int, hashes: list[BlockHash]) -> BlockKey:
         """What the request's full block `index` is identified by (its parent's hash must be known)."""
-        size = self.block_size
-        block_tokens = tuple(token_ids[index * size:(index + 1) * size])
-        if index == 0:
-            return None, block_tokens, self._cache_salts.get(request_id)
-        return hashes[index - 1], block_tokens, None
+        return block_key(token_ids, index, self.block_size, hashes, self._cache_salts.get(request_id))
 
     def _hashes(self, request_id: str, token_ids: list[int], num_tokens: int) -> list[BlockHash]:
         """Hashes of the full blocks among the first num_tokens tokens, computed once per block."""
-        hashes = self._block_hashes.setdefault(request_id, [])
-        for index in range(len(hashes), num_tokens // self.block_size):
-            hashes.append(hash_block(*self._block_key(request_id, token_ids, index, hashes), **self._hash_root))
-        return hashes
+        return extend_block_hashes(self._block_hashes.setdefault(request_id, []), token_ids, num_tokens,
+                                   self.block_size, self._cache_salts.get(request_id), self.root_hash)
 
     def get_computed_blocks(self, request_id: str, token_ids: list[int],
                             cache_salt: str | None = None) -> list[KVBlock]:
@@ -168,9 +223,28 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def publish_block_hashes(self, max_events: int) -> BlockHashLog:
+        """From now on the tiers record the hashes they gain and lose in the returned log (a data-parallel
+        replica reports them to its router); its first report is a snapshot (block_hash_snapshot)."""
+        log = BlockHashLog(max_events)
+        self.pool.hash_log = log
+        if self.disk is not None:
+            self.disk.hash_log = log
+        return log
+
+    def block_hash_snapshot(self) -> dict[int, int]:
+        """Short hash -> tier bits of every block the prefix cache and the disk tier hold now; restarts the log,
+        whose events from here on follow this snapshot. On the engine thread."""
+        held = {short_hash(block_hash): RAM for block_hash in self.pool.cached_blocks}
+        for block_hash in self.disk.entries if self.disk is not None else ():
+            key = short_hash(block_hash)
+            held[key] = held.get(key, 0) | DISK
+        self.pool.hash_log.restart()
+        return held
+
     def is_loading(self, request_id: str) -> bool:
-        """Whether the request waits for blocks being read from disk in the current step."""
-        return request_id in self._loading
+        """Whether the request waits for blocks being read back (disk hits or a swap-in) in the current step."""
+        return request_id in self._loading or request_id in self._swapping_in
 
     def load_from_disk(self, request_id: str, token_ids: list[int], ram_hits: list[KVBlock]) -> bool:
         """After get_computed_blocks: if the request's prefix continues on disk and all its blocks are free, takes
@@ -217,19 +291,151 @@ class KVCacheManager:
                 self.pool.cache(block, block_hash, key)
                 staged.append(block)
         self._loading.clear()
+        for request_id, swap_in in self._swapping_in.items():
+            self._complete_swap_in(request_id, swap_in, failed)
+        self._swapping_in.clear()
 
     def take_disk_work(self) -> DiskWork | None:
-        """The step's disk work, once every allocation of the step is made (None without a disk tier). Every
-        cached block evicted from the pool is spilled unless the disk holds it already or has no room."""
-        if self.disk is None:
+        """The step's tier work, once every allocation of the step is made (None without a disk tier or a
+        swap space). Every cached block evicted from the pool is spilled unless the disk holds it already, has
+        no room, or the pool cached the same hash again within the step (the tokens were recomputed: RAM has them)."""
+        if self.disk is None and self.swap is None:
             return None
         spills = []
-        for block_id, block_hash, key in self.pool.take_evicted():
+        for block_id, block_hash, key in self.pool.take_evicted() if self.disk is not None else ():
+            if block_hash in self.pool.cached_blocks:
+                continue
             digest = key_digest(key)
             if self.disk.add(block_hash, digest):
                 spills.append((block_id, block_hash, digest))
         loads, self._pending_loads = self._pending_loads, []
-        return DiskWork(spills, loads, self.disk.take_deletes())
+        work = DiskWork(spills, loads, self.disk.take_deletes() if self.disk is not None else [],
+                        self._pending_swap_outs, self._pending_swap_ins, self._pending_swap_drops)
+        self._pending_swap_outs, self._pending_swap_ins, self._pending_swap_drops = [], [], []
+        return work
+
+    def is_swapped(self, request_id: str) -> bool:
+        """Whether the request's KV waits in the swap space (swapped out, not yet swapped in)."""
+        return request_id in self._swapped
+
+    def num_blocks_to_swap(self, request_id: str, num_computed_tokens: int) -> int:
+        """How many blocks swap_out would copy: the computed ones but the shared prefix-cache blocks."""
+        return sum(1 for block in self._kept_blocks(request_id, num_computed_tokens) if self._copied_on_swap(block))
+
+    def _kept_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVBlock]:
+        table = self.block_tables.get(request_id, [])
+        return table[self.num_released_blocks(request_id):blocks_needed(num_computed_tokens, self.block_size)]
+
+    @staticmethod
+    def _copied_on_swap(block: KVBlock) -> bool:
+        """Only a block someone else holds and the prefix cache can find again stays behind."""
+        return block.ref_count == 1 or block.block_hash is None
+
+    def swap_out(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Preempts the request by swapping: the blocks holding its num_computed_tokens tokens are copied out
+        in this step (their copies queued) and every block it holds is freed. False, with nothing changed,
+        when there is no swap space, nothing computed, or too little room: the caller then frees it to
+        recompute."""
+        kept = self._kept_blocks(request_id, num_computed_tokens)
+        if self.swap is None or not kept:
+            return False
+        copied = [block for block in kept if self._copied_on_swap(block)]
+        if not self.swap.reserve(len(copied)):
+            return False
+        keys = iter(self.swap.new_keys(len(copied)))
+        entries = []
+        for block in kept:
+            key = next(keys) if self._copied_on_swap(block) else None
+            if key is not None:
+                self._pending_swap_outs.append((block.block_id, key))
+            entries.append(SwapEntry(key, block.block_hash, block.block_key))
+        record = SwappedRequest(num_computed_tokens, self.num_released_blocks(request_id), entries,
+                                list(self._block_hashes.get(request_id, [])), self._num_cached_blocks[request_id],
+                                self._cache_salts.get(request_id), request_id in self._forked)
+        self.swap.counters.swap_outs += 1
+        self.swap.counters.blocks_out += len(copied)
+        self.free(request_id)
+        self._swapped[request_id] = record
+        return True
+
+    def swap_in(self, request_id: str, num_tokens: int) -> bool:
+        """Starts bringing a swapped-out request of num_tokens tokens back: blocks the prefix cache still holds
+        are taken as they are, fresh blocks are taken for the copies, which are read back in this step (the
+        request waits: is_loading). Only when every block the request needs is free now (as load_from_disk);
+        False, with nothing changed, otherwise."""
+        record = self._swapped.get(request_id)
+        if record is None:
+            return False
+        plan: list[tuple[SwapEntry, KVBlock | None]] = []
+        for entry in record.entries:
+            block = self.pool.lookup(entry.block_hash, entry.block_key) if entry.block_hash is not None else None
+            if block is None and entry.key is None:
+                break   # a shared block gone from the cache: the tokens from here on are recomputed
+            plan.append((entry, block))
+        hits = [block for _, block in plan if block is not None]
+        held_elsewhere = sum(1 for block in hits if not block.is_free)
+        needed = blocks_needed(num_tokens, self.block_size) - record.num_released - held_elsewhere
+        if needed > self.pool.num_free_blocks:
+            return False
+        del self._swapped[request_id]
+        self.pool.touch(hits)   # before allocating, which could evict them
+        fresh = iter(self.pool.allocate(len(plan) - len(hits)))
+        table, copied_back, used_keys = [_RELEASED_BLOCK] * record.num_released, [], set()
+        for entry, block in plan:
+            if block is None:
+                block = next(fresh)
+                copied_back.append(block)
+                self._pending_swap_ins.append((block.block_id, entry.key))
+                used_keys.add(entry.key)
+            table.append(block)
+        self._pending_swap_drops.extend(key for key in record.keys if key not in used_keys)
+        self.swap.counters.blocks_reused += sum(1 for entry, block in plan if entry.key is not None and block is not None)
+        self.swap.release(len(record.keys))
+        self._swapping_in[request_id] = SwapIn(record, table, copied_back)
+        return True
+
+    def _complete_swap_in(self, request_id: str, swap_in: SwapIn, failed: set[int]) -> None:
+        """Installs the rebuilt table up to the first block that could not be read back (all of it with a
+        window, whose released blocks cannot be recomputed alone); the tokens after that are recomputed."""
+        record, table, size = swap_in.record, swap_in.table, self.block_size
+        num_failed = sum(1 for block in swap_in.copied_back if block.block_id in failed)
+        num_kept = len(table)
+        if num_failed:
+            num_kept = 0 if record.num_released else min(
+                index for index, block in enumerate(table) if block in swap_in.copied_back and block.block_id in failed)
+        counters = self.swap.counters
+        counters.failed_blocks += num_failed
+        counters.swap_ins += 1
+        counters.blocks_in += len(swap_in.copied_back) - num_failed
+        self.pool.free(table[max(num_kept, record.num_released):][::-1])
+        num_tokens = min(record.num_tokens, num_kept * size)
+        if num_tokens == 0:
+            return   # nothing kept: it is admitted as a new request
+        table = table[:num_kept]
+        self.block_tables[request_id] = table
+        self._block_ids[request_id] = [RELEASED] * record.num_released + [
+            block.block_id for block in table[record.num_released:]]
+        self.num_tokens[request_id] = num_tokens
+        self._block_hashes[request_id] = record.block_hashes
+        self._num_cached_blocks[request_id] = min(record.num_cached_blocks, num_kept)
+        if record.num_released:
+            self._num_released[request_id] = record.num_released
+        if record.cache_salt is not None:
+            self._cache_salts[request_id] = record.cache_salt
+        if record.forked:
+            self._forked.add(request_id)
+        for entry, block in zip(record.entries, table[record.num_released:]):
+            if entry.block_hash is not None and block in swap_in.copied_back:
+                self.pool.cache(block, entry.block_hash, entry.block_key)
+        self._restored[request_id] = num_tokens
+
+    def restored_tokens(self, request_id: str) -> int | None:
+        """The computed tokens of a request swapped back in and not yet admitted (its table is in place)."""
+        return self._restored.get(request_id)
+
+    def take_restored(self, request_id: str) -> None:
+        """The swapped-in request is admitted: from now on it is an ordinary running request."""
+        self._restored.pop(request_id, None)
 
     def _release_staged(self, request_id: str) -> None:
         staged = self._staged.pop(request_id, None)
@@ -394,6 +600,14 @@ class KVCacheManager:
         self._release_staged(request_id)
         if table:
             self.pool.free(table[released:][::-1])
+        self._restored.pop(request_id, None)
+        swapped = self._swapped.pop(request_id, None)
+        if swapped is not None:   # ended while swapped out: its copies are dropped
+            self._pending_swap_drops.extend(swapped.keys)
+            self.swap.release(len(swapped.keys))
+        swap_in = self._swapping_in.pop(request_id, None)
+        if swap_in is not None:   # ended while its copies are read back (they land in blocks freed here)
+            self.pool.free(swap_in.table[swap_in.record.num_released:][::-1])
 
     def usage(self) -> KVCacheUsage:
         """The figures now; pins whose time is up are dropped first (an idle engine runs no step to do it)."""

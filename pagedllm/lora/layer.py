@@ -47,8 +47,13 @@ class LoRALinear(nn.Module):
 @dataclass(frozen=True)
 class LayerPlan:
     """Where a fused layer's parts sit on this rank: each part's output columns, and how its A and B are cut."""
+    in_features: int                       # of the layer on this rank
     columns: tuple[int, ...]               # output columns of each part on this rank
     shards: tuple[Shard | None, ...]       # each part's base weight shard (None: whole)
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        return tuple(sum(self.columns[:index]) for index in range(len(self.columns)))
 
 
 class LoRAModel:
@@ -66,6 +71,8 @@ class LoRAModel:
         mlp_columns = config.intermediate_size // tp_size
         columns = {"qkv_proj": (q_columns, kv_columns, kv_columns), "o_proj": (config.hidden_size,),
                    "gate_up_proj": (mlp_columns, mlp_columns), "down_proj": (config.hidden_size,)}
+        in_features = {"qkv_proj": config.hidden_size, "o_proj": q_columns, "gate_up_proj": config.hidden_size,
+                       "down_proj": mlp_columns}
         for index, decoder_layer in enumerate(model.layers):
             owners = {"qkv_proj": decoder_layer, "o_proj": decoder_layer}
             if not is_sparse(config.moe, index):
@@ -74,7 +81,7 @@ class LoRAModel:
                 self.layers[(index, fused)] = self._wrap(owner, fused, max_loras)
                 kind = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
                 self.plans[(index, fused)] = LayerPlan(
-                    columns[fused], tuple(shards.get(f"model.layers.{index}.{kind}.{part}.weight")
+                    in_features[fused], columns[fused], tuple(shards.get(f"model.layers.{index}.{kind}.{part}.weight")
                                           for part in FUSED_PARTS[fused]))
 
     def _wrap(self, owner: nn.Module, name: str, max_loras: int) -> LoRALinear:
@@ -90,22 +97,22 @@ class LoRAModel:
         """This rank's cut of the adapter, in dtype on device, one PackedLoRA per fused layer it touches."""
         packed = {}
         for (index, fused), plan in self.plans.items():
-            a_parts, parts = [], []
-            column, rank = 0, 0
-            for part, width, shard in zip(FUSED_PARTS[fused], plan.columns, plan.shards):
-                module = adapter.modules.get((index, part))
-                if module is not None:
-                    lora_a, lora_b = module.lora_a, module.lora_b
-                    if shard is not None:
-                        lora_a, lora_b = (lora_a, shard.of(lora_b)) if shard.dim == 0 else (shard.of(lora_a), lora_b)
-                    a_parts.append(lora_a)
-                    parts.append((column, column + width, rank, rank + module.rank,
-                                  lora_b.t().to(device=device, dtype=dtype).contiguous()))
-                    rank += module.rank
-                column += width
-            if parts:
-                a_t = torch.cat(a_parts).t().to(device=device, dtype=dtype).contiguous()
-                packed[(index, fused)] = PackedLoRA(a_t, tuple(parts))
+            found = [(column, width, shard, adapter.modules.get((index, part)))
+                     for part, column, width, shard in zip(FUSED_PARTS[fused], plan.starts, plan.columns, plan.shards)]
+            found = [(column, width, shard, module) for column, width, shard, module in found if module is not None]
+            if not found:
+                continue
+            a_t = torch.zeros(plan.in_features, sum(module.rank for *_, module in found), dtype=torch.float32)
+            b_t = torch.zeros(a_t.shape[1], sum(plan.columns), dtype=torch.float32)
+            rank = 0
+            for column, width, shard, module in found:
+                lora_a, lora_b = module.lora_a, module.lora_b
+                if shard is not None:
+                    lora_a, lora_b = (lora_a, shard.of(lora_b)) if shard.dim == 0 else (shard.of(lora_a), lora_b)
+                a_t[:, rank:rank + module.rank] = lora_a.t()
+                b_t[rank:rank + module.rank, column:column + width] = lora_b.t()
+                rank += module.rank
+            packed[(index, fused)] = PackedLoRA(a_t.to(device=device, dtype=dtype), b_t.to(device=device, dtype=dtype))
         return packed
 
     def set_slot(self, slot: int, packed: dict[tuple[int, str], PackedLoRA]) -> None:

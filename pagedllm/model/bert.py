@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention
+from pagedllm.model.attention.cache import CacheTensor
+from pagedllm.model.attention.metadata import AttentionMetadata, LayerAttention
 from pagedllm.model.encoder_attention import encoder_attention
 from pagedllm.model.linear import Linear
 from pagedllm.model.llama import CausalLM, WeightTaker

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from pagedllm.model.attention import AttentionMetadata, CacheTensor
+from pagedllm.model.attention.cache import CacheTensor
+from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import fused_linear
 from pagedllm.model.llama import CausalLM, WeightTaker

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, write_kv
+from pagedllm.model.attention.cache import CacheTensor
+from pagedllm.model.attention.metadata import AttentionMetadata
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: CacheTensor,
@@ -22,7 +23,7 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     keys masked out: one SDPA call per layer for the whole step (a loop over a step's hundreds of short
     sequences cost more than their attention)."""
     num_tokens = meta.slot_mapping.shape[0]
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    meta.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     starts = meta.query_starts
     lengths = starts[1:] - starts[:-1]
     sequence = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths, output_size=num_tokens)

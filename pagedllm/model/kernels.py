@@ -3,7 +3,11 @@
 setup.py builds csrc/ once per instruction set on x86-64 (pagedllm._C for any CPU, _C_avx2,
 _C_avx512, _C_avx512bf16). The choice is made once, at import, from the features the CPU
 reports (`_C.cpu_features()`); the engine logs it. PAGEDLLM_ISA=<name> forces a variant (tests use
-it to check each one). `kernels` is None where nothing was built: the PyTorch formulas serve. A variant
+it to check each one). `kernels` is None where nothing was built: the PyTorch formulas serve.
+
+Each op's path is chosen once too: a layer asks `kernel_for` when it is built and keeps what it gets (the
+compiled function, or None for the torch formula), so no call checks for the kernels again; every op that
+falls to torch is logged once, with the reason. A variant
 that was built but does not import is an error, never a quiet fallback. On x86-64 the build is part of the
 install (BUILD_REQUIRED): the tests fail there without it.
 """
@@ -11,13 +15,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 import platform
 from types import ModuleType
 
-import torch  # noqa: F401  (loads libtorch, which the compiled variants link against)
+import torch  # (also loads libtorch, which the compiled variants link against)
 
 from pagedllm.model.isa_variants import VARIANTS, extension_name
+
+logger = logging.getLogger(__name__)
 
 FORCE_VARIABLE = "PAGEDLLM_ISA"
 BUILD_REQUIRED = platform.machine() in ("x86_64", "AMD64")   # setup.py builds the kernels there
@@ -64,3 +71,18 @@ def _choose() -> tuple[str | None, ModuleType | None]:
 
 
 variant, kernels = _choose()   # the engine's start-up log line names the variant
+_logged_torch_paths: set[tuple[str, str]] = set()
+
+
+def kernel_for(op: str, device: torch.device, misfit: str | None = None):
+    """The compiled `op` for tensors on `device`, or None where the torch formula serves: no build, not a CPU
+    device, or the layer's shapes do not fit the kernel (misfit says how). Asked once per layer, when it is
+    built; the torch path is logged once per op and reason."""
+    reason = ("the C++ kernels are not built" if kernels is None
+              else f"a {device.type} device" if device.type != "cpu" else misfit)
+    if reason is None:
+        return getattr(kernels, op)
+    if (op, reason) not in _logged_torch_paths:
+        _logged_torch_paths.add((op, reason))
+        logger.info("%s: the torch path serves (%s)", op, reason)
+    return None

@@ -85,7 +85,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.out_dtype is not None:
             x = x.to(self.out_dtype)
-        kernel = self.matmul.kernel(x.dtype, x.shape[0]) if x.is_cpu else None
+        kernel = self.matmul.kernel(x.dtype, x.shape[0])
         if kernel is None:
             return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
         out = x.new_empty(x.shape[0], self.out_features)

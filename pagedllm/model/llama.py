@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention
+from pagedllm.model.attention.cache import CacheTensor
+from pagedllm.model.attention.metadata import AttentionMetadata, LayerAttention
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_linear, padded_rows
 from pagedllm.model.mlp import GatedMLP
 from pagedllm.model.moe import SparseMoeBlock
 from pagedllm.model.moe_config import is_sparse
-from pagedllm.model.ops import rms_norm
+from pagedllm.model.ops import rms_norm_op
 from pagedllm.model.parallel_linear import parallel_lm_head, row_parallel, vocab_parallel_embedding
 from pagedllm.model.quantization import QuantizedWeight
 from pagedllm.model.quantized_matmul import QuantizedMatmul
@@ -57,10 +58,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _frozen(weight)
         self.eps = eps
+        self.rms_norm = rms_norm_op(weight.device, weight.shape[-1])   # the kernel or torch's, chosen here
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """With residual: residual += x in place first, and the sum is normalised."""
-        return rms_norm(x, self.weight, self.eps, residual)
+        return self.rms_norm(x, self.weight, self.eps, residual)
 
 
 class DecoderLayer(nn.Module):

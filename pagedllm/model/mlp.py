@@ -9,23 +9,24 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
 from pagedllm.model.linear import fused_linear
-from pagedllm.model.ops import GATED_ACTIVATIONS
+from pagedllm.model.ops import gated_activation
 from pagedllm.model.parallel_linear import row_parallel
 from pagedllm.model.quantization import QuantizedWeight
 from pagedllm.model.quantized_matmul import QuantizedMatmul
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) over the weights under `prefix`, act by transformers' name (GATED_ACTIVATIONS).
+    """down(act(gate(x)) * up(x)) over the weights under `prefix`, act by transformers' name (ops.gated_activation).
     With a group of several ranks the down
     projection's partial sums are all-reduced here; experts pass none and their layer reduces once."""
 
     def __init__(self, w: Callable[[str], torch.Tensor | QuantizedWeight], prefix: str, matmul: QuantizedMatmul,
                  group: TensorParallelGroup = SINGLE_PROCESS, activation: str = "silu"):
         super().__init__()
-        self.activation = GATED_ACTIVATIONS[activation]
-        self.gate_up_proj = fused_linear([w(prefix + "gate_proj.weight"), w(prefix + "up_proj.weight")],
-                                         matmul=matmul)
+        gate, up = w(prefix + "gate_proj.weight"), w(prefix + "up_proj.weight")
+        device = gate.qweight.device if isinstance(gate, QuantizedWeight) else gate.device
+        self.activation = gated_activation(activation, device, gate.shape[0])
+        self.gate_up_proj = fused_linear([gate, up], matmul=matmul)
         self.down_proj = row_parallel(fused_linear([w(prefix + "down_proj.weight")], matmul=matmul), group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""The compiled CPU kernels (`_C`: the variant kernels.py chose for this CPU, None where not built),
-and a decoder layer's element-wise steps: the kernels of csrc/layer_ops.cpp on CPU, PyTorch formulas elsewhere
-(CUDA, no compiled extension, or sizes the kernels do not vectorise). Tests hold the two
-to the same results."""
+"""A decoder layer's element-wise steps: the kernels of csrc/layer_ops.cpp on CPU, PyTorch formulas elsewhere
+(CUDA, no compiled extension, or sizes the kernels do not vectorise). A layer takes its step from
+`rms_norm_op` / `gated_activation` when it is built (kernels.kernel_for chooses and logs), never per call.
+Tests hold the two paths to the same results."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,38 +10,42 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model.kernels import kernels as _C
+from pagedllm.model.kernels import kernel_for
+
+RMSNorm = Callable[..., torch.Tensor]   # (x, weight, eps, residual=None) -> normalised x
 
 
-def on_cpu_kernel(x: torch.Tensor, multiple: int) -> bool:
-    """Whether a kernel can take x: built, on CPU, last dimension a multiple of its vector width."""
-    return _C is not None and x.is_cpu and x.shape[-1] % multiple == 0
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-             ) -> torch.Tensor:
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """weight * x / rms(x) per row. With residual: first residual += x in place (the
     residual stream), then the sum is normalised."""
-    if on_cpu_kernel(x, 16) and x.is_contiguous():
-        out = torch.empty_like(x)
-        if residual is None:
-            _C.rms_norm(out, x, weight, eps)
-        else:
-            _C.add_rms_norm(out, residual, x, weight, eps)
-        return out
     if residual is not None:
         x = residual.add_(x)
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def rms_norm_op(device: torch.device, size: int) -> RMSNorm:
+    """rms_norm_torch's contract for rows of `size` on `device`: the kernels where they serve, else torch's."""
+    misfit = None if size % 16 == 0 else f"rows of {size}, not a multiple of 16"
+    norm, add_norm = (kernel_for(op, device, misfit) for op in ("rms_norm", "add_rms_norm"))
+    if norm is None:
+        return rms_norm_torch
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        x = x.contiguous()   # a no-op but for q/k norms over views of qkv
+        out = torch.empty_like(x)
+        if residual is None:
+            norm(out, x, weight, eps)
+        else:
+            add_norm(out, residual, x, weight, eps)
+        return out
+    return rms_norm
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
-    size = gate_up.shape[-1] // 2
-    if on_cpu_kernel(gate_up, 32) and gate_up.is_contiguous():
-        out = gate_up.new_empty(*gate_up.shape[:-1], size)
-        _C.silu_and_mul(out, gate_up)
-        return out
-    gate, up = gate_up.split(size, dim=-1)
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -51,9 +55,25 @@ def gelu_and_mul(gate_up: torch.Tensor, approximate: str) -> torch.Tensor:
     return F.gelu(gate, approximate=approximate) * up
 
 
-# act(gate) * up for each of ModelConfig's hidden_activation names (transformers' names).
+# act(gate) * up for each of ModelConfig's hidden_activation names (transformers' names), in PyTorch.
 GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": silu_and_mul,
     "gelu_pytorch_tanh": partial(gelu_and_mul, approximate="tanh"),
     "gelu": partial(gelu_and_mul, approximate="none"),
 }
+
+
+def gated_activation(name: str, device: torch.device, size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """act(gate) * up for gate_up rows of 2 * size on `device`: silu's kernel where it serves, else torch's."""
+    if name != "silu":
+        return GATED_ACTIVATIONS[name]
+    kernel = kernel_for("silu_and_mul", device, None if size % 16 == 0 else f"rows of {size}, not a multiple of 16")
+    if kernel is None:
+        return silu_and_mul
+
+    def silu_and_mul_kernel(gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        kernel(out, gate_up)
+        return out
+    return silu_and_mul_kernel

@@ -8,7 +8,8 @@ The paths (csrc/quant_matmul.cpp, csrc/quant_linear.cpp):
           prefill, large batches); oneDNN generates it for AMX, AVX-512 (BF16) or AVX2
   int8    activations quantized to int8 per row and 32-column group, integer dot products: the opt-in
           activation_dtype="int8" (faster for small decode batches, less accurate; docs/quantized_matmul.md)
-  torch   the weight dequantized per call and F.linear: where the kernels are not built, or not on CPU
+  torch   the weight dequantized per call and F.linear: where the kernels are not built, or not on CPU (the
+          model's device, given when the model is built: no call checks it)
 PAGEDLLM_MATMUL_PATH=<path> forces one path for every row count (tests use it to check each).
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.model.kernels import kernels as _C
+from pagedllm.model import kernels
+from pagedllm.model.kernels import kernel_for
 
 ACTIVATION_DTYPES = ("auto", "int8")   # auto: the model dtype
 PATHS = ("rows", "brgemm", "int8", "torch")
@@ -39,7 +41,7 @@ BRGEMM_FROM_ROWS = {
 def brgemm_isa(dtype: torch.dtype) -> str | None:
     """The ISA oneDNN's brgemm runs dtype on here (its names), or None where pagedllm does not use it
     (bfloat16 without AVX512-BF16 is emulated: slower than the rows kernel; float16 needs AVX512-FP16)."""
-    if _C is None or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+    if kernels.kernels is None or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return None
     if dtype == torch.bfloat16:
         if torch.cpu._is_amx_tile_supported():
@@ -70,32 +72,34 @@ class Route:
 
 class QuantizedMatmul:
     """The kernels of one model's quantized layers. batch_invariant: one path for every row count (the rows
-    kernel, or int8), so a row's result is bitwise the same whatever batch it shares."""
+    kernel, or int8), so a row's result is bitwise the same whatever batch it shares. device: the model's
+    (off CPU every route is torch)."""
 
-    def __init__(self, activation_dtype: str = "auto", batch_invariant: bool = False):
+    def __init__(self, activation_dtype: str = "auto", batch_invariant: bool = False,
+                 device: torch.device = torch.device("cpu")):
         if activation_dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"activation_dtype must be one of {', '.join(ACTIVATION_DTYPES)}, got {activation_dtype!r}")
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
-        self.activation_dtype, self.batch_invariant = activation_dtype, batch_invariant
+        self.activation_dtype, self.batch_invariant, self.device = activation_dtype, batch_invariant, device
         forced = os.environ.get(FORCE_VARIABLE) or None
         if forced is not None and forced not in PATHS:
             raise ValueError(f"{FORCE_VARIABLE} must be one of {', '.join(PATHS)}, got {forced!r}")
         self.routes = {dtype: self._route(dtype, forced) for dtype in _DTYPES}
-        self._kernels = {dtype: (_kernel(route.few), _kernel(route.many), route.many_from)
+        self._kernels = {dtype: (self._kernel(route.few), self._kernel(route.many), route.many_from)
                          for dtype, route in self.routes.items()}
 
     def _route(self, dtype: torch.dtype, forced: str | None) -> Route:
         isa = brgemm_isa(dtype)
         if forced is not None:
-            if forced != "torch" and _C is None:
+            if forced != "torch" and kernels.kernels is None:
                 raise ValueError(f"{FORCE_VARIABLE}={forced}: the C++ kernels are not built")
             if forced == "brgemm" and isa is None and dtype != torch.float16:
                 raise ValueError(f"{FORCE_VARIABLE}=brgemm: oneDNN's brgemm does not run {dtype} on this CPU")
             if forced == "brgemm" and isa is None:   # float16 activations: no brgemm anywhere; the rows kernel
                 return Route("rows", "rows", 1, None)
             return Route(forced, forced, 1, isa)
-        if _C is None:
+        if kernels.kernels is None or self.device.type != "cpu":
             return Route("torch", "torch", 1, None)
         if self.activation_dtype == "int8":
             return Route("int8", "int8", 1, None)
@@ -115,6 +119,5 @@ class QuantizedMatmul:
         route = self.routes.get(dtype)
         return "torch (weights dequantized per call)" if route is None else route.describe()
 
-
-def _kernel(path: str):
-    return None if path == "torch" else getattr(_C, f"quantized_linear_{path}")
+    def _kernel(self, path: str):
+        return None if path == "torch" else kernel_for(f"quantized_linear_{path}", self.device)

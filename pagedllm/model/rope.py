@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.model.ops import _C, on_cpu_kernel
+from pagedllm.model.kernels import kernel_for
 from pagedllm.model.rope_scaling import LENGTH_DEPENDENT_TYPES, dynamic_ntk_inv_freq, inv_freq
 
 
@@ -22,6 +22,7 @@ class Rotation:
     """One step's rotary embedding: built once per step, applied by every layer."""
     rows: torch.Tensor        # [tokens] int64: each token's row of table
     table: torch.Tensor       # [rows, rotary_dim] float32: cos of each angle, then sin
+    kernel: object = None     # csrc's rotary_embedding where it serves (RotaryEmbedding chose), else None
     _cos_sin_by_dtype: dict = field(default_factory=dict, repr=False)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -29,8 +30,8 @@ class Rotation:
         (in place on CPU)."""
         rotary_dim = self.table.shape[-1]
         part = x[..., :rotary_dim]
-        if on_cpu_kernel(part, 32) and x.stride(-1) == 1:
-            _C.rotary_embedding(part, self.rows, self.table)
+        if self.kernel is not None:
+            self.kernel(part, self.rows, self.table)
             return x
         cos, sin = self._cos_sin(x.dtype)
         rotated = part * cos + _rotate_half(part) * sin
@@ -68,17 +69,19 @@ class RotaryEmbedding:
                                          self.attention_factor))
         self.table = torch.cat(tables).to(device)
         self.max_positions = max_positions
+        self.kernel = kernel_for("rotary_embedding", device,
+                                 None if rotary_dim % 32 == 0 else f"rotary_dim {rotary_dim}, not a multiple of 32")
 
     def at(self, positions: torch.Tensor, rope_lengths: torch.Tensor | None = None) -> Rotation:
         """rope_lengths: [tokens], each token's sequence length as needs_lengths says (None: position + 1)."""
         if not self.needs_lengths:
-            return Rotation(positions, self.table)
+            return Rotation(positions, self.table, self.kernel)
         lengths = positions + 1 if rope_lengths is None else torch.maximum(rope_lengths, positions + 1)
         if self.kind == "longrope":
-            return Rotation(positions + (lengths > self.original) * self.max_positions, self.table)
+            return Rotation(positions + (lengths > self.original) * self.max_positions, self.table, self.kernel)
         frequencies = dynamic_ntk_inv_freq(self.rotary_dim, self.theta, self.scaling, lengths)
         table = _cos_sin_table(positions, frequencies, self.attention_factor)
-        return Rotation(torch.arange(len(positions), device=positions.device), table)
+        return Rotation(torch.arange(len(positions), device=positions.device), table, self.kernel)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,10 @@ and renamed, and carries a header (magic, key digest, payload length, crc32), so
 a crash or a damaged file is refused on read, never served. The directory (0700, files 0600) records the
 identity of the model and cache layout it was made for, and a secret root for the block-hash chains, so
 that hashes are stable across restarts yet unguessable from outside.
+
+Swapped-out blocks of preempted requests (preemption_mode swap) go through the same writer under their own
+suffix, checksummed the same way; they belong to requests of this process only, so a start-up removes any it
+finds, as it does temporary files that a killed process left half written.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.model.attention import CacheTensor
+from pagedllm.model.attention.cache import CacheTensor
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +36,10 @@ HEADER_BYTES = HEADER.size
 IDENTITY_FILE = "identity.json"
 ROOT_FILE = "root_hash"
 BLOCK_SUFFIX = ".kv"
+SWAP_SUFFIX = ".kvswap"
+# Test hook (tests/kv/test_kv_sigkill.py): the path of a FIFO. The writer then stops in its first block write
+# after half the file, says so through the FIFO and waits forever, for the test to SIGKILL the process there.
+HOLD_MID_WRITE_ENV = "PAGEDLLM_TEST_KV_HOLD_MID_WRITE"
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".json")
 FINGERPRINT_SPAN = 2**20   # bytes read from each end of a weight file
 
@@ -78,9 +86,13 @@ def open_kv_cache_dir(directory: str, identity: dict) -> bytes:
     return root_hash
 
 
+def _temporary_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
 def _write_private(path: Path, data: bytes) -> None:
     """Writes a 0600 file whole or not at all (a temporary name, then a rename)."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    temporary = _temporary_path(path)
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(descriptor, "wb") as handle:
@@ -91,10 +103,34 @@ def _write_private(path: Path, data: bytes) -> None:
         raise
 
 
+def _hold_mid_write(path: Path, data: bytes, fifo: str) -> None:
+    """The test hook: half of the file under its temporary name, then a word through the FIFO, then no more."""
+    with open(_temporary_path(path), "wb") as handle:
+        handle.write(data[:len(data) // 2])
+        handle.flush()
+        os.fsync(handle.fileno())
+    with open(fifo, "w") as signal:
+        signal.write(f"{path.name}\n")
+    threading.Event().wait()
+
+
 def block_tensors(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int) -> list[torch.Tensor]:
     """Every tensor slice that holds one block: per layer K then V, each with its scales if it has them."""
     return [tensor[block_id].reshape(-1).view(torch.uint8)
             for layer in kv_caches for cache in layer for tensor in (cache.data, cache.scales) if tensor is not None]
+
+
+def copy_block_out(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int) -> torch.Tensor:
+    """The block's bytes, copied now to host memory (the caller may overwrite the block right after)."""
+    return torch.cat(block_tensors(kv_caches, block_id)).cpu()
+
+
+def copy_block_in(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, payload: torch.Tensor) -> None:
+    """Writes bytes that copy_block_out made back into a block of the pool."""
+    offset = 0
+    for tensor in block_tensors(kv_caches, block_id):
+        tensor.copy_(payload[offset:offset + tensor.numel()], non_blocking=False)
+        offset += tensor.numel()
 
 
 class DiskKVStore:
@@ -104,22 +140,35 @@ class DiskKVStore:
         self.payload_bytes = payload_bytes
         self.bytes_read = 0
         self.bytes_written = 0
-        self._pending: dict[bytes, tuple[bytes, torch.Tensor]] = {}   # hash -> (digest, payload) not yet on disk
+        self.stale_files_removed = 0   # at start-up: half-written temporary files and an earlier process's swaps
+        self._swap_secret = secrets.token_bytes(16)   # this process's swap files are checked against it
+        self._pending: dict[str, tuple[bytes, torch.Tensor]] = {}   # file name -> (digest, payload) not yet on disk
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
+        self._hold_fifo = os.environ.get(HOLD_MID_WRITE_ENV)
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
 
-    def _path(self, block_hash: bytes) -> Path:
-        return self.directory / (block_hash.hex() + BLOCK_SUFFIX)
+    @staticmethod
+    def _block_name(block_hash: bytes) -> str:
+        return block_hash.hex() + BLOCK_SUFFIX
+
+    @staticmethod
+    def _swap_name(key: int) -> str:
+        return f"swap-{key}{SWAP_SUFFIX}"
+
+    def _swap_digest(self, key: int) -> bytes:
+        return hashlib.sha256(self._swap_secret + key.to_bytes(8, "little")).digest()
 
     def list_blocks(self) -> list[tuple[bytes, bytes]]:
         """(hash, key digest) of every complete block file, least recently used first; removes temporary
-        files left by a process that died mid-write and files of the wrong length."""
+        files left by a process that died mid-write, swap files of an earlier process, and files of the
+        wrong length."""
         found = []
         for file in self.directory.iterdir():
-            if file.name.endswith(".tmp"):
+            if file.name.endswith((".tmp", SWAP_SUFFIX)):
                 file.unlink(missing_ok=True)
+                self.stale_files_removed += 1
                 continue
             if not file.name.endswith(BLOCK_SUFFIX):
                 continue
@@ -130,47 +179,62 @@ class DiskKVStore:
                 block_hash = bytes.fromhex(file.name.removesuffix(BLOCK_SUFFIX))
             except (OSError, ValueError, struct.error):
                 file.unlink(missing_ok=True)
+                self.stale_files_removed += 1
                 continue
             if magic != MAGIC or length != self.payload_bytes or stat.st_size != HEADER_BYTES + length:
                 file.unlink(missing_ok=True)
+                self.stale_files_removed += 1
                 continue
             found.append((stat.st_atime_ns, stat.st_mtime_ns, block_hash, digest))
         found.sort()
         return [(block_hash, digest) for *_, block_hash, digest in found]
 
-    def copy_out(self, kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int) -> torch.Tensor:
-        """The block's bytes, copied now (the caller may overwrite the block right after)."""
-        return torch.cat(block_tensors(kv_caches, block_id)).cpu()
-
     def write(self, block_hash: bytes, digest: bytes, payload: torch.Tensor) -> None:
         """Queues a copied-out block for the writer; until written, loads read it from memory."""
-        with self._lock:
-            self._pending[block_hash] = (digest, payload)
-        self._queue.put(("write", block_hash))
+        self._queue_write(self._block_name(block_hash), digest, payload)
 
     def delete(self, block_hash: bytes) -> None:
-        self._queue.put(("delete", block_hash))
+        self._queue.put(("delete", self._block_name(block_hash)))
 
     def load(self, kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, block_hash: bytes,
              digest: bytes) -> bool:
         """Reads the block into the pool at block_id; False (and the file removed) when it is missing, is
         for another key, or fails its length or checksum."""
+        return self._load(kv_caches, block_id, self._block_name(block_hash), digest)
+
+    def write_swap(self, key: int, payload: torch.Tensor) -> None:
+        """Queues a swapped-out block's copy for the writer (read back from memory until written)."""
+        self._queue_write(self._swap_name(key), self._swap_digest(key), payload)
+
+    def load_swap(self, kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, key: int) -> bool:
+        """Reads a swapped block back into block_id and deletes its file; False when it cannot be read."""
+        loaded = self._load(kv_caches, block_id, self._swap_name(key), self._swap_digest(key))
+        self.delete_swap(key)
+        return loaded
+
+    def delete_swap(self, key: int) -> None:
+        self._queue.put(("delete", self._swap_name(key)))
+
+    def _queue_write(self, name: str, digest: bytes, payload: torch.Tensor) -> None:
         with self._lock:
-            pending = self._pending.get(block_hash)
+            self._pending[name] = (digest, payload)
+        self._queue.put(("write", name))
+
+    def _load(self, kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, name: str,
+              digest: bytes) -> bool:
+        with self._lock:
+            pending = self._pending.get(name)
         if pending is not None and pending[0] == digest:
             payload = pending[1]
         else:
-            payload = self._read(block_hash, digest)
+            payload = self._read(name, digest)
             if payload is None:
                 return False
-        offset = 0
-        for tensor in block_tensors(kv_caches, block_id):
-            tensor.copy_(payload[offset:offset + tensor.numel()], non_blocking=False)
-            offset += tensor.numel()
+        copy_block_in(kv_caches, block_id, payload)
         return True
 
-    def _read(self, block_hash: bytes, digest: bytes) -> torch.Tensor | None:
-        path = self._path(block_hash)
+    def _read(self, name: str, digest: bytes) -> torch.Tensor | None:
+        path = self.directory / name
         try:
             data = path.read_bytes()
         except OSError:
@@ -210,27 +274,32 @@ class DiskKVStore:
             try:
                 if item is None:
                     return
-                action, block_hash = item
+                action, name = item
                 if action == "delete":
-                    self._path(block_hash).unlink(missing_ok=True)
+                    with self._lock:
+                        self._pending.pop(name, None)
+                    (self.directory / name).unlink(missing_ok=True)
                 else:
-                    self._write_pending(block_hash)
+                    self._write_pending(name)
             except OSError as error:   # a full or failing disk: the block stays in RAM only, no request fails
                 logger.warning("KV disk tier: %s; the block is not kept on disk", error)
             finally:
                 self._queue.task_done()
 
-    def _write_pending(self, block_hash: bytes) -> None:
+    def _write_pending(self, name: str) -> None:
         with self._lock:
-            entry = self._pending.get(block_hash)
+            entry = self._pending.get(name)
         if entry is None:
             return
         digest, payload = entry
         data = payload.numpy().tobytes()
+        file = HEADER.pack(MAGIC, digest, len(data), zlib.crc32(data)) + data
         try:
-            _write_private(self._path(block_hash), HEADER.pack(MAGIC, digest, len(data), zlib.crc32(data)) + data)
-            self.bytes_written += HEADER_BYTES + len(data)
+            if self._hold_fifo:
+                _hold_mid_write(self.directory / name, file, self._hold_fifo)
+            _write_private(self.directory / name, file)
+            self.bytes_written += len(file)
         finally:
             with self._lock:
-                if self._pending.get(block_hash) is entry:
-                    del self._pending[block_hash]
+                if self._pending.get(name) is entry:
+                    del self._pending[name]

@@ -17,18 +17,20 @@ import numpy as np
 import torch
 
 from pagedllm.lora.worker_manager import LoRAWorkerManager
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, has_scales, kv_cache_shapes, kv_scales_shape
-from pagedllm.model.attention_backends import select_attention_backend
+from pagedllm.model.attention.cache import CacheTensor, has_scales, kv_cache_shapes, kv_scales_shape
+from pagedllm.model.attention.metadata import AttentionMetadata
+from pagedllm.model.attention.selector import select_attention_backend
 from pagedllm.model.cascade import find_shared_prefixes
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
-from pagedllm.spec_decode.rejection_sampler import Proposal, verify
+from pagedllm.worker.rejection_sampler import Proposal, verify
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.host_staging import HostStaging, fetch
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.kv_disk_store import DiskKVStore
+from pagedllm.worker.kv_disk_store import DiskKVStore, copy_block_out
+from pagedllm.worker.kv_swap import DiskSwapSpace, RamSwapSpace
 from pagedllm.worker.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from pagedllm.worker.sampler import SamplerOutput, SamplingBatch, choose_tokens, sample, summarise
 
@@ -92,7 +94,7 @@ class ModelRunner:
                  enable_cascade_attention: bool = False, drafter=None, lora: LoRAWorkerManager | None = None):
         """num_blocks None: the caches are allocated later (allocate_kv_caches), once a profile run has
         measured what the model leaves free. attention_backend: an EngineConfig value, resolved here once.
-        drafter: a DraftModelProposer (pagedllm/spec_decode/draft_model.py) for draft-model speculation.
+        drafter: a DraftModelProposer (pagedllm/worker/draft_model.py) for draft-model speculation.
         lora: the adapters of a LoRA-enabled engine (pagedllm/lora/worker_manager.py)."""
         config = model.config
         self.model = model
@@ -112,6 +114,7 @@ class ModelRunner:
         self.drafter = drafter
         self.lora = lora
         self.kv_disk_store: DiskKVStore | None = None   # set by Worker.open_kv_disk_tier
+        self.kv_swap_space: RamSwapSpace | DiskSwapSpace | None = None   # set by Worker.open_kv_swap_space
         torch.manual_seed(seed)
 
     def allocate_kv_caches(self, num_blocks: int) -> None:
@@ -151,25 +154,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Moves the step's blocks to and from disk first (blocks spilled in this step may be written by it)."""
-        failures = self._move_disk_blocks(scheduler_output) if scheduler_output.disk_work is not None else []
+        """Moves the step's blocks between the tiers first (blocks spilled or swapped out in this step may be
+        written by it)."""
+        failures, swap_seconds = [], 0.0
+        if scheduler_output.disk_work is not None:
+            failures, swap_seconds = self._move_tier_blocks(scheduler_output)
         output = self._execute(scheduler_output)
         output.kv_load_failures = failures
+        output.kv_swap_seconds = swap_seconds
         return output
 
-    def _move_disk_blocks(self, scheduler_output: SchedulerOutput) -> list[int]:
-        """Copies spilled blocks out, reads loaded ones in, then queues the writes and deletes; returns the
-        block ids whose load failed."""
-        work, store = scheduler_output.disk_work, self.kv_disk_store
-        spilled = [(block_hash, digest, store.copy_out(self.kv_caches, block_id))
+    def _move_tier_blocks(self, scheduler_output: SchedulerOutput) -> tuple[list[int], float]:
+        """Copies spilled and swapped-out blocks out, reads loads and swap-ins in, then queues the writes and
+        deletes and drops the swapped blocks no one reads; returns the block ids that could not be read and
+        the seconds the swap copies took."""
+        work, store, swap, kv_caches = scheduler_output.disk_work, self.kv_disk_store, self.kv_swap_space, self.kv_caches
+        spilled = [(block_hash, digest, copy_block_out(kv_caches, block_id))
                    for block_id, block_hash, digest in work.spills]
+        started = time.perf_counter()
+        for block_id, key in work.swap_outs:
+            swap.save(key, copy_block_out(kv_caches, block_id))
+        swap_seconds = time.perf_counter() - started
         failures = [block_id for block_id, block_hash, digest in work.loads
-                    if not store.load(self.kv_caches, block_id, block_hash, digest)]
+                    if not store.load(kv_caches, block_id, block_hash, digest)]
+        started = time.perf_counter()
+        failures += [block_id for block_id, key in work.swap_ins if not swap.restore(kv_caches, block_id, key)]
+        swap_seconds += time.perf_counter() - started
         for block_hash, digest, payload in spilled:
             store.write(block_hash, digest, payload)
         for block_hash in work.deletes:
             store.delete(block_hash)
-        return failures
+        for key in work.swap_drops:
+            swap.drop(key)
+        return failures, swap_seconds
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Updates the batch, makes the copy-on-write block copies, runs one forward pass, and samples."""
@@ -356,7 +373,6 @@ class ModelRunner:
             prefill_context_lens=staging.to_device("context_lens", context[num_decodes:]),
             prefill_block_tables=tables[num_decodes:],
             block_size=block_size,
-            use_kernel=self.attention_backend.uses_cpu_kernels,
             query_starts=query_starts,
             seq_lens=device_seq_lens,
             block_tables=tables,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.model.ops import _C, on_cpu_kernel
+from pagedllm.model.kernels import kernel_for
 from pagedllm.worker.input_batch import SamplingColumns
 from pagedllm.worker.logit_controls import LogitControlsBatch
 
@@ -184,14 +184,19 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return sampled if greedy_ids is None else torch.where(batch.greedy, greedy_ids, sampled)
 
 
+# csrc's logits_summary for CPU logits, or None (torch's logsumexp and argmax): chosen once, at start-up.
+_CPU_LOGITS_SUMMARY = kernel_for("logits_summary", torch.device("cpu"))
+
+
 def _normaliser_and_argmax(raw_logits: torch.Tensor, need_argmax: bool
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logsumexp per row ([rows, 1]: log p = logit - it, no [rows, vocab] log-softmax written),
     and the argmax per row where asked; on CPU one kernel gives both in two passes over a row."""
-    if on_cpu_kernel(raw_logits, 1) and raw_logits.is_contiguous():
+    summary = _CPU_LOGITS_SUMMARY if raw_logits.is_cpu else None   # an engine's logits stay on its device
+    if summary is not None:
         log_normaliser = raw_logits.new_empty(raw_logits.shape[0])
         best = torch.empty(raw_logits.shape[0], dtype=torch.int64)
-        _C.logits_summary(log_normaliser, best, raw_logits)
+        summary(log_normaliser, best, raw_logits.contiguous())
         return log_normaliser.unsqueeze(1), best
     log_normaliser = torch.logsumexp(raw_logits, dim=-1, keepdim=True)
     return log_normaliser, raw_logits.argmax(dim=-1) if need_argmax else None

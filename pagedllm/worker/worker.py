@@ -25,9 +25,10 @@ from pagedllm.model.quantized_matmul import QuantizedMatmul
 from pagedllm.model.loader import Checkpoint, load_checkpoint
 from pagedllm.model.pooling_checkpoint import build_pooling_model
 from pagedllm.model.tensor_parallel import weight_shards
-from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.worker.draft_model import DraftModelProposer
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.kv_disk_store import DiskKVStore, open_kv_cache_dir
+from pagedllm.worker.kv_swap import DiskSwapSpace, RamSwapSpace
 from pagedllm.worker.model_runner import ModelRunner, kv_bytes_per_block
 from pagedllm.worker.pooling_runner import PoolingModelRunner
 
@@ -72,7 +73,7 @@ class Worker:
             weights = weights.sharded(weight_shards(checkpoint.config, rank, tp_size))
         # The runner kind follows the checkpoint, chosen once when it was loaded.
         if checkpoint.pooling is None:
-            matmul = QuantizedMatmul(config.activation_dtype, config.batch_invariant)
+            matmul = QuantizedMatmul(config.activation_dtype, config.batch_invariant, self.device)
             model, runner_class = CausalLM(checkpoint.config, weights, args.dtype, self.device, args.max_model_len,
                                            self.group, matmul=matmul), ModelRunner
         else:
@@ -95,7 +96,7 @@ class Worker:
             raise ValueError("draft_model speculation needs kv_cache_memory set: the KV pool is not sized by a "
                              "profile run when a draft model shares it")
         checkpoint = load_checkpoint(spec.model, spec.quantization)
-        matmul = QuantizedMatmul(batch_invariant=args.engine_config.batch_invariant)
+        matmul = QuantizedMatmul(batch_invariant=args.engine_config.batch_invariant, device=self.device)
         model = CausalLM(checkpoint.config, checkpoint.weights, args.dtype, self.device, args.max_model_len,
                          matmul=matmul)
         return DraftModelProposer(model, args.num_blocks, args.engine_config.block_size, args.kv_cache_dtype,
@@ -144,15 +145,20 @@ class Worker:
         self.kv_disk_store = self.model_runner.kv_disk_store = store
         return root_hash, store.list_blocks()
 
+    def open_kv_swap_space(self) -> None:
+        """Where swapped-out blocks go: the disk tier's directory if it is open, else host RAM."""
+        runner = self.model_runner
+        runner.kv_swap_space = DiskSwapSpace(self.kv_disk_store) if self.kv_disk_store is not None else RamSwapSpace()
+
     def flush_kv_disk_tier(self) -> None:
         """Waits until every queued block write and delete is on disk."""
         if self.kv_disk_store is not None:
             self.kv_disk_store.flush()
 
-    def kv_disk_bytes_moved(self) -> tuple[int, int]:
-        """(bytes read, bytes written) by the disk tier since start-up."""
+    def kv_disk_bytes_moved(self) -> tuple[int, int, int]:
+        """(bytes read, bytes written, stale files removed at start-up) by the disk tier."""
         store = self.kv_disk_store
-        return (store.bytes_read, store.bytes_written) if store is not None else (0, 0)
+        return (store.bytes_read, store.bytes_written, store.stale_files_removed) if store is not None else (0, 0, 0)
 
     def check_health(self) -> None:
         """Answering at all is the check: a rank that can run this is alive and idle."""
@@ -161,7 +167,7 @@ class Worker:
         torch.set_num_threads(self.previous_num_threads)
         if self.kv_disk_store is not None:
             self.kv_disk_store.close()
-            self.kv_disk_store = self.model_runner.kv_disk_store = None
+            self.kv_disk_store = self.model_runner.kv_disk_store = self.model_runner.kv_swap_space = None
         if self.joined:
             destroy_tensor_parallel_group()
             self.joined = False

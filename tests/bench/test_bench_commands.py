@@ -113,6 +113,29 @@ def test_serving_counts_every_request_and_prints_its_latency_table(server, capsy
     assert [row.split("|")[1].strip() for row in rows] == ["TTFT", "TPOT", "ITL", "E2E latency"]
 
 
+def test_multi_turn_compares_prefix_and_least_loaded_routing_over_two_ray_replicas(tiny_dir, capsys, monkeypatch):
+    """3 conversations of 40 random tokens, then each history (+ 2 answer + 8 question tokens = 50) again. Turn 1
+    spreads them 2/1 over the replicas; in turn 2 prefix routing sends each to its own history, whose 41 computed
+    tokens left 5 full blocks of 8: 3 x 40 = 120 hit tokens out of 3 x 40 + 3 x 50 = 270 looked up. Least-loaded
+    sends each to the other replica (c0 to replica 1, given fewer; c1 to replica 0, with none in flight; c2 to
+    replica 1, given fewer again): no hit."""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'pagedllm[ray]'")
+    monkeypatch.setenv("RAY_ADDRESS", "local")   # a Ray cluster of its own, stopped with the replicas
+    out = run_bench(capsys, "multi-turn", tiny_dir, "--dtype", "float32", "--block-size", "8", "--conversations", "3",
+                    "--turns", "2", "--system-len", "40", "--question-len", "8", "--output-len", "2",
+                    "--ram-fraction", "1", "--data-parallel-size", "2")
+    rows = table_rows(out, "| routing | TTFT ms p50 | p99 | output tok/s | prefix-hit prompt tokens | prefix hit rate")
+    cells = [[cell.strip() for cell in row.split("|")[1:-1]] for row in rows]
+    assert [(row[0], row[4], row[5], row[6]) for row in cells] == [("prefix", "120", "44.4%", "3"),
+                                                                   ("least-loaded", "0", "0.0%", "0")]
+
+
+def test_multi_turn_refuses_a_routing_without_replicas(tiny_dir, capsys):
+    with pytest.raises(ValueError, match="--data-parallel-routing compares replica routings: it needs "
+                                         "--data-parallel-size > 1, got 1"):
+        run_bench(capsys, "multi-turn", tiny_dir, "--data-parallel-routing", "prefix")
+
+
 def test_multi_turn_prints_a_row_with_the_disk_tier_off_and_on(tiny_dir, capsys):
     out = run_bench(capsys, "multi-turn", tiny_dir, "--dtype", "float32", "--block-size", "8", "--conversations", "3",
                     "--turns", "2", "--system-len", "40", "--question-len", "8", "--output-len", "2")
@@ -122,3 +145,18 @@ def test_multi_turn_prints_a_row_with_the_disk_tier_off_and_on(tiny_dir, capsys)
     assert [row.split("|")[1].strip() for row in rows] == ["off", "on"]
     disk_hits = [int(row.split("|")[6]) for row in rows]
     assert disk_hits[0] == 0 and disk_hits[1] > 0   # the second turns find their histories on disk
+
+
+def test_throughput_and_latency_with_random_loras_run_beside_the_base(tiny_dir, capsys, tmp_path):
+    """--num-loras: adapters made with peft over every linear layer; the base alone and with them, side by side."""
+    out = run_bench(capsys, "throughput", tiny_dir, "--dataset", str(tiny_workload(tmp_path)), "--dtype", "float32",
+                    "--quantization", "none", "--kv-cache-memory", "8MiB", "--num-loras", "2", "--lora-rank", "8")
+    rows = table_rows(out, "| backend | dtype | wall s | req/s | output tok/s | total tok/s |")
+    assert [row.split("|")[1].strip() for row in rows] == ["pagedllm (quantization=none, cascade=off)",
+                                                          "pagedllm (quantization=none, cascade=off, 2 LoRAs)"]
+    assert "2 LoRAs) against pagedllm (quantization=none, cascade=off), output tok/s:" in out
+    out = run_bench(capsys, "latency", tiny_dir, "--batch-size", "1", "--input-len", "8", "--output-len", "3",
+                    "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--quantization", "none",
+                    "--num-loras", "1", "--lora-rank", "8")
+    rows = table_rows(out, "| quantization | dtype | speculative | dataset | batch |")
+    assert [row.split("|")[-2].strip() for row in rows] == ["none", "adapter-0"]

@@ -4,7 +4,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.beam_search import BeamSearchParams
-from pagedllm.model import attention
+from pagedllm.model.attention.cpu import CpuAttentionBackend
 from pagedllm.model.cascade import MIN_SHARED_TOKENS
 
 pytestmark = pytest.mark.kernels
@@ -29,14 +29,14 @@ def cascade_calls(monkeypatch):
     """Counts the cascade kernel's calls by the part of the step it served (decode or prefill) and the
     largest group it saw."""
     seen = {"decode": 0, "prefill": 0, "largest_group": 0}
-    kernel = attention._cascade_attention
+    kernel = CpuAttentionBackend._cascade
 
-    def counted(out, q, k_cache, v_cache, block_tables, query_starts, context_lens, groups, scale):
+    def counted(backend, out, q, k_cache, v_cache, block_tables, query_starts, context_lens, groups, layer):
         part = "decode" if (query_starts.diff() == 1).all() and query_starts[0] == 0 else "prefill"
         seen[part] += 1
         seen["largest_group"] = max(seen["largest_group"], int(groups.group_starts.diff().max()))
-        return kernel(out, q, k_cache, v_cache, block_tables, query_starts, context_lens, groups, scale)
-    monkeypatch.setattr(attention, "_cascade_attention", counted)
+        return kernel(backend, out, q, k_cache, v_cache, block_tables, query_starts, context_lens, groups, layer)
+    monkeypatch.setattr(CpuAttentionBackend, "_cascade", counted)
     return seen
 
 

@@ -5,9 +5,11 @@ leaves a process behind (psutil)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -72,6 +74,27 @@ def test_flags_and_yaml_reach_the_config(tmp_path):
     assert (args.engine_config.data_parallel_size, args.engine_config.distributed_executor_backend) == (3, "ray")
 
 
+def test_routing_defaults_to_prefix_with_several_replicas_and_prefix_caching():
+    assert EngineConfig(data_parallel_size=2).data_parallel_routing == "prefix"
+    assert EngineConfig(data_parallel_size=2, enable_prefix_caching=False).data_parallel_routing == "least-loaded"
+    assert EngineConfig().data_parallel_routing == "least-loaded"
+    args = parse_args(["serve", "--data-parallel-size", "2", "--data-parallel-routing", "least-loaded",
+                       "--data-parallel-balance-abs-threshold", "3"])
+    config = args.engine_config
+    assert (config.data_parallel_routing, config.data_parallel_balance_abs_threshold) == ("least-loaded", 3)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(data_parallel_routing="random"), "data_parallel_routing must be one of prefix, least-loaded, got 'random'"),
+    (dict(data_parallel_routing="prefix", enable_prefix_caching=False),
+     "data_parallel_routing 'prefix' routes by the replicas' prefix caches: it needs enable_prefix_caching=True"),
+    (dict(data_parallel_balance_abs_threshold=-1), "data_parallel_balance_abs_threshold must be an integer >= 0, got -1"),
+])
+def test_routing_settings_that_cannot_run_are_refused(settings, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(data_parallel_size=2, **settings)
+
+
 def _stats(num_blocks, used, running, waiting, hits, queries, step):
     kv = KVCacheUsage(num_blocks=num_blocks, num_used_blocks=used, num_free_blocks=num_blocks - used,
                       num_pinned_blocks=0, num_cached_idle_blocks=1, num_shared_blocks=0, num_logical_blocks=used,
@@ -91,6 +114,28 @@ def test_combined_stats_sum_counts_and_pool_kv_usage():
     assert (combined.num_running, combined.num_waiting, combined.num_preemptions) == (4, 2, 2)
     assert (combined.kv_cache.num_free_blocks, combined.kv_cache.num_cached_idle_blocks) == (280, 2)
     assert combined.last_step == step
+    assert combined.kv_disk is None
+
+
+def test_combined_stats_sum_the_disk_tiers_speculation_and_adapters_per_step():
+    from pagedllm.engine.data_parallel import combine_stats
+    from pagedllm.engine.stats import KVDiskStats
+    from pagedllm.spec_decode.metrics import SpecDecodingStats
+
+    def step(num_loras):
+        return StepStats(scheduling_seconds=0.001, prepare_seconds=0.001, model_seconds=0.1, num_seqs=2, num_tokens=2,
+                         num_preemptions=0, num_loras=num_loras)
+    first = dataclasses.replace(_stats(100, 10, 0, 0, 0, 0, step(2)), kv_disk=KVDiskStats(5, 50, 7, 1, 9, 2, 700, 900, 1),
+                                spec_decoding=SpecDecodingStats(2, 3, 6, 4, [3, 1]))
+    second = dataclasses.replace(_stats(100, 20, 0, 0, 0, 0, step(1)), kv_disk=KVDiskStats(6, 50, 3, 0, 4, 1, 300, 400, 0),
+                                 spec_decoding=SpecDecodingStats(2, 1, 2, 2, [1, 1]))
+    combined = combine_stats([first, second])
+    assert (combined.last_step.num_seqs, combined.last_step.num_loras) == (4, 3)
+    assert combined.kv_disk == KVDiskStats(num_blocks=11, capacity_blocks=100, hit_blocks=10, read_failures=1,
+                                           spilled_blocks=13, evicted_blocks=3, bytes_read=1000, bytes_written=1300,
+                                           stale_files_removed=1)
+    assert (combined.spec_decoding.num_drafts, combined.spec_decoding.num_accepted_tokens_per_pos) == (4, [4, 2])
+    assert combine_stats([first, _stats(100, 0, 0, 0, 0, 0, None)]).kv_disk == first.kv_disk
 
 
 # ---- a local Ray cluster ----
@@ -297,6 +342,49 @@ def test_an_abort_frees_the_blocks_on_the_owning_replica(llm, how):
     assert freed.num_running == 0 and freed.kv_cache.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("routing", ["prefix", "least-loaded"])
+def test_a_follow_up_turn_goes_to_the_replica_that_holds_its_history(ray_cluster, model_dir, routing):
+    """Turn 1 (48 tokens: 2 full blocks before its last token) goes to replica 0 (both idle, neither given any);
+    turn 2 resends the history plus a question. Least-loaded sends it to replica 1 (given fewer), where nothing
+    is cached; prefix routing sends it to replica 0, whose prefix cache then serves the history: counted in that
+    replica's own hits. Another tenant's salt on the same history finds no affinity and goes to replica 1."""
+    from pagedllm.engine.data_parallel import DPAsyncLLM
+
+    llm = DPAsyncLLM.from_config(EngineConfig(model=str(model_dir), data_parallel_size=2,
+                                              data_parallel_routing=routing, **ENGINE_SETTINGS))
+    history = random_prompts(1, seed=21, min_len=48, max_len=48)[0]["prompt_token_ids"]
+    question = random_prompts(1, seed=22, min_len=8, max_len=8)[0]["prompt_token_ids"]
+
+    async def scenario():
+        try:
+            first = await collect(llm, {"prompt_token_ids": history}, greedy(4), "turn-1")
+            after_first = await llm.replica_stats()
+            follow_up = history + first[-1].outputs[0].token_ids + question   # 60 tokens: 3 blocks of history
+            await collect(llm, {"prompt_token_ids": follow_up}, greedy(4), "turn-2")
+            after_second = await llm.replica_stats()
+            await collect(llm, {"prompt_token_ids": follow_up, "cache_salt": "another tenant"}, greedy(4), "tenant")
+            return after_first, after_second, await llm.stats()
+        finally:
+            await llm.shutdown()
+
+    after_first, after_second, combined = run(scenario())
+    assert {i: s.num_requests_served for i, s in after_first.items()} == {0: 1, 1: 0}
+    hits = {i: s.engine.kv_cache.prefix_cache_hits for i, s in after_second.items()}
+    served = {i: s.num_requests_served for i, s in after_second.items()}
+    routed = combined.data_parallel.routed
+    if routing == "prefix":
+        assert served == {0: 2, 1: 0}
+        # 52 tokens of turn 1 were computed (48 + 4 sampled, the last one not yet written): 3 full blocks cached,
+        # and turn 2's lookup covers its first 59 tokens: all 3 hit.
+        assert hits == {0: 3 * 16, 1: 0}
+        assert routed == {0: {"prefix": 1, "balance": 0, "load": 1}, 1: {"prefix": 0, "balance": 0, "load": 1}}
+    else:
+        assert served == {0: 1, 1: 1} and hits == {0: 0, 1: 0}
+        assert routed == {0: {"prefix": 0, "balance": 0, "load": 2}, 1: {"prefix": 0, "balance": 0, "load": 1}}
+    assert combined.kv_cache.prefix_cache_hits == sum(hits.values())   # the tenant's request hit nothing
+    assert combined.data_parallel.routing == routing
+
+
 def test_killing_a_replica_fails_only_its_requests(ray_cluster, llm, model_dir, caplog):
     prompts = random_prompts(4, seed=3)
     expected = reference_outputs(model_dir, prompts, [greedy(LONG)] * 2 + [greedy(8)] * 2)
@@ -333,10 +421,18 @@ def test_killing_a_replica_fails_only_its_requests(ray_cluster, llm, model_dir, 
 # ---- `pagedllm serve` with two Ray replicas, driven by the openai client ----
 
 def test_openai_client_against_serve_with_two_ray_replicas(ray_module, model_dir, tmp_path, monkeypatch):
+    """Completions (streamed too) and a refusal, then a two-turn conversation: turn 2 resends turn 1's 48-token
+    prompt and answer plus a question, is routed to the replica holding that history, and both the response's
+    cached_tokens and the combined /metrics count its 3 cached blocks."""
     import openai
 
     from pagedllm.bench.reliability.server import ServerProcess, metric
 
+    history = random_prompts(1, seed=31, min_len=48, max_len=48)[0]["prompt_token_ids"]
+    question = random_prompts(1, seed=32, min_len=8, max_len=8)[0]["prompt_token_ids"]
+    (turn_1_expected,) = reference_outputs(model_dir, [{"prompt_token_ids": history}], greedy(4))
+    follow_up = history + turn_1_expected.outputs[0].token_ids + question
+    (turn_2_expected,) = reference_outputs(model_dir, [{"prompt_token_ids": follow_up}], greedy(4))
     monkeypatch.setenv("RAY_ADDRESS", "local")   # the server starts a Ray cluster of its own
     server = ServerProcess(tmp_path / "server.log", str(model_dir), "--dtype", "float32", "--kv-cache-memory",
                            "16MiB", "--data-parallel-size", "2", "--distributed-executor-backend", "ray",
@@ -352,6 +448,8 @@ def test_openai_client_against_serve_with_two_ray_replicas(ray_module, model_dir
             model="tiny", prompt=prompts[0], max_tokens=8, temperature=0, stream=True) if chunk.choices)
         with pytest.raises(openai.BadRequestError, match="max_model_len"):   # a replica's own check: a 400
             client.completions.create(model="tiny", prompt=prompts[0], max_tokens=10_000)
+        turns = [client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+                 for prompt in (history, follow_up)]
         figures = server.wait_until_idle()
         log = server.log()
     finally:
@@ -364,8 +462,18 @@ def test_openai_client_against_serve_with_two_ray_replicas(ray_module, model_dir
     one_engine_blocks = LLM(str(model_dir), **ENGINE_SETTINGS).llm_engine.stats().kv_cache.num_blocks
     assert figures.total_blocks == figures.free_blocks == 2 * one_engine_blocks   # both replicas' pools
     assert sum(metric(figures.text, "pagedllm:request_success_total", finished_reason=reason)
-               for reason in ("length", "stop")) == 7
+               for reason in ("length", "stop")) == 9
     assert "2 Ray engine replicas" in log
+    assert [turn.choices[0].text for turn in turns] == [turn_1_expected.outputs[0].text, turn_2_expected.outputs[0].text]
+    # Turn 1 computed 51 tokens (48 + 4 sampled, the last not yet written): 3 full blocks, all found by turn 2.
+    assert turns[1].usage.prompt_tokens_details.cached_tokens == 48
+    # The streamed repeat of prompts[0] hit its own full blocks (before its last token) on the replica that held them.
+    repeat_hits = 16 * ((len(prompts[0]) - 1) // 16)
+    assert metric(figures.text, "pagedllm:prefix_cache_hits_total") == 48 + repeat_hits
+    per_engine = [metric(figures.text, "pagedllm:dp_prefix_cache_hits_total", engine=str(i)) for i in range(2)]
+    assert sum(per_engine) == 48 + repeat_hits
+    assert sum(metric(figures.text, "pagedllm:dp_routed_requests_total", engine=str(i), reason="prefix")
+               for i in range(2)) == 1 + (repeat_hits > 0)
 
 
 # ---- two Ray nodes in two network namespaces joined by a veth pair ----

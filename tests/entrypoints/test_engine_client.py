@@ -17,6 +17,7 @@ from pagedllm.engine.stats import EngineStats
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -49,6 +50,7 @@ class ReversingClient(EngineClient):
         self.max_waiting_requests = None
         self.dead = False
         self.num_requests = 0
+        self.loras: dict[int, LoRARequest] = {}   # "adapters" change nothing in a reversal: only their bookkeeping
 
     @property
     def num_waiting_requests(self) -> int:
@@ -64,9 +66,11 @@ class ReversingClient(EngineClient):
         raise ValueError("this client generates text")
 
     async def generate(self, prompt: dict, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         if self.dead:
             raise EngineDeadError("engine shut down")
+        if lora_request is not None and lora_request.lora_int_id not in self.loras:
+            raise ValueError(f"lora_request: adapter {lora_request.lora_int_id} is not loaded")
         self.num_requests += 1
         token_ids = prompt["prompt_token_ids"]
         answer = token_ids[::-1][:sampling_params.max_tokens]
@@ -77,6 +81,15 @@ class ReversingClient(EngineClient):
 
     async def abort(self, request_id: str) -> None:
         pass
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.loras.setdefault(lora_request.lora_int_id, lora_request) is lora_request
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return self.loras.pop(lora_int_id, None) is not None
+
+    async def list_loras(self) -> set[int]:
+        return set(self.loras)
 
     async def stats(self) -> EngineStats:
         return EngineStats(KVCacheManager(4, 16).usage(), 0, 0, 0, None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.kv_map import kv_map_snapshot
+from pagedllm.entrypoints.openai.kv_map import kv_map_snapshot
 from pagedllm.engine.request import CachePin, Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.kv.manager import KVCacheManager

@@ -9,10 +9,11 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedllm.kv import manager as manager_module
+from pagedllm.kv import block_pool as block_pool_module
 from pagedllm.kv.block_pool import BlockPool, hash_block
 from pagedllm.kv.disk_tier import DiskTier, key_digest
 from pagedllm.kv.manager import RELEASED, KVCacheManager
+from pagedllm.kv.swap import SwapSpace
 from tests.scheduling import new_request
 
 
@@ -139,7 +140,7 @@ def test_hash_root_is_random_per_process():
 def test_a_hash_collision_never_shares_a_block(monkeypatch):
     """With every block forced to the same hash, a prompt of other tokens finds nothing: a hit needs the
     block's own tokens (and its parent's hash, and the salt) to match, not only the hash."""
-    monkeypatch.setattr(manager_module, "hash_block", lambda *key: b"\0" * 32)
+    monkeypatch.setattr(block_pool_module, "hash_block", lambda *key, root_hash: b"\0" * 32)
     manager = KVCacheManager(num_blocks=20, block_size=4)
     victim = [10, 11, 12, 13, 14, 15, 16, 17, 18]
     new_request(manager, "victim", victim)
@@ -438,7 +439,8 @@ class DiskKVManagerMachine(KVManagerMachine):
     def _apply(self, work) -> None:
         """The workers' side of a step's disk work: every spilled block is an evicted cached one."""
         for block_id, block_hash, digest in work.spills:
-            assert self.manager.pool.blocks[block_id].block_hash != block_hash, "a spilled block is still cached"
+            # The spilled block may be cached again already, even under the same hash: a copy-on-write in the
+            # step that evicted it can fill it with the same tokens (its copy-out comes before the step writes).
             assert block_hash not in self.files
             self.files[block_hash] = digest
         for block_hash in work.deletes:
@@ -484,3 +486,148 @@ class DiskKVManagerMachine(KVManagerMachine):
 
 TestDiskKVManagerMachine = DiskKVManagerMachine.TestCase
 TestDiskKVManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class SwapMoves:
+    """Swap-out and swap-in moves (some copies failing to come back), with a model of the workers' swap space:
+    each copy remembers the request and table entry it was made from, and must land back in that entry.
+    Every block is accounted for: in RAM (the pool's books, as above), in the swap space (one copy per
+    reserved block, each of a swapped-out request), and on disk (files and swapped blocks within the quota)."""
+
+    SWAP_BLOCKS = 6
+
+    def swap_space(self, disk: DiskTier | None = None) -> SwapSpace:
+        self.copies: dict[int, tuple[str, int]] = {}   # swap key -> (request, table entry) it was copied from
+        self.swapped: dict[str, list[int]] = {}         # swapped-out request -> its tokens
+        self.growth_when_swapped: dict[str, int | None] = {}
+        return SwapSpace(self.SWAP_BLOCKS, disk)
+
+    def _take_work(self):
+        work = self.manager.take_disk_work()
+        self._apply(work)
+        for key in work.swap_drops:
+            del self.copies[key]
+        return work
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        manager, name = self.manager, data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens = self.tokens[name]
+        entry_of = {block.block_id: index for index, block in self.held(name)}
+        to_copy = manager.num_blocks_to_swap(name, len(tokens))
+        room = manager.swap.capacity_blocks - manager.swap.num_blocks
+        if not manager.swap_out(name, len(tokens)):
+            assert to_copy > room
+            return
+        work = self._take_work()
+        assert len(work.swap_outs) == to_copy <= room
+        for block_id, key in work.swap_outs:
+            self.copies[key] = (name, entry_of[block_id])
+        assert name not in manager.block_tables and manager.is_swapped(name)
+        self.swapped[name] = self.tokens.pop(name)
+        self.growth_when_swapped[name] = self.computed_at_growth.pop(name, None)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data(), fails=st.lists(st.booleans(), max_size=8))
+    def swap_in(self, data, fails):
+        """Copies come back into fresh blocks (fails[i]: copy i could not be read); the request then holds its
+        table up to the first failed entry, and is admitted with those tokens computed."""
+        manager, name = self.manager, data.draw(st.sampled_from(sorted(self.swapped)))
+        tokens = self.swapped[name]
+        if not manager.swap_in(name, len(tokens)):
+            assert manager.is_swapped(name) and not manager.is_loading(name)
+            return
+        assert manager.is_loading(name)
+        work = self._take_work()
+        landing = {}
+        for block_id, key in work.swap_ins:
+            landing[block_id] = self.copies.pop(key)
+            assert landing[block_id][0] == name
+        failed = [block_id for (block_id, _), fail in zip(work.swap_ins, fails) if fail]
+        manager.complete_disk_loads(failed)
+        del self.swapped[name]
+        restored = manager.restored_tokens(name)
+        if restored is None:   # a copy of the first entry failed (or a shared block is gone): it recomputes
+            assert name not in manager.block_tables
+            return
+        table = manager.block_tables[name]
+        for index, block in self.held(name):
+            if block.block_id in landing:
+                assert landing[block.block_id] == (name, index), "a copy came back into another entry"
+                assert block.block_id not in failed
+        assert restored == min(len(tokens), len(table) * self.BLOCK_SIZE)
+        if not failed:
+            assert restored == len(tokens) or len(table) < math.ceil(len(tokens) / self.BLOCK_SIZE)
+        manager.take_restored(name)
+        self.tokens[name] = tokens[:restored]
+        growth = self.growth_when_swapped.pop(name)
+        if growth is not None:   # released entries stay released: as at its last growth
+            self.computed_at_growth[name] = growth
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def free_swapped(self, data):
+        """A swapped-out request ends (aborted): its copies are dropped, its room given back."""
+        name = data.draw(st.sampled_from(sorted(self.swapped)))
+        keys = {key for key, (owner, _) in self.copies.items() if owner == name}
+        self.manager.free(name)
+        work = self._take_work()
+        assert set(work.swap_drops) == keys
+        del self.swapped[name]
+
+    @invariant()
+    def swap_books_balance(self):
+        self._take_work()
+        swap = self.manager.swap
+        assert len(self.copies) == swap.num_blocks <= swap.capacity_blocks
+        assert {owner for owner, _ in self.copies.values()} <= set(self.swapped)
+        assert all(self.manager.is_swapped(name) for name in self.swapped)
+        if swap.disk is not None:
+            assert len(swap.disk) + swap.num_blocks <= swap.disk.capacity_blocks
+
+    def teardown(self):
+        for name in list(self.swapped):
+            self.manager.free(name)
+            self.swapped.pop(name)
+        self._take_work()
+        assert not self.copies and self.manager.swap.num_blocks == 0
+        super().teardown()
+
+
+class RamSwapMoves(SwapMoves):
+    """Swapping to RAM staging: the manager has no disk tier, so a step moves swapped blocks only."""
+
+    def manager_options(self) -> dict:
+        return {"swap_space": self.swap_space()}
+
+    def _apply(self, work) -> None:
+        assert not (work.spills or work.loads or work.deletes)
+
+
+class SwapKVManagerMachine(RamSwapMoves, KVManagerMachine):
+    """Swapping over the plain manager."""
+
+
+TestSwapKVManagerMachine = SwapKVManagerMachine.TestCase
+TestSwapKVManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class WindowedSwapKVManagerMachine(RamSwapMoves, WindowedKVManagerMachine):
+    """Swapping with a sliding window: released entries stay released through a swap."""
+
+
+TestWindowedSwapKVManagerMachine = WindowedSwapKVManagerMachine.TestCase
+TestWindowedSwapKVManagerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+class DiskSwapKVManagerMachine(SwapMoves, DiskKVManagerMachine):
+    """Swapping into the disk tier's quota, beside spills, disk hits and evictions."""
+
+    def manager_options(self) -> dict:
+        options = super().manager_options()
+        return options | {"swap_space": self.swap_space(options["disk_tier"])}
+
+
+TestDiskSwapKVManagerMachine = DiskSwapKVManagerMachine.TestCase
+TestDiskSwapKVManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

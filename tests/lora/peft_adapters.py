@@ -13,7 +13,7 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def make_adapter(base_dir: Path, out_dir: Path, *, rank: int = 8, targets=ATTENTION, alpha: int = 16,
-                 use_rslora: bool = False, seed: int = 0, **extra) -> Path:
+                 use_rslora: bool = False, seed: int = 0, safe_serialization: bool = True, **extra) -> Path:
     """A LoRA of the given rank on `targets` (a list, or "all-linear") with random A and B (PEFT's default B is zero,
     which would make the adapter a no-op), saved with save_pretrained."""
     torch.manual_seed(seed)
@@ -25,7 +25,7 @@ def make_adapter(base_dir: Path, out_dir: Path, *, rank: int = 8, targets=ATTENT
         for name, param in model.named_parameters():
             if "lora_" in name:
                 param.normal_(0.0, 0.2 if "lora_B" in name else 0.5 / rank ** 0.5)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=safe_serialization)
     return out_dir
 
 

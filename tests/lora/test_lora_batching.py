@@ -63,10 +63,11 @@ def test_three_adapters_and_the_base_in_one_step_each_as_alone(base, loras):
     assert all(ours != theirs for ours, theirs in zip(token_ids(together[:3]), base_alone))
 
 
-def test_under_forced_preemption_each_as_alone(base, loras):
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_under_forced_preemption_each_as_alone(preemption_mode, base, loras):
     # 12 blocks of 16 tokens: the 12 requests (up to 76 tokens each) cannot all hold their KV at once.
     llm = LLM(str(base), dtype="float32", kv_cache_memory=12 * 2 * 2 * 16 * 2 * 16 * 4, block_size=16,
-              enable_lora=True, max_loras=3)
+              enable_lora=True, max_loras=3, preemption_mode=preemption_mode)
     assert llm.llm_engine.kv_manager.pool.num_blocks == 12
     batch, lora_requests = prompts(12, seed=1), mixed(loras, 12)
     together = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=lora_requests)

@@ -105,6 +105,15 @@ def test_bad_adapters_are_refused_with_the_reason(kind, llm, base, tmp_path):
     assert 30 not in llm.list_loras() and 31 not in llm.list_loras()
 
 
+def test_an_adapter_saved_as_bin_runs_as_its_safetensors_copy(llm, base, tmp_path):
+    made = [make_adapter(base, tmp_path / kind, rank=8, seed=5, safe_serialization=kind == "safetensors")
+            for kind in ("safetensors", "bin")]
+    assert (made[1] / "adapter_model.bin").is_file() and not (made[1] / "adapter_model.safetensors").exists()
+    outputs = [llm.generate(prompt(3), GREEDY, use_tqdm=False, lora_request=LoRARequest(f"f{i}", 70 + i, str(path)))
+               for i, path in enumerate(made)]
+    assert outputs[0][0].outputs[0].token_ids == outputs[1][0].outputs[0].token_ids
+
+
 def test_adapters_of_another_base_or_too_large_are_refused(llm, make_tiny_model_dir, base, tmp_path):
     wider = make_tiny_model_dir(tmp_path, "llama3", hidden_size=32)
     with pytest.raises(ValueError, match="does not fit this base model: model.layers.0.self_attn.k_proj lora_A is "

@@ -9,6 +9,7 @@ is seen; a wrong adapter (scaling dropped, a part's columns misplaced) moves log
 import pytest
 import torch
 
+from gguf_files import gguf_round_trip, write_gguf
 from tests.lora.peft_adapters import ATTENTION, make_adapter, reference_greedy, reference_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.lora.request import LoRARequest
@@ -73,6 +74,29 @@ def test_adapter_over_an_int8_base_matches_peft_on_the_dequantized_weights(make_
     prompts = random_prompts(7)
     llm = LLM(str(base), dtype="float32", kv_cache_memory="16MiB", quantization="int8", enable_lora=True)
     assert llm.llm_engine.runner.model.layers[0].qkv_proj.base.format == "int8"
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                           lora_request=LoRARequest("adapter", 1, str(adapter)))
+    assert_matches_peft(outputs, reference, prompts)
+
+
+def test_adapter_over_a_q4_0_gguf_base_matches_peft_on_the_dequantized_weights(make_tiny_model_dir, bundled_gguf_path,
+                                                                               tmp_path):
+    """The common CPU case: a GGUF whose projections are Q4_0 (as the bundled model's Q4_1) stays quantized, its
+    kernels run, and the adapter's update is added; the reference is peft over the weights as gguf dequantizes them."""
+    folder = make_tiny_model_dir(tmp_path, "llama3", rope_scaling=None)   # the test's GGUF writer has no llama3 rope
+    adapter = make_adapter(folder, tmp_path / "adapter", rank=8, targets="all-linear")
+    state = reference_model(folder, None).state_dict()
+    path = tmp_path / "tiny-Q4_0.gguf"
+    write_gguf(path, "llama", reference_model(folder, None).config, state, tokenizer_from=bundled_gguf_path,
+               quantized="Q4_0")
+    reference = reference_model(folder, adapter)
+    with torch.no_grad():
+        for name, weight in reference.named_parameters():
+            if weight.dim() == 2 and "lora_" not in name:
+                weight.copy_(gguf_round_trip(weight, "Q4_0"))
+    prompts = random_prompts(11)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", enable_lora=True)
+    assert llm.llm_engine.runner.model.layers[0].mlp.gate_up_proj.base.format == "Q4_0"
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                            lora_request=LoRARequest("adapter", 1, str(adapter)))
     assert_matches_peft(outputs, reference, prompts)

@@ -10,15 +10,18 @@ COLUMNS = ((0, 4), (4, 10))   # two parts of a fused layer, as q and kv
 
 
 def packed(seed: int, ranks: tuple[int, int]) -> tuple[PackedLoRA, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A two-part adapter as LoRAModel.pack lays it out, and its parts' (A, B) for the reference."""
     generator = torch.Generator().manual_seed(seed)
-    parts, a_parts, start = [], [], 0
+    parts = []
+    a_t, b_t = torch.zeros(IN, sum(ranks), dtype=torch.float64), torch.zeros(sum(ranks), OUT, dtype=torch.float64)
+    start = 0
     for (column_start, column_end), rank in zip(COLUMNS, ranks):
         a = torch.randn(rank, IN, generator=generator, dtype=torch.float64)
         b = torch.randn(column_end - column_start, rank, generator=generator, dtype=torch.float64)
-        a_parts.append((a, b))
-        parts.append((column_start, column_end, start, start + rank, b.t().contiguous()))
+        parts.append((a, b))
+        a_t[:, start:start + rank], b_t[start:start + rank, column_start:column_end] = a.t(), b.t()
         start += rank
-    return PackedLoRA(torch.cat([a for a, _ in a_parts]).t().contiguous(), tuple(parts)), a_parts
+    return PackedLoRA(a_t, b_t), parts
 
 
 @settings(max_examples=60, deadline=None)

@@ -3,8 +3,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model import attention
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention, paged_attention
+from pagedllm.model.attention import cache as cache_layout
+from pagedllm.model.attention.cache import CacheTensor, write_kv_reference
+from pagedllm.model.attention.cpu import CpuAttentionBackend
+from pagedllm.model.attention.metadata import AttentionMetadata, LayerAttention
+from pagedllm.model.attention.torch_reference import TorchAttentionBackend
+from pagedllm.model.kernels import kernels as _C
 from tests.attention_reference import (DTYPE_PAIRS, caches_of, causal_reference, dequantize, noise_cache,
                                        reference_quantize, tolerance)
 
@@ -29,8 +33,8 @@ def scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype, generator, 
     num_blocks = len(seq_lens) * max_blocks + 3
     order = torch.randperm(num_blocks, generator=generator)
     tables = order[:len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks).contiguous()
-    k_shape, v_shape = attention.kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
-    scales_shape = attention.kv_scales_shape(num_blocks, block_size, kv_heads)
+    k_shape, v_shape = cache_layout.kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
+    scales_shape = cache_layout.kv_scales_shape(num_blocks, block_size, kv_heads)
     k_cache, v_cache = (noise_cache(shape, scales_shape, cache_dtype, generator) for shape in (k_shape, v_shape))
     keys = [torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype) for n in seq_lens]
     values = [torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype) for n in seq_lens]
@@ -61,7 +65,7 @@ def test_kernel_matches_dense_attention(dtype, cache_dtype, block_size, heads, k
     q = qkv[:, :heads * head_dim].view(len(seq_lens), heads, head_dim)
     lens = torch.tensor(seq_lens)
     out = torch.empty(q.shape, dtype=dtype)
-    attention._C.paged_attention(out, q, *caches_of(k_cache, v_cache), tables, torch.arange(len(seq_lens)), lens,
+    _C.paged_attention(out, q, *caches_of(k_cache, v_cache), tables, torch.arange(len(seq_lens)), lens,
                                  0.125)
     for i in range(len(seq_lens)):
         expected = F.scaled_dot_product_attention(
@@ -82,7 +86,7 @@ def test_kernel_widens_every_float16_and_fp8_value_exactly(cache_dtype):
     v_cache[:, 0, 0] = every_value.view(num_seqs, head_dim)
     k_cache = torch.zeros(num_seqs, 1, head_dim, 8, dtype=cache_dtype)
     out = torch.empty(num_seqs, 1, head_dim)
-    attention._C.paged_attention(out, torch.ones(num_seqs, 1, head_dim), k_cache, v_cache, None, None,
+    _C.paged_attention(out, torch.ones(num_seqs, 1, head_dim), k_cache, v_cache, None, None,
                                  torch.arange(num_seqs)[:, None], torch.arange(num_seqs),
                                  torch.ones(num_seqs, dtype=torch.int64), 1.0)
     torch.testing.assert_close(out.flatten(), every_value.float(), atol=0, rtol=0, equal_nan=True)
@@ -109,14 +113,14 @@ def test_kernel_and_pytorch_paths_agree_inside_paged_attention(cache_dtype, laye
     k_new = torch.randn(num_rows, 2, 32, generator=generator)
     v_new = torch.randn(num_rows, 2, 32, generator=generator)
     results, caches = [], []
-    for use_kernel in (True, False):
+    for backend in (CpuAttentionBackend(), TorchAttentionBackend()):
         meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=2, decode_block_tables=tables[:2],
                                  decode_seq_lens=torch.tensor(seq_lens[:2]), prefill_query_starts=torch.tensor([2, 19, 39]),
                                  prefill_context_lens=torch.tensor([60, 0]), prefill_block_tables=tables[2:],
-                                 block_size=16, use_kernel=use_kernel)
+                                 block_size=16)
         caches.append(tuple(CacheTensor(c.data.clone(), None if c.scales is None else c.scales.clone())
                             for c in (k_cache, v_cache)))
-        results.append(paged_attention(q, k_new, v_new, *caches[-1], meta, layer))
+        results.append(backend.forward(q, k_new, v_new, *caches[-1], meta, layer))
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
     assert not results[0][-3:].any()
     written = torch.zeros(k_cache.data.shape[0] * 16, dtype=torch.bool)
@@ -131,22 +135,18 @@ def test_kernel_and_pytorch_paths_agree_inside_paged_attention(cache_dtype, laye
 @pytest.mark.parametrize("dtype, cache_dtype", DTYPE_PAIRS)
 def test_write_kv_stores_what_the_reference_quantization_gives(dtype, cache_dtype):
     generator = torch.Generator().manual_seed(2)
-    k_shape, v_shape = attention.kv_cache_shapes(6, 16, 3, 64)
-    scales_shape = attention.kv_scales_shape(6, 16, 3)
+    k_shape, v_shape = cache_layout.kv_cache_shapes(6, 16, 3, 64)
+    scales_shape = cache_layout.kv_scales_shape(6, 16, 3)
     slots = torch.tensor([0, 17, 95, 40, 63])
     kv = torch.randn(5, 2 * 3 * 64 + 8, generator=generator).to(dtype) * 3
     kv[3, 64:128] = 0   # one all-zero row (token 3, kv head 1 of K)
     k, v = kv[:, :192].view(5, 3, 64), kv[:, 192:384].view(5, 3, 64)   # strided rows
     caches = []
-    for kernel in (attention._C, None):
+    for write_kv in (CpuAttentionBackend().write_kv, write_kv_reference):
         k_cache, v_cache = (CacheTensor(torch.zeros(shape, dtype=cache_dtype),
                                         torch.zeros(scales_shape) if cache_dtype == torch.int8 else None)
                             for shape in (k_shape, v_shape))
-        original, attention._C = attention._C, kernel
-        try:
-            attention.write_kv(k_cache, v_cache, k, v, slots)
-        finally:
-            attention._C = original
+        write_kv(k_cache, v_cache, k, v, slots)
         caches.append((k_cache, v_cache))
     as_bits = (lambda t: t.view(torch.uint8)) if cache_dtype.itemsize == 1 else (lambda t: t)
     for kernel_cache, indexed_cache in zip(*caches):
@@ -183,7 +183,7 @@ def test_prefill_kernel_matches_dense_causal_attention(dtype, cache_dtype, block
     starts = torch.tensor([0] + [length for _, length in chunks]).cumsum(0)
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     scale = head_dim ** -0.5
-    attention._C.prefill_attention(out, q, *caches_of(k_cache, v_cache), tables, starts,
+    _C.prefill_attention(out, q, *caches_of(k_cache, v_cache), tables, starts,
                                    torch.tensor([context for context, _ in chunks]), scale)
     for i, (context, length) in enumerate(chunks):
         rows = slice(starts[i], starts[i + 1])
@@ -196,10 +196,10 @@ def test_kernels_refuse_int8_caches_without_scales_and_scales_elsewhere():
     v_cache = torch.zeros(2, 1, 8, 32, dtype=torch.int8)
     k, slots = torch.zeros(1, 1, 32), torch.tensor([0])
     with pytest.raises(RuntimeError, match="int8 caches take scales, the other dtypes none"):
-        attention._C.write_kv(k_cache, v_cache, None, None, k, k, slots)
+        _C.write_kv(k_cache, v_cache, None, None, k, k, slots)
     scales = torch.zeros(2, 1, 8)
     with pytest.raises(RuntimeError, match="int8 caches take scales, the other dtypes none"):
-        attention._C.write_kv(k_cache.float(), v_cache.float(), scales, scales, k, k, slots)
+        _C.write_kv(k_cache.float(), v_cache.float(), scales, scales, k, k, slots)
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,block_size", layouts([8, 16, 24]))
@@ -224,11 +224,11 @@ def test_kernels_attend_within_the_window_and_cap_scores(dtype, cache_dtype, blo
     scale = head_dim ** -0.5
     limits = (sliding_window or 0, softcap or 0.0)
     out = torch.full(q.shape, float("nan"), dtype=dtype)
-    attention._C.prefill_attention(out, q, *caches_of(k_cache, v_cache), tables, starts,
+    _C.prefill_attention(out, q, *caches_of(k_cache, v_cache), tables, starts,
                                    torch.tensor([context for context, _ in chunks]), scale, *limits)
     last = starts[1:] - 1   # each sequence's last token, as a decode
     decoded = torch.empty(len(chunks), heads, head_dim, dtype=dtype)
-    attention._C.paged_attention(decoded, q[last].contiguous(), *caches_of(k_cache, v_cache), tables,
+    _C.paged_attention(decoded, q[last].contiguous(), *caches_of(k_cache, v_cache), tables,
                                  torch.arange(len(chunks)), torch.tensor(seq_lens), scale, *limits)
     for i, (context, length) in enumerate(chunks):
         rows = slice(starts[i], starts[i + 1])

@@ -10,8 +10,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import ATTENTION_BACKENDS, EngineConfig
 from pagedllm.config.resolve import gpu_kv_cache_budget
 from pagedllm.entrypoints.cli import parse_args
-from pagedllm.model import attention_backends
-from pagedllm.model.attention_backends import FORCE_VARIABLE, select_attention_backend
+from pagedllm.model.attention import selector
+from pagedllm.model.attention.selector import FORCE_VARIABLE, select_attention_backend
 from pagedllm.worker.host_staging import HostStaging, fetch
 
 CPU = torch.device("cpu")
@@ -23,7 +23,7 @@ def select(requested, device=CPU, head_dim=64, cache_dtype=torch.float32):
 
 
 def test_config_names_the_backends_the_selection_knows():
-    assert ATTENTION_BACKENDS == ("auto", *attention_backends.BACKEND_NAMES)
+    assert ATTENTION_BACKENDS == ("auto", *selector.BACKEND_NAMES)
     with pytest.raises(ValueError, match="attention_backend must be one of auto, cpu, triton, torch, got 'flash'"):
         EngineConfig(attention_backend="flash")
     assert parse_args(["generate", "hi", "--attention-backend", "torch"]).attention_backend == "torch"
@@ -41,7 +41,7 @@ def test_auto_takes_the_cpu_kernels_on_cpu_and_the_reference_where_they_cannot_s
 def test_the_environment_variable_names_the_backend_when_the_argument_is_auto(monkeypatch):
     monkeypatch.setenv(FORCE_VARIABLE, "torch")
     assert select("auto").name == "torch"
-    if attention_backends._C is not None:
+    if selector.kernels is not None:
         assert select("cpu").name == "cpu"   # an explicit argument wins
     monkeypatch.setenv(FORCE_VARIABLE, "sdpa")
     with pytest.raises(ValueError, match=f"{FORCE_VARIABLE} must be one of auto, cpu, triton, torch, got 'sdpa'"):
@@ -50,7 +50,7 @@ def test_the_environment_variable_names_the_backend_when_the_argument_is_auto(mo
 
 @pytest.mark.triton
 def test_triton_backend_refuses_a_cpu_without_the_interpreter(monkeypatch):
-    triton_kernels = pytest.importorskip("pagedllm.model.triton_kernels", reason="triton is not installed")
+    triton_kernels = pytest.importorskip("pagedllm.model.attention.triton_kernels", reason="triton is not installed")
     monkeypatch.setattr(triton_kernels, "INTERPRETED", False)
     with pytest.raises(ValueError, match="runs only under Triton's interpreter: set TRITON_INTERPRET=1"):
         select("triton")
@@ -95,14 +95,14 @@ def test_engine_on_the_triton_backend_gives_the_cpu_kernels_tokens(caplog):
     to int8, so a 1e-6 difference in an activation may move a rounding and the tokens), a few greedy requests: a prompt chunked over steps (max_num_batched_tokens)
     beside short ones that decode meanwhile; then one that shares its first blocks (a prefill after a cached
     prefix) beside a whole new prompt."""
-    pytest.importorskip("pagedllm.model.triton_kernels", reason="triton is not installed")
+    pytest.importorskip("pagedllm.model.attention.triton_kernels", reason="triton is not installed")
     shared = list(range(100, 140))
     rounds = [[{"prompt_token_ids": shared}, "Hi"],   # "Hi" is one token: it joins the chunk's second step as a row of one
               [{"prompt_token_ids": shared + [7, 8, 9]}, "The capital of France is"]]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     tokens = {}
     # On CPU the C++ kernels are the reference; on a GPU the PyTorch one, so that only attention differs.
-    reference = "cpu" if DEVICE.type == "cpu" and attention_backends._C is not None else "torch"
+    reference = "cpu" if DEVICE.type == "cpu" and selector.kernels is not None else "torch"
     for backend in (reference, "triton"):
         with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
             llm = LLM(dtype="float32", quantization="none", device=DEVICE.type, attention_backend=backend,

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.model import attention
+from pagedllm.model.attention import cache as cache_layout
+from pagedllm.model.kernels import kernels as _C
 from pagedllm.model.cascade import SharedPrefixGroups, find_shared_prefixes
 from tests.attention_reference import (DTYPE_PAIRS, caches_of, causal_reference, dequantize, noise_cache,
                                        reference_quantize, tolerance)
@@ -22,8 +23,8 @@ def shared_cache(groups, block_size, kv_heads, head_dim, dtype, cache_dtype, gen
                  for (common, _), group in zip(groups, lengths))
     num_blocks = needed + 3
     free = torch.randperm(num_blocks, generator=generator).tolist()
-    k_shape, v_shape = attention.kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
-    scales_shape = attention.kv_scales_shape(num_blocks, block_size, kv_heads)
+    k_shape, v_shape = cache_layout.kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
+    scales_shape = cache_layout.kv_scales_shape(num_blocks, block_size, kv_heads)
     k_cache, v_cache = (noise_cache(shape, scales_shape, cache_dtype, generator) for shape in (k_shape, v_shape))
     tables, held_keys, held_values = [], [], []
     for (common, _), group in zip(groups, lengths):
@@ -73,14 +74,14 @@ def run_both(groups, block_size, heads, kv_heads, head_dim, dtype=torch.float32,
         found = SharedPrefixGroups(torch.tensor([0]), torch.tensor([0, 1]),
                                    torch.tensor([min(common * block_size, context)]))
     cascade = torch.full(q.shape, float("nan"), dtype=dtype)
-    attention._C.cascade_attention(cascade, q, *caches_of(k_cache, v_cache), tables, starts, contexts,
+    _C.cascade_attention(cascade, q, *caches_of(k_cache, v_cache), tables, starts, contexts,
                                    found.group_seqs, found.group_starts, found.shared_lens, scale)
     plain = torch.full(q.shape, float("nan"), dtype=dtype)
     if (rows == 1).all():
-        attention._C.paged_attention(plain, q, *caches_of(k_cache, v_cache), tables, torch.arange(len(shapes)),
+        _C.paged_attention(plain, q, *caches_of(k_cache, v_cache), tables, torch.arange(len(shapes)),
                                      contexts + 1, scale)
     else:
-        attention._C.prefill_attention(plain, q, *caches_of(k_cache, v_cache), tables, starts, contexts, scale)
+        _C.prefill_attention(plain, q, *caches_of(k_cache, v_cache), tables, starts, contexts, scale)
     references = [causal_reference(q[starts[i]:starts[i + 1]], keys[i], values[i], int(contexts[i]), scale)
                   for i in range(len(shapes))]
     return cascade, plain, torch.cat(references), found
@@ -151,7 +152,7 @@ def test_forks_and_beams():
     assert sorted(found.shared_lens.tolist()) == [48, 96]
     q = torch.randn(7, 9, 64, generator=generator)
     out = torch.empty_like(q)
-    attention._C.cascade_attention(out, q, *caches_of(k_cache, v_cache), tables, torch.arange(8), contexts,
+    _C.cascade_attention(out, q, *caches_of(k_cache, v_cache), tables, torch.arange(8), contexts,
                                    found.group_seqs, found.group_starts, found.shared_lens, 0.125)
     for i in range(7):
         expected = causal_reference(q[i:i + 1], keys[i], values[i], int(contexts[i]), 0.125)
@@ -184,13 +185,13 @@ def test_kernel_refuses_groups_whose_tables_or_lengths_disagree():
     args = (torch.empty_like(q), q, *caches_of(k_cache, v_cache))
     seqs, starts = torch.tensor([0, 1]), torch.tensor([0, 2])
     with pytest.raises(RuntimeError, match="must not pass any member's cached context"):
-        attention._C.cascade_attention(*args, tables, torch.arange(3), contexts, seqs, starts, torch.tensor([41]), 1.0)
+        _C.cascade_attention(*args, tables, torch.arange(3), contexts, seqs, starts, torch.tensor([41]), 1.0)
     other = tables.clone()
     other[1, 1] = other[1, 2]
     with pytest.raises(RuntimeError, match="must agree on the shared blocks"):
-        attention._C.cascade_attention(*args, other, torch.arange(3), contexts, seqs, starts, torch.tensor([32]), 1.0)
+        _C.cascade_attention(*args, other, torch.arange(3), contexts, seqs, starts, torch.tensor([32]), 1.0)
     with pytest.raises(RuntimeError, match="at most once"):
-        attention._C.cascade_attention(*args, tables, torch.arange(3), contexts, torch.tensor([0, 0]), starts,
+        _C.cascade_attention(*args, tables, torch.arange(3), contexts, torch.tensor([0, 0]), starts,
                                        torch.tensor([32]), 1.0)
 
 

@@ -48,7 +48,7 @@ def test_forcing_a_variant_the_cpu_lacks_or_that_does_not_exist_is_refused():
 def test_each_other_variant_passes_the_kernel_tests(variant):
     """The default variant runs them in this process already; the others in a process of their own."""
     env = {**os.environ, kernels.FORCE_VARIABLE: variant}
-    check = subprocess.run([sys.executable, "-c", "from pagedllm.model import ops; print(ops._C.__name__)"],
+    check = subprocess.run([sys.executable, "-c", "from pagedllm.model import kernels; print(kernels.kernels.__name__)"],
                            env=env, capture_output=True, text=True, check=True, timeout=SUBPROCESS_TIMEOUT)
     assert check.stdout.strip() == kernels.module_name(variant)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],

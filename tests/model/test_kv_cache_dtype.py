@@ -11,7 +11,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.bench.accuracy import sequence_logprobs
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cli import parse_args
-from pagedllm.model.attention import CacheTensor
+from pagedllm.model.attention.cache import CacheTensor
 from pagedllm.worker.model_runner import allocate_kv_caches
 from tests.kv_cache_reference import RoundingCache
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from transformers.activations import ACT2FN
 
-from pagedllm.model import attention, ops
+from pagedllm.model import ops
 from pagedllm.model.config import ACTIVATIONS
 from pagedllm.model.rope import RotaryEmbedding
 
@@ -15,13 +15,21 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(ato
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+CPU = torch.device("cpu")
+
+
 @pytest.fixture(autouse=True, params=["kernel", "pytorch"])
-def path(request, monkeypatch):
+def path(request):
     """Every test runs twice: on the C++ kernels and on the PyTorch formulas that stand in for them."""
-    if request.param == "pytorch":
-        monkeypatch.setattr(ops, "_C", None)
-        monkeypatch.setattr(attention, "_C", None)
     return request.param
+
+
+def chosen(path: str, kernel_path, torch_path):
+    """The op a layer of this path gets; the kernel path must really be the kernel."""
+    if path == "pytorch":
+        return torch_path
+    assert kernel_path is not torch_path, "the C++ kernels are not built"
+    return kernel_path
 
 
 def hf_rms_norm(x, weight, eps):
@@ -31,22 +39,24 @@ def hf_rms_norm(x, weight, eps):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_rms_norm_and_residual_add(dtype, rows):
+def test_rms_norm_and_residual_add(dtype, rows, path):
     generator = torch.Generator().manual_seed(rows)
     x, residual = (torch.randn(rows, 576, generator=generator).to(dtype) for _ in range(2))
     weight = torch.randn(576, generator=generator).to(dtype)
-    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5), **TOLERANCE[dtype])
+    rms_norm = chosen(path, ops.rms_norm_op(CPU, 576), ops.rms_norm_torch)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5), **TOLERANCE[dtype])
     stream = residual.clone()
-    normed = ops.rms_norm(x, weight, 1e-5, residual=stream)
+    normed = rms_norm(x, weight, 1e-5, residual=stream)
     torch.testing.assert_close(stream, residual + x, atol=0, rtol=0)   # the add rounds as torch's add
     torch.testing.assert_close(normed, hf_rms_norm(residual + x, weight, 1e-5), **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
+def test_silu_and_mul(dtype, path):
     gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 8).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
+    silu_and_mul = chosen(path, ops.gated_activation("silu", CPU, 1536), ops.silu_and_mul)
+    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("name", ACTIVATIONS)
@@ -62,7 +72,8 @@ def test_every_gated_activation_as_transformers_computes_it(name):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rotation_matches_rotate_half(dtype, head_dim, path):
-    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, torch.device("cpu"))
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, CPU)
+    rope.kernel = chosen(path, rope.kernel, None)
     positions = torch.tensor([0, 1, 17, 4095, 300])
     qkv = torch.randn(5, 12 * head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     q = qkv[:, :9 * head_dim].view(5, 9, head_dim)   # a strided view, as the layer passes it

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from gguf_files import gguf_round_trip, write_gguf
 from pagedllm import LLM, SamplingParams
-from pagedllm.model import attention
+from pagedllm.model.attention.cpu import CpuAttentionBackend
 from pagedllm.model.quantization import quantize
 
 MAX_NEW_TOKENS = 64
@@ -278,12 +278,12 @@ def assert_greedy_matches(folder, prompts, outputs, max_new_tokens):
 def cascade_calls(monkeypatch):
     """How many times the cascade kernel served (wrapped, still run)."""
     calls = []
-    kernel = attention._cascade_attention
+    kernel = CpuAttentionBackend._cascade
 
     def counted(*args):
         calls.append(args[-1])   # the layer it attended for
         return kernel(*args)
-    monkeypatch.setattr(attention, "_cascade_attention", counted)
+    monkeypatch.setattr(CpuAttentionBackend, "_cascade", counted)
     return calls
 
 
@@ -336,7 +336,7 @@ def test_gemma3_sliding_layers_keep_their_rope_where_the_window_covers_the_conte
     """A window past max_model_len is full attention (no window for any kernel, so Triton may serve), yet the
     sliding layers still rotate at their local base."""
     if attention_backend == "triton":
-        pytest.importorskip("pagedllm.model.triton_kernels", reason="triton is not installed")
+        pytest.importorskip("pagedllm.model.attention.triton_kernels", reason="triton is not installed")
     folder = make_tiny_model_dir(tmp_path, "gemma3", sliding_window=4096)
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (5, 40)]

@@ -1,5 +1,5 @@
-"""The Triton kernels against the PyTorch reference paths (attention.paged_attention with use_kernel off, and
-attention.quantize for the KV write), on CPU under Triton's interpreter (tests/conftest.py sets
+"""The Triton kernels against the PyTorch reference paths (the `torch` backend, and
+cache.quantize for the KV write), on CPU under Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 where there is no GPU) or on a GPU (`cuda` marker, run by scripts/gpu_check.sh).
 
 Shapes are tiny: the interpreter runs each program in Python."""
@@ -10,11 +10,12 @@ import sys
 import pytest
 import torch
 
-from pagedllm.model import attention
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention, paged_attention
+from pagedllm.model.attention.cache import CacheTensor, kv_cache_shapes, kv_scales_shape
+from pagedllm.model.attention.metadata import AttentionMetadata, LayerAttention
+from pagedllm.model.attention.torch_reference import TorchAttentionBackend
 
-triton_kernels = pytest.importorskip("pagedllm.model.triton_kernels", reason="triton is not installed")
-from pagedllm.model.attention_backends import select_attention_backend  # noqa: E402
+triton_kernels = pytest.importorskip("pagedllm.model.attention.triton_kernels", reason="triton is not installed")
+from pagedllm.model.attention.selector import select_attention_backend  # noqa: E402
 
 pytestmark = pytest.mark.triton
 ON_GPU = torch.cuda.is_available()
@@ -24,7 +25,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 @pytest.fixture(autouse=True, scope="module")
 def kernels_can_run():
     if not ON_GPU and not triton_kernels.INTERPRETED:
-        pytest.fail("pagedllm.model.triton_kernels was imported before TRITON_INTERPRET=1 was set: on CPU its kernels "
+        pytest.fail("pagedllm.model.attention.triton_kernels was imported before TRITON_INTERPRET=1 was set: on CPU its kernels "
                     "cannot run (tests/conftest.py sets the variable before any test module imports it)")
 
 
@@ -39,8 +40,8 @@ def tolerance(dtype):
 def random_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype, generator):
     """K and V caches in the documented layout, noise in every slot (scales too), as unwritten slots may hold;
     int8 elements and scales such that the values they stand for are of size ~1, as real K/V are."""
-    k_shape, v_shape = attention.kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
-    scales_shape = attention.kv_scales_shape(num_blocks, block_size, kv_heads)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
+    scales_shape = kv_scales_shape(num_blocks, block_size, kv_heads)
 
     def one(shape):
         noise = torch.randn(shape, generator=generator)
@@ -70,7 +71,7 @@ def step_metadata(seq_lens, new_tokens, block_size, generator, num_padding=0):
         slot_mapping=on(slots), num_decode_tokens=num_decodes,
         decode_block_tables=on(tables[:num_decodes, :decode_blocks].contiguous()), decode_seq_lens=on(lens[:num_decodes]),
         prefill_query_starts=on(starts[num_decodes:]), prefill_context_lens=on(lens[num_decodes:] - starts.diff()[num_decodes:]),
-        prefill_block_tables=on(tables[num_decodes:]), block_size=block_size, use_kernel=False,
+        prefill_block_tables=on(tables[num_decodes:]), block_size=block_size,
         query_starts=on(starts), seq_lens=on(lens), block_tables=on(tables), max_query_len=max(new_tokens),
         max_seq_len=max(seq_lens))
     return meta, num_blocks, len(rows) + num_padding
@@ -89,19 +90,10 @@ def run_both(seq_lens, new_tokens, block_size, heads, kv_heads, head_dim, dtype=
     q, k, v = (x.view(num_rows, -1, head_dim) for x in (q, k, v))
     triton_backend = select_attention_backend("triton", DEVICE, head_dim, block_size, dtype, cache_dtype)
     results = []
-    for forward in (triton_backend.forward, pytorch_reference):
+    for forward in (triton_backend.forward, TorchAttentionBackend().forward):
         caches = [CacheTensor(c.data.clone(), None if c.scales is None else c.scales.clone()) for c in (k_cache, v_cache)]
         results.append((forward(q, k, v, *caches, meta, LayerAttention(head_dim ** -0.5)), caches))
     return results, meta
-
-
-def pytorch_reference(*args):
-    """paged_attention with the C++ kernels out of the way: the KV write by indexing, attention by SDPA."""
-    compiled, attention._C = attention._C, None
-    try:
-        return paged_attention(*args)
-    finally:
-        attention._C = compiled
 
 
 def assert_same(results, dtype):
@@ -138,7 +130,7 @@ def test_attention_in_half_precision(dtype):
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.int8), (torch.float32, torch.bfloat16),
                                                (torch.bfloat16, torch.int8)])
 def test_attention_over_a_cache_of_another_dtype(dtype, cache_dtype):
-    """The KV write quantizes as attention.quantize does (bit for bit, scales included); attention reads the
+    """The KV write quantizes as cache.quantize does (bit for bit, scales included); attention reads the
     elements (times their scales) in the query's dtype, as the reference gathers them."""
     results, _ = run_both([10, 25, 30], [1, 1, 14], 8, 6, 2, 32, dtype=dtype, cache_dtype=cache_dtype)
     assert_same(results, dtype)
@@ -194,7 +186,7 @@ def test_the_interpreter_is_taken_when_set_after_triton_was_imported():
     does not fix the choice, only an earlier import of the kernel module would."""
     code = ("import os, triton\n"
             "os.environ['TRITON_INTERPRET'] = '1'\n"
-            "from pagedllm.model import triton_kernels\n"
+            "from pagedllm.model.attention import triton_kernels\n"
             "assert triton_kernels.INTERPRETED\n")
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)

@@ -28,7 +28,7 @@ from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 from pagedllm.spec_decode.ngram import propose_ngram
 from pagedllm.spec_decode.planner import SpeculationPlanner
-from pagedllm.spec_decode.rejection_sampler import accept
+from pagedllm.worker.rejection_sampler import accept
 from pagedllm.step import ModelRunnerOutput
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}

@@ -8,7 +8,8 @@ some of its functions, and the app builder, before the server starts.
   fails with an error, and the engine must keep serving the requests that come after.
 - A prompt containing HOLD_FAULT (one at a time, longer than one step's token budget) holds the engine
   part-way through its prefill, so a scenario can act at that point however fast the machine is. GET
-  HOLDS_ROUTE tells when the hold starts, how it ended, and how many requests arrived during holds.
+  HOLDS_ROUTE tells when the hold starts, how it ended, and how many requests arrived during holds; POST
+  RELEASE_ROUTE ends the hold and lets the held request run on to its end.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ REQUEST_FAULT = "<<inject-request-fault>>"
 STEP_FAULT = "<<inject-step-fault>>"
 HOLD_FAULT = "<<inject-hold>>"
 HOLDS_ROUTE = "/fault-injection/holds"
+RELEASE_ROUTE = "/fault-injection/release"
 HOLD_TIMEOUT = 60.0   # seconds: a hold nobody ends is released, and counted, so a broken scenario fails, not hangs
 HOLD_POLL = 0.05      # seconds a held engine idles per skipped step, so it does not spin
 
@@ -39,7 +41,8 @@ class Holds:
 
     While one is held the engine skips its steps, yet the calls queued on its thread between steps still
     run: /metrics answers (showing the request running, its blocks in use) and aborts go through. The hold
-    ends when its request is aborted (its client left: counted as `left`) or after HOLD_TIMEOUT (`timed_out`).
+    ends when its request is aborted (its client left: counted as `left`), when RELEASE_ROUTE is posted
+    (`released`: the request carries on) or after HOLD_TIMEOUT (`timed_out`).
     A marked request whose prefill ends or that ends before it could be held counts as `missed`. Requests
     added while the engine is held count as `arrived`: none of them can run a step before the hold ends.
     """
@@ -48,11 +51,17 @@ class Holds:
         self.pending: list[Request] = []
         self.held: Request | None = None
         self.release_at = 0.0
-        self.left = self.timed_out = self.missed = self.arrived = 0
+        self.release_requested = False
+        self.left = self.timed_out = self.missed = self.arrived = self.released = 0
 
     def counts(self) -> dict[str, int]:
         return {"held": int(self.held is not None), "left": self.left, "timed_out": self.timed_out,
-                "missed": self.missed, "arrived": self.arrived}
+                "missed": self.missed, "arrived": self.arrived, "released": self.released}
+
+    def release(self) -> dict[str, int]:
+        """Ends the current hold, if any, at the engine's next turn (a flag: the engine thread owns `held`)."""
+        self.release_requested = self.held is not None
+        return self.counts()
 
     def holding(self) -> bool:
         """Whether the engine must skip this step; ends the hold when its request was aborted or time is up."""
@@ -60,11 +69,13 @@ class Holds:
             return False
         if self.held.status == RequestStatus.FINISHED_ABORTED:
             self.left += 1
+        elif self.release_requested:
+            self.released += 1
         elif time.monotonic() > self.release_at:
             self.timed_out += 1
         else:
             return True
-        self.held = None
+        self.held, self.release_requested = None, False
         return False
 
     def after_step(self) -> None:
@@ -123,6 +134,7 @@ def install() -> None:
     def build_app_with_holds_route(*args, **kwargs):
         app = build_app(*args, **kwargs)
         app.add_api_route(HOLDS_ROUTE, holds.counts, methods=["GET"], include_in_schema=False)
+        app.add_api_route(RELEASE_ROUTE, holds.release, methods=["POST"], include_in_schema=False)
         return app
 
     llm_engine.LLMEngine.add_request = marking_add_request

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from pagedllm.model.loader import Checkpoint
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
-from pagedllm.worker.worker import Worker, WorkerArgs
+from pagedllm.worker.worker import Worker
 
 
 class Executor(ABC):
@@ -13,14 +12,6 @@ class Executor(ABC):
     is the engine's `runner`, and results (sampled tokens) come from it."""
 
     driver_worker: Worker
-
-    @staticmethod
-    def create(args: WorkerArgs, checkpoint: Checkpoint) -> Executor:
-        from pagedllm.engine.executor.multiproc_executor import MultiprocExecutor
-        from pagedllm.engine.executor.uniproc_executor import UniProcExecutor
-
-        executor_class = MultiprocExecutor if args.engine_config.tensor_parallel_size > 1 else UniProcExecutor
-        return executor_class(args, checkpoint)
 
     @abstractmethod
     def collective_rpc(self, method: str, *args, **kwargs):

@@ -40,7 +40,7 @@ async def create_message(body: MessagesRequest, raw_request: Request):
                          cache_breakpoints(body))
     except APIError as error:
         raise renamed(error, MESSAGES_NAMES) from error
-    builder = MessageBuilder(MessageResponse(id=run.request_id, model=state.model_name,
+    builder = MessageBuilder(MessageResponse(id=run.request_id, model=run.model_name,
                                              usage={"input_tokens": len(run.prompt_ids), "output_tokens": 0}))
     if body.stream:
         return sse_response(_stream(run, builder))
@@ -65,7 +65,7 @@ async def count_tokens(body: CountTokensRequest, raw_request: Request) -> CountT
     """The prompt's tokens as /v1/messages would send them to the model: template, system and tools included."""
     state = _state(raw_request)
     check_undeclared_fields(body)
-    state.check_model(body.model)
+    state.resolve_model(body.model)
     try:
         chat = chat_request(body)
         cache_breakpoints(body)   # refused as /v1/messages would refuse them

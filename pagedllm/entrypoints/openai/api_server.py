@@ -22,18 +22,20 @@ from pagedllm.entrypoints.openai.body_limit import RequestSizeLimitMiddleware
 from pagedllm.entrypoints.openai.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.errors import APIError, api_error_for, install_error_handlers
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompletionRequest,
-                                                  ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                                                  DetokenizeRequest, DetokenizeResponse, ERROR_RESPONSES, ModelCard,
-                                                  ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
-                                                  TokenizeResponse, VersionResponse)
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  TokenizeChatRequest, TokenizeCompletionRequest)
+from pagedllm.entrypoints.openai.response_protocol import (ChatCompletionChunk, ChatCompletionResponse,
+                                                           CompletionResponse, DetokenizeResponse, ERROR_RESPONSES,
+                                                           ModelCard, ModelList, TokenizeResponse, VersionResponse)
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.responses.serving import router as responses_router
 from pagedllm.entrypoints.openai.responses.store import ResponseStore
-from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.entrypoints.openai.lora_modules import LoRAModulePath
+from pagedllm.entrypoints.openai.server_config import RUNTIME_LORA_UPDATING_ENV, ServerConfig
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.entrypoints.openai.serving_engine import ServerState
+from pagedllm.entrypoints.openai.serving_models import ServedAdapters, runtime_updates_router
 from pagedllm.entrypoints.openai.serving_pooling import router as pooling_router
 from pagedllm.entrypoints.openai.stats_logger import log_stats_periodically
 from pagedllm.model.loader import bundled_model_path
@@ -77,8 +79,11 @@ async def version() -> VersionResponse:
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
     root = state.llm.config.model or str(bundled_model_path())
-    return ModelList(data=[ModelCard(id=name, root=root, max_model_len=state.llm.max_model_len)
-                           for name in state.model_names])
+    max_model_len = state.llm.max_model_len
+    adapters = state.adapters.all()
+    return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_model_len) for name in state.model_names]
+                     + [ModelCard(id=adapter.lora_name, root=adapter.lora_path, parent=state.adapters.parent_of(adapter),
+                                  max_model_len=max_model_len) for adapter in adapters])
 
 
 @router.post("/v1/completions", responses=generation_responses(CompletionResponse, CompletionResponse))
@@ -96,7 +101,7 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, reques
     """vLLM's: token ids of a prompt, or of a conversation through the chat template."""
     check_undeclared_fields(body)
     state = _state(request)
-    state.check_model(body.model)
+    state.resolve_model(body.model)   # an adapter shares the base model's tokenizer
     if isinstance(body, TokenizeChatRequest):
         tokens = state.chat_prompt_ids(body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs)
     else:
@@ -108,7 +113,7 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, reques
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     check_undeclared_fields(body)
     state = _state(request)
-    state.check_model(body.model)
+    state.resolve_model(body.model)
     vocab_size = state.llm.model_config.vocab_size
     if not all(0 <= token < vocab_size for token in body.tokens):
         raise APIError(400, f"tokens must be integers in [0, {vocab_size})", param="tokens")
@@ -133,16 +138,21 @@ def build_app(llm: EngineClient, config: ServerConfig) -> FastAPI:
                         chat_template=config.chat_template_text, tool_call_parser=config.tool_call_parser,
                         enable_auto_tool_choice=config.enable_auto_tool_choice,
                         reasoning_parser=config.reasoning_parser,
-                        response_store=ResponseStore(config.responses_store_size, config.responses_store_ttl))
+                        response_store=ResponseStore(config.responses_store_size, config.responses_store_ttl),
+                        adapters=ServedAdapters(llm, model_names))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        stats_task = asyncio.create_task(log_stats_periodically(state))
         try:
-            yield
+            if llm.config.enable_lora:
+                await _load_lora_modules(state.adapters, config.lora_modules or [])
+            stats_task = asyncio.create_task(log_stats_periodically(state))
+            try:
+                yield
+            finally:
+                # uvicorn gets here after in-flight requests finished or were cancelled (aborting them).
+                stats_task.cancel()
         finally:
-            # uvicorn gets here after in-flight requests finished or were cancelled (aborting them).
-            stats_task.cancel()
             await llm.shutdown()
 
     app = FastAPI(title="pagedllm", version=pagedllm_version(), lifespan=lifespan)
@@ -152,6 +162,10 @@ def build_app(llm: EngineClient, config: ServerConfig) -> FastAPI:
     app.include_router(responses_router)
     app.include_router(messages_router)
     app.include_router(pooling_router)
+    if config.allow_runtime_lora_updating:
+        logger.warning("runtime LoRA updating is on (--allow-runtime-lora-updating or %s): clients with the API key "
+                       "can load adapters from any path this server can read", RUNTIME_LORA_UPDATING_ENV)
+        app.include_router(runtime_updates_router)
     local_engine = llm.local_engine()
     if not config.disable_dashboard and local_engine is not None:   # Ray replicas keep their engines elsewhere
         install_dashboard(app, local_engine, api_key_required=bool(api_keys))
@@ -160,6 +174,18 @@ def build_app(llm: EngineClient, config: ServerConfig) -> FastAPI:
     if api_keys:
         app.add_middleware(APIKeyMiddleware, keys=api_keys)
     return app
+
+
+async def _load_lora_modules(adapters: ServedAdapters, modules: list[LoRAModulePath]) -> None:
+    """--lora-modules, loaded before the server answers; one that fails stops the server, with the reason."""
+    for module in modules:
+        try:
+            await adapters.load(module.name, module.path, module.base_model_name)
+        except APIError as exc:
+            raise RuntimeError(f"--lora-modules {module.name}={module.path}: {exc.message}") from exc
+    served = ", ".join(f"{adapter.lora_name} (id {adapter.lora_int_id}, {adapter.lora_path})"
+                       for adapter in adapters.all())
+    logger.info("LoRA adapters: %s", served or "none yet")
 
 
 def _exit_cleanly(signum: int, frame) -> None:

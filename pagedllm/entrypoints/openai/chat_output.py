@@ -7,7 +7,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from pagedllm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from pagedllm.entrypoints.openai.response_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from pagedllm.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser
 from pagedllm.entrypoints.openai.tool_requests import NamedToolChoice
 

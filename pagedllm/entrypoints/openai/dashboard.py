@@ -25,9 +25,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 
 from pagedllm.engine.protocol import LocalEngine
-from pagedllm.engine.kv_map import KVMapFeed, StepRecorder, block_detail, capture, kv_map_snapshot
+from pagedllm.entrypoints.openai.kv_map import KVMapFeed, StepRecorder, block_detail, capture, kv_map_snapshot
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import ERROR_RESPONSES
+from pagedllm.entrypoints.openai.response_protocol import ERROR_RESPONSES
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ from pagedllm.sampling_params import SamplingParams
 
 # OpenAI's error types by status; the rest are server errors.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+                503: "service_unavailable_error"}
 
 
 # Anthropic's error types by status; the rest are api_error.

@@ -1,8 +1,8 @@
 """The engine's per-token logprobs ({token_id: Logprob}) in OpenAI's two response shapes."""
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
-                                                  TopLogprob)
+from pagedllm.entrypoints.openai.response_protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs,
+                                                           PromptLogprob, TopLogprob)
 from pagedllm.outputs import Logprob
 
 

@@ -61,6 +61,49 @@ class _EngineCollector:
             yield from self._spec_decoding(stats.spec_decoding)
         if stats.kv_disk is not None:
             yield from self._kv_tiers(stats.kv_disk)
+        if stats.max_lora:   # 0: LoRA is off
+            yield self._lora_requests_info(stats)
+        if stats.data_parallel is not None:
+            yield from self._data_parallel(stats.data_parallel)
+        if stats.kv_swap is not None:
+            yield from self._kv_swap(stats.kv_swap)
+
+    def _lora_requests_info(self, stats: EngineStats) -> GaugeMetricFamily:
+        """vLLM's: the adapters of the running and of the waiting requests as comma-separated labels, the
+        value the time they were read (seconds since the epoch)."""
+        family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on lora requests.",
+                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        family.add_metric([str(stats.max_lora), ",".join(sorted(stats.running_lora_adapters)),
+                           ",".join(sorted(stats.waiting_lora_adapters))], time.time())
+        return family
+
+    def _data_parallel(self, dp):
+        """Each data-parallel replica's own figures, labelled engine="<replica index>" (vLLM's label) under dp_
+        names, so that summing the unlabelled families above never counts a replica twice; and the router's
+        choices by reason."""
+        for kind, name, text, figure in (
+                (GaugeMetricFamily, "dp_num_requests_running", "Requests in the replica's batches.",
+                 lambda s: s.num_running),
+                (GaugeMetricFamily, "dp_num_requests_waiting", "Requests waiting in the replica.",
+                 lambda s: s.num_waiting),
+                (GaugeMetricFamily, "dp_kv_cache_usage_perc", "The replica's fraction of KV blocks in use.",
+                 lambda s: s.kv_cache.usage),
+                (CounterMetricFamily, "dp_prefix_cache_queries", "Prompt tokens the replica looked up in its prefix "
+                 "cache.", lambda s: s.kv_cache.prefix_cache_queries),
+                (CounterMetricFamily, "dp_prefix_cache_hits", "Prompt tokens the replica found in its prefix cache.",
+                 lambda s: s.kv_cache.prefix_cache_hits)):
+            family = kind(PREFIX + name, text, labels=["model_name", "engine"])
+            for index, stats in dp.replicas.items():
+                family.add_metric([self.model_name, str(index)], figure(stats))
+            yield family
+        family = CounterMetricFamily(PREFIX + "dp_routed_requests", "Requests the router sent to the replica, by "
+                                     f"reason (routing {dp.routing}): prefix, its cached prefix of the prompt was the "
+                                     "longest; balance, another's was longer but over the imbalance bound; load, no "
+                                     "replica held any of it.", labels=["model_name", "engine", "reason"])
+        for index, reasons in dp.routed.items():
+            for reason, count in reasons.items():
+                family.add_metric([self.model_name, str(index), reason], count)
+        yield family
 
     def _kv_tiers(self, disk):
         """The KV disk tier's figures, labelled tier="disk" (the RAM tier's are the kv_cache_* and prefix_cache_*
@@ -75,9 +118,27 @@ class _EngineCollector:
                 (CounterMetricFamily, "kv_tier_evicted_blocks", "KV blocks deleted to stay within the quota.",
                  disk.evicted_blocks),
                 (CounterMetricFamily, "kv_tier_read_bytes", "Bytes read from the tier.", disk.bytes_read),
-                (CounterMetricFamily, "kv_tier_written_bytes", "Bytes written to the tier.", disk.bytes_written)):
+                (CounterMetricFamily, "kv_tier_written_bytes", "Bytes written to the tier.", disk.bytes_written),
+                (CounterMetricFamily, "kv_tier_stale_files_removed",
+                 "Files removed at start-up: half-written ones (a process killed mid-write) and old swaps.",
+                 disk.stale_files_removed)):
             family = kind(PREFIX + name, text, labels=["model_name", "tier"])
             family.add_metric([self.model_name, "disk"], value)
+            yield family
+
+    def _kv_swap(self, swap):
+        """Preemption by swap, labelled with the tier the swapped blocks go to (tier="ram": swap_space)."""
+        for kind, name, text, value in (
+                (GaugeMetricFamily, "kv_tier_swapped_blocks", "KV blocks of swapped-out requests held now.",
+                 swap.num_blocks),
+                (CounterMetricFamily, "kv_tier_swap_outs", "Requests swapped out on preemption.", swap.swap_outs),
+                (CounterMetricFamily, "kv_tier_swap_ins", "Swapped-out requests swapped back in.", swap.swap_ins),
+                (CounterMetricFamily, "kv_tier_swapped_out_bytes", "KV bytes copied out by swap-outs.", swap.bytes_out),
+                (CounterMetricFamily, "kv_tier_swapped_in_bytes", "KV bytes copied back by swap-ins.", swap.bytes_in),
+                (CounterMetricFamily, "kv_tier_swap_refused", "Swap-outs refused for want of room (recomputed).",
+                 swap.refused)):
+            family = kind(PREFIX + name, text, labels=["model_name", "tier"])
+            family.add_metric([self.model_name, swap.tier], value)
             yield family
 
     def _spec_decoding(self, spec):

@@ -1,15 +1,24 @@
 """The HTTP server's own settings (the engine's are in EngineConfig), with vLLM's flag names."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.openai.auth import load_api_keys_file
+from pagedllm.entrypoints.openai.lora_modules import LoRAModulePath, lora_module
 
 # The parsers' names (pagedllm/entrypoints/openai/tool_parsers, reasoning), listed here so reading the
 # settings loads no parser code.
 TOOL_PARSER_NAMES = ("hermes", "llama3_json")
 REASONING_PARSER_NAMES = ("qwen3",)
+# vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter, read as vLLM reads it.
+RUNTIME_LORA_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating_from_env() -> bool:
+    return os.environ.get(RUNTIME_LORA_UPDATING_ENV, "0").strip().lower() in ("1", "true")
 
 
 @dataclass
@@ -29,6 +38,8 @@ class ServerConfig:
     reasoning_parser: str | None = None           # qwen3: <think>...</think> becomes reasoning_content
     responses_store_size: int = 1000              # stored responses (store: true) kept; the oldest go first
     responses_store_ttl: float = 3600.0           # seconds a stored response is kept
+    lora_modules: list[LoRAModulePath] | None = None   # adapters served from start-up (needs enable_lora)
+    allow_runtime_lora_updating: bool = False     # serve /v1/load_lora_adapter and /v1/unload_lora_adapter
     tenant_keys: dict[str, str] = field(init=False, repr=False, default_factory=dict)   # read from api_keys_file
     chat_template_text: str | None = field(init=False, repr=False, default=None)   # read from chat_template
 
@@ -64,6 +75,31 @@ class ServerConfig:
                 or self.responses_store_ttl <= 0:
             raise ValueError(f"responses_store_ttl must be a number of seconds > 0, got {self.responses_store_ttl!r}")
         self._check_chat_settings()
+        self._check_lora_settings()
+
+    def _check_lora_settings(self) -> None:
+        if self.lora_modules is not None:
+            if not isinstance(self.lora_modules, list):
+                raise ValueError(f"lora_modules must be a list of name=path entries, got {self.lora_modules!r}")
+            self.lora_modules = [lora_module(value) for value in self.lora_modules]
+            names = [module.name for module in self.lora_modules]
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            if repeated:
+                raise ValueError(f"lora_modules: each adapter needs its own name; {', '.join(repeated)} is given twice")
+        if not isinstance(self.allow_runtime_lora_updating, bool):
+            raise ValueError(f"allow_runtime_lora_updating must be True or False, "
+                             f"got {self.allow_runtime_lora_updating!r}")
+        self.allow_runtime_lora_updating = self.allow_runtime_lora_updating or runtime_lora_updating_from_env()
+
+    def check_engine(self, engine: EngineConfig) -> None:
+        """Server settings that need the engine's: adapters need enable_lora."""
+        if not engine.enable_lora:
+            if self.lora_modules:
+                raise ValueError("lora_modules needs enable_lora (--enable-lora): the engine runs no adapters "
+                                 "without it")
+            if self.allow_runtime_lora_updating:
+                raise ValueError(f"allow_runtime_lora_updating (--allow-runtime-lora-updating or "
+                                 f"{RUNTIME_LORA_UPDATING_ENV}) needs enable_lora (--enable-lora)")
 
     def _check_chat_settings(self) -> None:
         for name, allowed in (("tool_call_parser", TOOL_PARSER_NAMES), ("reasoning_parser", REASONING_PARSER_NAMES)):

@@ -13,9 +13,9 @@ from pagedllm.entrypoints.openai.chat_output import ChoiceParser, ParsedDelta, w
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_field
 from pagedllm.engine.request import CachePin
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                                  ChatCompletionResponse, ChatMessage, ChatResponseMessage,
-                                                  ChatStreamChoice, DeltaMessage)
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.response_protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                                           ChatResponseMessage, ChatStreamChoice, DeltaMessage)
 from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, ServerState, collect_choices, has_news,
@@ -31,6 +31,7 @@ class ChatRun:
     """A chat request on its way through the engine: what chat shares with the Responses and Messages
     APIs, which translate their requests into chat requests."""
     request_id: str
+    model_name: str   # what the answer reports: the adapter's name, or the base model's
     prompt_ids: list[int]
     merged: AsyncIterator[tuple[int, RequestOutput]]
     new_parser: Callable[[], ChoiceParser]   # one per choice: reasoning, then tool calls apart from content
@@ -68,7 +69,7 @@ def start_chat(body: ChatCompletionRequest, raw_request: Request, state: ServerS
     """Checks the request (a 400 naming the field at fault) and hands it to the engine, with the prompt prefixes
     that cache_breakpoints mark to keep cached."""
     check_undeclared_fields(body)
-    state.check_model(body.model)
+    adapter = state.resolve_model(body.model)
     tool_mode = tool_choice_mode(body.tools, body.tool_choice, state.enable_auto_tool_choice)
     tools = body.tools if tool_mode != "none" else None   # "none": the template does not offer them either
     params = body.to_sampling_params(forced_tool_schema(tools, tool_mode, body.parallel_tool_calls) if tools else None)
@@ -80,14 +81,14 @@ def start_chat(body: ChatCompletionRequest, raw_request: Request, state: ServerS
     prompt = state.engine_prompt(prompt_ids, None, params, param="messages",
                                  cache_salt=state.cache_salt(raw_request, body.cache_salt),
                                  cache_pins=_cache_pins(cache_breakpoints, prompt_ids, body, tools, state))
-    merged = state.generate([prompt], params, [request_id], body.priority)
+    merged = state.generate([prompt], params, [request_id], body.priority, lora_request=adapter)
 
     def new_parser() -> ChoiceParser:
         reasoning = REASONING_PARSERS[state.reasoning_parser]() if state.reasoning_parser else None
         tool_parser = TOOL_PARSERS[state.tool_call_parser]() if tool_mode == "auto" else None
         return ChoiceParser(reasoning, tool_mode, tool_parser, parallel_tool_calls=body.parallel_tool_calls)
 
-    return ChatRun(request_id, prompt_ids, merged, new_parser)
+    return ChatRun(request_id, state.reported_model_name(adapter), prompt_ids, merged, new_parser)
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request,
@@ -101,7 +102,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     choices = rows[0]
     num_top = body.top_logprobs or 0
     return ChatCompletionResponse(
-        id=run.request_id, model=state.model_name, system_fingerprint=state.system_fingerprint,
+        id=run.request_id, model=run.model_name, system_fingerprint=state.system_fingerprint,
         usage=usage([len(run.prompt_ids)], [choices]),
         prompt_logprobs=prompt_logprobs_field(choices[0].prompt_logprobs),
         choices=[_whole_choice(index, choice, run.new_parser(), body, num_top) for index, choice in enumerate(choices)])
@@ -135,7 +136,7 @@ async def _stream(body: ChatCompletionRequest, run: ChatRun, state: ServerState)
     request_id, n = run.request_id, body.n
 
     def chunk(choices: list[ChatStreamChoice], **fields) -> str:
-        return sse_event(ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
+        return sse_event(ChatCompletionChunk(id=request_id, created=created, model=run.model_name,
                                              choices=choices, system_fingerprint=state.system_fingerprint,
                                              **fields))
 

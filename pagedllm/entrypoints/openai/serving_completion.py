@@ -9,8 +9,8 @@ from fastapi import Request, Response
 
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.logprobs import completion_logprobs, echoed_completion_logprobs, prompt_logprobs_field
-from pagedllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                                  CompletionResponse)
+from pagedllm.entrypoints.openai.protocol import CompletionRequest
+from pagedllm.entrypoints.openai.response_protocol import CompletionChoice, CompletionLogprobs, CompletionResponse
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, ServerState, collect_choices, has_news,
                                                         note_prompt_facts, usage)
@@ -56,23 +56,24 @@ def _drop_generated(choice: ChoiceState) -> None:
 
 async def create_completion(body: CompletionRequest, raw_request: Request, state: ServerState) -> Response | dict:
     check_undeclared_fields(body)
-    state.check_model(body.model)
+    adapter = state.resolve_model(body.model)
+    model_name = state.reported_model_name(adapter)
     params = body.to_sampling_params()
     cache_salt = state.cache_salt(raw_request, body.cache_salt)
     prompts = [state.engine_prompt(ids, text, params, param="prompt", cache_salt=cache_salt)
                for text, ids in _prompt_inputs(body.prompt, state.tokenizer)]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     merged = state.generate(prompts, params, [f"{request_id}-{index}" for index in range(len(prompts))],
-                            body.priority)
+                            body.priority, lora_request=adapter)
     if body.stream:
-        return sse_response(_stream(body, request_id, prompts, body.n, merged, state))
+        return sse_response(_stream(body, request_id, model_name, prompts, body.n, merged, state))
     choices = await unless_disconnected(raw_request, collect_choices(merged, len(prompts), body.n))
     if choices is None:
         return Response(status_code=499)   # the client left; nobody reads this
     if body.echo_only:
         for choice in (choice for row in choices for choice in row):
             _drop_generated(choice)
-    response = CompletionResponse(id=request_id, model=state.model_name, choices=[],
+    response = CompletionResponse(id=request_id, model=model_name, choices=[],
                                   system_fingerprint=state.system_fingerprint,
                                   usage=usage([len(p["prompt_token_ids"]) for p in prompts], choices))
     for prompt_index, (prompt, row) in enumerate(zip(prompts, choices)):
@@ -87,12 +88,12 @@ async def create_completion(body: CompletionRequest, raw_request: Request, state
     return response
 
 
-async def _stream(body: CompletionRequest, request_id: str, prompts: list[dict], n: int,
+async def _stream(body: CompletionRequest, request_id: str, model_name: str, prompts: list[dict], n: int,
                   merged: AsyncIterator[tuple[int, RequestOutput]], state: ServerState) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[CompletionChoice], **fields) -> str:
-        return sse_event(CompletionResponse(id=request_id, created=created, model=state.model_name, choices=choices,
+        return sse_event(CompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
                                             system_fingerprint=state.system_fingerprint, **fields))
 
     choices = [[ChoiceState() for _ in range(n)] for _ in prompts]

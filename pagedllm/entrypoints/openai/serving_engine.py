@@ -12,10 +12,13 @@ from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.protocol import EngineClient, EngineOverloadedError
 from pagedllm.engine.request import CachePin
 from pagedllm.engine.stats import EngineStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.entrypoints.openai.errors import APIError, api_error_for, sampling_field_named_in
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.protocol import ChatMessage, PromptTokensDetails, UsageInfo
+from pagedllm.entrypoints.openai.protocol import ChatMessage
+from pagedllm.entrypoints.openai.response_protocol import PromptTokensDetails, UsageInfo
 from pagedllm.entrypoints.openai.responses.store import ResponseStore
+from pagedllm.entrypoints.openai.serving_models import ServedAdapters
 from pagedllm.entrypoints.openai.streams import merge_streams
 from pagedllm.entrypoints.openai.tool_requests import ChatCompletionTool
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -42,6 +45,7 @@ class ServerState:
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None       # --reasoning-parser
     response_store: ResponseStore | None = None   # /v1/responses with store: true
+    adapters: ServedAdapters | None = None        # LoRA adapters served by name (with enable_lora)
 
     @property
     def model_name(self) -> str:
@@ -51,11 +55,28 @@ class ServerState:
     def tokenizer(self) -> Tokenizer:
         return self.llm.tokenizer
 
-    def check_model(self, name: str | None) -> None:
-        """A request may name any served name, or none."""
-        if name is not None and name not in self.model_names:
+    def resolve_model(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's model names, or None for a base model's name (or no name); any other
+        name is a 404."""
+        if name is None or name in self.model_names:
+            return None
+        adapters = self.adapters.all() if self.adapters is not None else []
+        adapter = next((adapter for adapter in adapters if adapter.lora_name == name), None)
+        if adapter is None:
+            served = self.model_names + [adapter.lora_name for adapter in adapters]
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{', '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
+                                f"{', '.join(map(repr, served))}", param="model", code="model_not_found")
+        return adapter
+
+    def check_model(self, name: str | None) -> None:
+        """For endpoints of the base model alone (pooling): a base name or none."""
+        if self.resolve_model(name) is not None:
+            raise APIError(400, f"{name!r} is a LoRA adapter, which serves text generation only; name the base "
+                                f"model ({', '.join(map(repr, self.model_names))}) here", param="model")
+
+    def reported_model_name(self, adapter: LoRARequest | None) -> str:
+        """The model an answer names: its adapter's, else the first served name (as vLLM reports them)."""
+        return adapter.lora_name if adapter is not None else self.model_name
 
     def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                         tools: list[ChatCompletionTool] | None = None,
@@ -99,8 +120,9 @@ class ServerState:
             raise APIError(400, str(exc), param=sampling_field_named_in(str(exc)) or param) from exc
         return prompt
 
-    def generate(self, prompts: list[dict], params: SamplingParams | BeamSearchParams,
-                 request_ids: list[str], priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def generate(self, prompts: list[dict], params: SamplingParams | BeamSearchParams, request_ids: list[str],
+                 priority: int = 0, lora_request: LoRARequest | None = None
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The prompts' output streams, merged. Refused with a 503 (Retry-After) now, before any answer
         has begun, when they would take the waiting requests past max_waiting_requests. A priority other
         than 0 needs the engine's priority policy (--scheduling-policy priority)."""
@@ -112,7 +134,8 @@ class ServerState:
             self.llm.check_capacity(len(prompts))
         except EngineOverloadedError as exc:
             raise api_error_for(exc) from exc
-        return merge_streams([self.metrics.track(self.llm.generate(prompt, params, request_id, priority))
+        return merge_streams([self.metrics.track(self.llm.generate(prompt, params, request_id, priority,
+                                                                   lora_request=lora_request))
                               for prompt, request_id in zip(prompts, request_ids)])
 
     async def engine_stats(self) -> EngineStats:

@@ -14,7 +14,7 @@ from pagedllm.entrypoints.openai.pooling_protocol import (EmbeddingData, Embeddi
                                                           PoolingUsage, RerankDocument, RerankRequest, RerankResponse,
                                                           RerankResult, RerankUsage, ScoreData, ScoreRequest,
                                                           ScoreResponse)
-from pagedllm.entrypoints.openai.protocol import ERROR_RESPONSES
+from pagedllm.entrypoints.openai.response_protocol import ERROR_RESPONSES
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.serving_engine import ServerState
 from pagedllm.entrypoints.openai.streams import merge_streams, unless_disconnected

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 
 from pagedllm.entrypoints.openai.answer_segments import streamed_events, whole_answer
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import ERROR_RESPONSES
+from pagedllm.entrypoints.openai.response_protocol import ERROR_RESPONSES
 from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.responses.events import ResponseBuilder
 from pagedllm.entrypoints.openai.responses.protocol import (DeletedResponse, OutputFunctionCall, OutputMessage,
@@ -52,7 +52,7 @@ async def create_response(body: ResponsesRequest, raw_request: Request):
         run = start_chat(chat_request(body, conversation), raw_request, state, request_id)
     except APIError as error:
         raise renamed(error, RESPONSES_NAMES) from error
-    builder = ResponseBuilder(_echo(body, request_id, state), lambda text: len(state.tokenizer.encode(text)))
+    builder = ResponseBuilder(_echo(body, request_id, run.model_name), lambda text: len(state.tokenizer.encode(text)))
     if body.stream:
         return sse_response(_stream(body, run, builder, conversation, raw_request, state))
     answer = await whole_answer(raw_request, run.merged, run.new_parser())
@@ -63,11 +63,11 @@ async def create_response(body: ResponsesRequest, raw_request: Request):
     return builder.response
 
 
-def _echo(body: ResponsesRequest, response_id: str, state: ServerState) -> ResponseObject:
+def _echo(body: ResponsesRequest, response_id: str, model_name: str) -> ResponseObject:
     """The response before its output: the request's settings, as OpenAI echoes them."""
     text = body.text.model_dump(mode="json", by_alias=True, exclude_none=True) if body.text else None
     return ResponseObject(
-        id=response_id, status="in_progress", model=state.model_name, instructions=body.instructions,
+        id=response_id, status="in_progress", model=model_name, instructions=body.instructions,
         max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
         tools=[tool.model_dump(mode="json", exclude_none=True) for tool in body.tools or []],
         tool_choice=(body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump")

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.model import triton_kernels
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention
-from pagedllm.model.attention_backends import AttentionBackend
+from pagedllm.model.attention import triton_kernels
+from pagedllm.model.attention.cache import CacheTensor
+from pagedllm.model.attention.metadata import AttentionBackend, AttentionMetadata, LayerAttention
 
 
 class TritonBackend(AttentionBackend):
@@ -32,11 +32,14 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"attention_backend 'triton' cannot run this model's {' and '.join(unsupported)} yet; "
                              "use attention_backend 'torch' (any device) or 'cpu'")
 
+    def write_kv(self, k_cache: CacheTensor, v_cache: CacheTensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        triton_kernels.write_kv(k_cache.data, v_cache.data, k_cache.scales, v_cache.scales, k, v, slot_mapping)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: CacheTensor,
                 v_cache: CacheTensor, meta: AttentionMetadata, layer: LayerAttention) -> torch.Tensor:
         num_tokens = meta.slot_mapping.shape[0]
-        triton_kernels.write_kv(k_cache.data, v_cache.data, k_cache.scales, v_cache.scales, k[:num_tokens],
-                                v[:num_tokens], meta.slot_mapping)
+        self.write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if num_tokens < q.shape[0]:
             out[num_tokens:] = 0

@@ -15,37 +15,21 @@ no step ever falls back.
 from __future__ import annotations
 
 import os
-from abc import ABC, abstractmethod
 
 import torch
 
-from pagedllm.model.attention import AttentionMetadata, CacheTensor, LayerAttention, kernel_available, paged_attention
-from pagedllm.model.ops import _C
+from pagedllm.model.attention.cpu import CpuAttentionBackend, head_dim_fits
+from pagedllm.model.attention.metadata import AttentionBackend, LayerAttention
+from pagedllm.model.attention.torch_reference import TorchAttentionBackend
+from pagedllm.model.kernels import kernels
 
 FORCE_VARIABLE = "PAGEDLLM_ATTENTION_BACKEND"
 BACKEND_NAMES = ("cpu", "triton", "torch")
 
 
-class AttentionBackend(ABC):
-    name: str
-    uses_cpu_kernels = False   # what AttentionMetadata.use_kernel tells paged_attention
-
-    @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: CacheTensor,
-                v_cache: CacheTensor, meta: AttentionMetadata, layer: LayerAttention) -> torch.Tensor:
-        """paged_attention's contract: writes the new K/V, attends, returns [tokens, heads, head_dim] with zeros
-        in the padding rows."""
-
-
-class PagedAttentionBackend(AttentionBackend):
-    """attention.paged_attention: the C++ kernels (`cpu`) or the PyTorch reference (`torch`)."""
-
-    def __init__(self, uses_cpu_kernels: bool):
-        self.uses_cpu_kernels = uses_cpu_kernels
-        self.name = "cpu" if uses_cpu_kernels else "torch"
-
-    def forward(self, q, k, v, k_cache, v_cache, meta, layer):
-        return paged_attention(q, k, v, k_cache, v_cache, meta, layer)
+def kernel_available(device: torch.device, head_dim: int) -> bool:
+    """Whether the C++ kernels serve: built, on CPU, and a head size they vectorise."""
+    return kernels is not None and device.type == "cpu" and head_dim_fits(head_dim)
 
 
 def requested_backend(requested: str) -> str:
@@ -69,15 +53,15 @@ def select_attention_backend(requested: str, device: torch.device, head_dim: int
     if name == "auto":
         name = "triton" if device.type == "cuda" else ("cpu" if kernel_available(device, head_dim) else "torch")
     if name == "torch":
-        return PagedAttentionBackend(uses_cpu_kernels=False)
+        return TorchAttentionBackend()
     if name == "cpu":
         if not kernel_available(device, head_dim):
             raise ValueError(f"attention_backend 'cpu' needs the compiled C++ kernels, a CPU device and a head size "
                              f"that is a multiple of 16 up to 256; here: device {device}, head_dim {head_dim}, "
-                             f"kernels {'built' if _C is not None else 'not built'}")
-        return PagedAttentionBackend(uses_cpu_kernels=True)
+                             f"kernels {'built' if kernels is not None else 'not built'}")
+        return CpuAttentionBackend()
     try:
-        from pagedllm.model.triton_attention import TritonBackend
+        from pagedllm.model.attention.triton_backend import TritonBackend
     except ImportError as error:
         raise ValueError(f"attention_backend 'triton' needs Triton: pip install 'pagedllm[cuda]' ({error})") from None
     return TritonBackend(device, head_dim, block_size, dtype, cache_dtype, layers)

@@ -1,6 +1,6 @@
 """Triton kernels for CUDA: paged attention and the KV write, reading the cache layout in place.
 
-They take the caches exactly as `attention.kv_cache_shapes` lays them out (K [blocks, kv_heads, head_dim,
+They take the caches exactly as `cache.kv_cache_shapes` lays them out (K [blocks, kv_heads, head_dim,
 block_size], V [blocks, kv_heads, block_size, head_dim], int8 with a float32 scale per slot and kv head),
 so the C++ CPU kernels, these and the PyTorch reference share one cache.
 
@@ -30,7 +30,7 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 # 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude below 2**22 to the nearest
-# integer, ties to even, as torch.round does (the int8 quantization formula of attention.quantize).
+# integer, ties to even, as torch.round does (the int8 quantization formula of cache.quantize).
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
