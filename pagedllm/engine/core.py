@@ -35,7 +35,7 @@ class EngineCore:
     def __init__(self, executor: Executor, kv_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
                  structured_output=None, speculative_config: SpeculativeConfig | None = None,
-                 max_loras: int | None = None, preemption_mode: str = "recompute", kv_block_bytes: int = 0):
+                 max_loras: int | None = None, preemption_mode: str = "auto", kv_block_bytes: int = 0):
         """structured_output: a StructuredOutputManager, when requests may carry grammars; max_loras: the most
         LoRA adapters a step may run (None: LoRA off); preemption_mode: how a preempted request gives back its
         blocks when the KV manager has a swap space (without one every preemption recomputes); kv_block_bytes:
