@@ -217,10 +217,10 @@ def llm(request):
 def fail_request_at(monkeypatch):
     """fail_request_at(request_id, num_output_tokens): the engine's per-request token processing raises
     for that request once it holds that many output tokens; every other request is untouched."""
-    from pagedllm.engine import llm_engine
+    from pagedllm.engine import output_processor
 
     def install(request_id: str, num_output_tokens: int) -> None:
-        real_process_token = llm_engine.process_token
+        real_process_token = output_processor.process_token
 
         def process_token(child, *args):
             request = child.request
@@ -228,6 +228,6 @@ def fail_request_at(monkeypatch):
                 raise RuntimeError("injected failure")
             return real_process_token(child, *args)
 
-        monkeypatch.setattr(llm_engine, "process_token", process_token)
+        monkeypatch.setattr(output_processor, "process_token", process_token)
 
     return install

@@ -125,7 +125,7 @@ def compare_kv_cache_dtypes(args: argparse.Namespace) -> None:
     import torch
 
     from pagedllm import LLM, SamplingParams
-    from pagedllm.engine.llm_engine import resolve_kv_cache_dtype
+    from pagedllm.config.resolve import resolve_kv_cache_dtype
     from pagedllm.worker.model_runner import allocate_kv_caches, kv_bytes_per_block
 
     llm = LLM(args.model, dtype="float32", quantization="none", kv_cache_memory="1GiB")
@@ -193,7 +193,7 @@ def compare_quantizations(args: argparse.Namespace) -> None:
             for reference, candidate in zip(references, logprobs_of(llm)):
                 agreeing += int((candidate.argmax(-1) == reference.argmax(-1)).sum())
                 divergence += float((reference.exp() * (reference - candidate)).sum())
-            rows.append((quantization, activation_dtype, llm.llm_engine.runner.model.weight_summary(), agreeing,
+            rows.append((quantization, activation_dtype, llm.llm_engine.model_info().weight_summary, agreeing,
                          divergence))
             del llm
     positions = sum(map(len, sequences))

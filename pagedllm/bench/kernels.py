@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from pagedllm.bench.compute_floor import layer_matmul_shapes
-    from pagedllm.engine.llm_engine import resolve_dtype
+    from pagedllm.config.resolve import resolve_dtype
     from pagedllm.model import kernels, linear
     from pagedllm.model.loader import load_checkpoint
     from pagedllm.model.quantization import quantize

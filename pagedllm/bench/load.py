@@ -140,22 +140,16 @@ def _measure_in_this_process(model: str | None, kwargs: dict[str, object], sende
         start = time.perf_counter()
         llm = LLM(model, **kwargs)
         load_seconds = time.perf_counter() - start
-        runner = llm.llm_engine.runner
+        info = llm.llm_engine.model_info()
         sender.send(("ok", LoadMeasurement(
             model=model or "bundled", load_seconds=load_seconds, baseline_rss=baseline,
             peak_rss=_rss_bytes("VmHWM"), final_rss=_rss_bytes("VmRSS"),
             baseline_file_rss=baseline_file, final_file_rss=_rss_bytes("RssFile"),
-            weight_bytes=runner.model.weight_bytes(), kv_pool_bytes=kv_pool_bytes(runner.kv_caches))))
+            weight_bytes=info.weight_bytes, kv_pool_bytes=info.kv_pool_bytes)))
     except Exception:   # any failure, reported to the parent whole
         sender.send(("error", traceback.format_exc()))
     finally:
         sender.close()
-
-
-def kv_pool_bytes(kv_caches) -> int:
-    """Bytes of the KV pool: every layer's K and V cache, int8 scales included."""
-    return sum(cache.data.nbytes + (cache.scales.nbytes if cache.scales is not None else 0)
-               for layer in kv_caches for cache in layer)
 
 
 def _rss_bytes(key: str) -> int:

@@ -123,7 +123,7 @@ def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantiz
     loras = f", {len(adapters)} LoRAs" if adapters else ""
     return _figures(f"pagedllm (quantization={quantization}, cascade={cascade}{loras})", workload, generated, elapsed,
                     dtype=str(engine.dtype).removeprefix("torch."),
-                    weights_mib=round(engine.runner.model.weight_bytes() / 2**20, 1),
+                    weights_mib=round(engine.model_info().weight_bytes / 2**20, 1),
                     preemptions=stats.num_preemptions, matmul_gflops=round(rate / 1e9, 1),
                     compute_floor_s=round(floor, 2), floor_fraction=round(floor / elapsed, 3),
                     cascade_attention=cascade, **attention_times)
@@ -134,7 +134,7 @@ def run_hf(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.engine.llm_engine import resolve_dtype
+    from pagedllm.config.resolve import resolve_dtype
     from pagedllm.model.loader import load_checkpoint, resolve_model
 
     path = resolve_model(args.model)

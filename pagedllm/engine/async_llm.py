@@ -22,35 +22,16 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.input_processor import CheckedPrompt, PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.protocol import EngineClient, EngineDeadError, EngineRequestError, LocalEngine
 from pagedllm.engine.stats import EngineStats
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineRequestError(RuntimeError):
-    """The engine failed this request (alone, or with its whole batch when a step raised)."""
-
-    def __init__(self, request_id: str, message: str):
-        super().__init__(f"request {request_id!r} failed: {message}")
-        self.request_id = request_id
-        self.message = message
-
-    def __reduce__(self):
-        """Pickled with both arguments, so the error crosses process boundaries (Ray replicas) intact."""
-        return type(self), (self.request_id, self.message)
-
-
-class EngineDeadError(RuntimeError):
-    """The AsyncLLM was shut down (or its loop died): in-flight and new requests get this."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """max_waiting_requests are already waiting: the new request was not queued; retry later."""
 
 
 class _StepFailed(Exception):
@@ -65,9 +46,11 @@ class _StepFailed(Exception):
 _ABORTED = None
 
 
-class AsyncLLM:
+class AsyncLLM(EngineClient, LocalEngine):
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None):
         self.engine = engine
+        self.config, self.tokenizer, self.model_config = engine.config, engine.tokenizer, engine.model_config
+        self.max_model_len, self.pooling = engine.max_model_len, engine.pooling
         self.max_waiting_requests = max_waiting_requests
         self._num_adding = 0   # requests handed to the engine thread whose add_request has not returned
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
@@ -88,12 +71,12 @@ class AsyncLLM:
         length is safe to read from this thread while the engine thread changes it)."""
         return self._num_adding + len(self.engine.scheduler.waiting)
 
-    def check_capacity(self, count: int = 1) -> None:
-        """Raises EngineOverloadedError if `count` more requests would exceed max_waiting_requests."""
-        limit = self.max_waiting_requests
-        if limit is not None and self.num_waiting_requests + count > limit:
-            raise EngineOverloadedError(f"{self.num_waiting_requests} requests are waiting (the limit is {limit}); "
-                                        "retry later")
+    def check_prompt(self, prompt: PromptType, params: SamplingParams) -> CheckedPrompt:
+        """The engine's own check: the tokenizer and fixed limits only, safe off the engine thread."""
+        return self.engine.check_prompt(prompt, params)
+
+    def check_pooling_prompt(self, prompt: PromptType, params: PoolingParams) -> tuple[list[int], list[int]]:
+        return self.engine.check_pooling_prompt(prompt, params)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
@@ -139,11 +122,6 @@ class AsyncLLM:
                 # No await here: this also runs while the caller's task is being cancelled.
                 self._executor.submit(self.engine.abort_request, request_id)
 
-    def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
-               priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
-        """A pooling request's one output (vLLM's name), under generate's rules for errors and aborts."""
-        return self.generate(prompt, pooling_params, request_id, priority)
-
     async def abort(self, request_id: str) -> None:
         """Drops the request in the engine (freeing its blocks) and ends its stream quietly."""
         if self._closed:
@@ -171,6 +149,18 @@ class AsyncLLM:
     async def call_in_engine_thread(self, fn: Callable, *args):
         """fn(*args) on the engine thread, between steps: how readers of engine state (the dashboard) see it whole."""
         return await self._on_engine_thread(fn, *args)
+
+    async def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    def local_engine(self) -> AsyncLLM:
+        return self
+
+    def describe(self) -> str:
+        kv = self.engine.stats().kv_cache   # read before serving starts, or of figures a step only replaces
+        return (f"(dtype {str(self.engine.dtype).removeprefix('torch.')}) with {kv.num_blocks} KV blocks of "
+                f"{kv.block_size} tokens ({kv.num_blocks * kv.block_size} tokens)")
 
     async def shutdown(self) -> None:
         """Stops the step loop and aborts every request; their iterators raise EngineDeadError."""

@@ -29,20 +29,20 @@ import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError, EngineRequestError
 from pagedllm.engine.dp_router import (ROUTING_REASONS, CachedBlocksMirror, RouteCandidate, choose_replica,
                                        prompt_block_hashes)
-from pagedllm.engine.llm_engine import CheckedPrompt, PromptType, cache_salt_of, prefix_cache_salt, tokenize_prompt
+from pagedllm.engine.input_processor import CheckedPrompt, PromptType, cache_salt_of, prefix_cache_salt, tokenize_prompt
 from pagedllm.engine.lora_adapters import lora_cache_salt
+from pagedllm.engine.pooling import check_pooling_params
+from pagedllm.engine.protocol import EngineClient, EngineDeadError, EngineRequestError
 from pagedllm.engine.ray_replica import EngineReplica, ReplicaInfo, ReplicaStats
 from pagedllm.engine.stats import DataParallelStats, EngineStats, StepStats
 from pagedllm.lora.request import LoRAInUseError, LoRARequest
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 from pagedllm.tokenizer import Tokenizer
@@ -114,29 +114,10 @@ class Replica:
     reporting: asyncio.Lock = field(default_factory=asyncio.Lock)   # one report in flight
 
 
-class ReplicaEngineView:
-    """What the server reads from `llm.engine` (tokenizer, limits, prompt checks) when the model lives in
-    the replicas: the tokenizer and model config are read here (the weights are not), the limits come
-    from the replicas, and prompts are checked by a replica's own engine, so the front refuses exactly
-    what a replica would."""
-
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_config: ModelConfig, info: ReplicaInfo,
-                 llm: DPAsyncLLM):
-        self.config = config
-        self.tokenizer = tokenizer
-        self.model_config = model_config
-        self.max_model_len = info.max_model_len
-        self.dtype = getattr(torch, info.dtype)
-        self._llm = llm
-
-    def check_prompt(self, prompt: PromptType, params: SamplingParams) -> CheckedPrompt:
-        """Raises ValueError naming what cannot run. Blocks for one Ray call to a replica: the server calls
-        it synchronously, and a prompt check takes a tokenizer pass, not an engine step."""
-        return self._llm.check_prompt(prompt, params)
-
-
-class DPAsyncLLM:
-    """AsyncLLM's interface (generate, abort, stats, check_capacity, shutdown) over Ray engine replicas."""
+class DPAsyncLLM(EngineClient):
+    """The engine client over Ray engine replicas. The tokenizer and model config are read here (the weights are
+    not), the limits come from the replicas, and prompts are checked by a replica's own engine, so the front
+    refuses exactly what a replica would."""
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_config: ModelConfig, replicas: list[Replica],
                  placement_group, owns_ray: bool, max_waiting_requests: int | None = None):
@@ -150,9 +131,11 @@ class DPAsyncLLM:
         self._num_waiting = 0   # sent to a replica, no output back yet
         self._dead: EngineDeadError | None = None
         self._closed = False
+        self.config, self.tokenizer, self.model_config = config, tokenizer, model_config
+        self.max_model_len = replicas[0].info.max_model_len
+        self.pooling = None   # pooling models serve with data_parallel_size 1
         self.routing = config.data_parallel_routing
         self.balance_abs_threshold = config.data_parallel_balance_abs_threshold
-        self.engine = ReplicaEngineView(config, tokenizer, model_config, replicas[0].info, self)
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_waiting_requests: int | None = None) -> DPAsyncLLM:
@@ -211,14 +194,9 @@ class DPAsyncLLM:
     def num_waiting_requests(self) -> int:
         return self._num_waiting
 
-    def check_capacity(self, count: int = 1) -> None:
-        """Raises EngineOverloadedError if `count` more requests would exceed max_waiting_requests."""
-        limit = self.max_waiting_requests
-        if limit is not None and self._num_waiting + count > limit:
-            raise EngineOverloadedError(f"{self._num_waiting} requests are waiting (the limit is {limit}); "
-                                        "retry later")
-
     def check_prompt(self, prompt: PromptType, params: SamplingParams) -> CheckedPrompt:
+        """Blocks for one Ray call to a replica: the server calls it synchronously, and a prompt check takes a
+        tokenizer pass, not an engine step."""
         for replica in self._live_replicas():
             try:
                 checked = self._ray.get(replica.actor.check_prompt.remote(prompt, params))
@@ -229,6 +207,24 @@ class DPAsyncLLM:
                 raise checked
             return checked
         raise self._no_replica_left()
+
+    def check_pooling_prompt(self, prompt: PromptType, params: PoolingParams) -> tuple[list[int], list[int]]:
+        """Always refused, as a generating model's own engine refuses it: pooling models serve with
+        data_parallel_size 1."""
+        check_pooling_params(params, self.pooling)
+        raise ValueError("pooling models (embeddings, scores) serve with data_parallel_size 1")
+
+    async def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    def local_engine(self) -> None:
+        return None   # each replica's engine lives in its own Ray actor
+
+    def describe(self) -> str:
+        info = self.replicas[0].info
+        return (f"(dtype {info.dtype}) with {len(self.replicas)} Ray engine replicas, each with "
+                f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens")
 
     def replica_of(self, request_id: str) -> Replica | None:
         """The replica that holds the request, while it is in flight."""
@@ -307,10 +303,9 @@ class DPAsyncLLM:
     def _prompt_block_hashes(self, prompt: PromptType, lora_request: LoRARequest | None) -> dict[bytes, list[int]]:
         """The prompt's block hashes in each live replica's chain (by root: one chain when they share it), under the
         key its engine caches it under: its salt, rope-length key and adapter (as LLMEngine.add_request keys it)."""
-        view = self.engine
-        _, token_ids = tokenize_prompt(prompt, view.tokenizer, view.model_config.vocab_size)
-        extra_key = lora_cache_salt(prefix_cache_salt(cache_salt_of(prompt), view.model_config, len(token_ids),
-                                                      view.max_model_len), lora_request)
+        _, token_ids = tokenize_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
+        extra_key = lora_cache_salt(prefix_cache_salt(cache_salt_of(prompt), self.model_config, len(token_ids),
+                                                      self.max_model_len), lora_request)
         roots = {replica.info.block_hash_root for replica in self._live_replicas()}
         block_size = self.replicas[0].info.block_size
         return {root: prompt_block_hashes(token_ids, extra_key, block_size, root) for root in roots}

@@ -39,8 +39,9 @@ class BlockHolders:
 
 def request_groups(engine) -> dict[str, str]:
     """Request id -> the user request it belongs to, for parallel samples and beams (siblings share one)."""
-    groups = dict(engine.parent_of)
-    searches = {id(parent.search): parent.request_id for parent in engine.beam_searches}
+    in_flight = engine.output_processor
+    groups = dict(in_flight.parent_of)
+    searches = {id(parent.search): parent.request_id for parent in in_flight.beam_searches}
     for request in engine.scheduler.requests.values():
         if request.beam_search is not None:
             groups[request.request_id] = searches.get(id(request.beam_search), request.request_id)

@@ -78,18 +78,17 @@ class EngineLoRAAdapters:
         """The adapters loaded in memory now (at most max_cpu_loras)."""
         return set() if self.config is None else self.executor.collective_rpc("list_loras")
 
-    def count_in_step(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> int:
-        """Distinct adapters among the step's requests."""
-        if self.config is None:
-            return 0
-        return len({request.lora_request.lora_int_id for request_id in scheduler_output.num_scheduled_tokens
-                    if (request := requests.get(request_id)) is not None and request.lora_request is not None})
-
     def log_start(self) -> None:
         if self.config is not None:
             logger.info("LoRA on: max_loras %d per step, max_lora_rank %d, max_cpu_loras %d, lora_dtype %s",
                         self.config.max_loras, self.config.max_lora_rank, self.config.max_cpu_loras,
                         self.config.lora_dtype)
+
+
+def adapters_in_step(scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> int:
+    """Distinct adapters among the step's requests."""
+    return len({request.lora_request.lora_int_id for request_id in scheduler_output.num_scheduled_tokens
+                if (request := requests.get(request_id)) is not None and request.lora_request is not None})
 
 
 def adapter_names(requests: list[Request]) -> tuple[str, ...]:

@@ -1,18 +1,28 @@
-"""From appended tokens to user-facing outputs: detokenize, check stop strings, group samples and beams.
+"""From appended tokens to user-facing outputs: detokenize, check stop strings, logprobs, group samples and beams.
 
 A user request with n > 1 (or best_of) runs as child requests that share the prompt, and a beam
-search as the beams of its BeamSearch; this module keeps them together and reports each user
-request as one RequestOutput.
+search as the beams of its BeamSearch; OutputProcessor keeps them together and reports each user
+request as one RequestOutput (vLLM's OutputProcessor).
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.pooling import PoolingParent
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.step import ModelRunnerOutput, PromptLogprobs
+
+if TYPE_CHECKING:
+    from pagedllm.engine.core import CoreStep
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,3 +150,141 @@ def process_token(child: ChildState, token_id: int, top_logprobs: dict[int, Logp
             child.detokenizer.append([token_id])
         return None
     return child.detokenizer.append([token_id])
+
+
+class OutputProcessor:
+    """The user requests in flight, by id, and the outputs each step makes for them.
+
+    finish(request, status) ends a request in the engine core: a stop string, or a failure in this
+    request's own processing, which must not take its batch down.
+    """
+
+    def __init__(self, tokenizer, finish: Callable[[Request, RequestStatus], None]):
+        self.tokenizer = tokenizer
+        self.finish = finish
+        self.parents: dict[str, ParentRequest | BeamSearchParent | PoolingParent] = {}
+        self.children: dict[str, ChildState] = {}   # plain and parallel samples (not beams) by request id
+        self.parent_of: dict[str, str] = {}
+        self.beam_searches: list[BeamSearchParent] = []
+
+    def add(self, parent: ParentRequest | BeamSearchParent | PoolingParent) -> None:
+        self.parents[parent.request_id] = parent
+        if isinstance(parent, BeamSearchParent):
+            self.beam_searches.append(parent)
+        elif isinstance(parent, ParentRequest):
+            for child in parent.children:
+                self.children[child.request.request_id] = child
+                self.parent_of[child.request.request_id] = parent.request_id
+
+    def abort(self, request_ids: list[str]) -> list[Request]:
+        """Forgets the user requests; returns their unfinished scheduler requests, for the core to drop."""
+        unfinished = []
+        for request_id in request_ids:
+            parent = self.parents.get(request_id)
+            if parent is not None:
+                unfinished += parent.unfinished_requests()
+                self._forget(parent)
+        return unfinished
+
+    def process(self, step: CoreStep) -> list[RequestOutput | PoolingRequestOutput]:
+        """The outputs of the user requests that progressed in the step (or failed before running)."""
+        runner_output = step.runner_output
+        if runner_output is not None and runner_output.prompt_logprobs:
+            self._store_prompt_logprobs(runner_output.prompt_logprobs)
+        outputs = self._process_tokens(step.sampled, runner_output, step.failed)
+        if runner_output is not None and runner_output.pooler_output:
+            outputs += self._pooled_outputs(runner_output.pooler_output)
+        return outputs
+
+    def _process_tokens(self, sampled: list[tuple[Request, int]], runner_output: ModelRunnerOutput | None,
+                        failed: list[Request]) -> list[RequestOutput]:
+        """Detokenizes the appended tokens, applies stop strings, and makes the user requests' outputs."""
+        progressed: dict[str, ParentRequest | BeamSearchParent] = {}
+        for request in failed:
+            parent_id = self.parent_of[request.request_id]
+            progressed[parent_id] = self.parents[parent_id]
+        ended_here: set[str] = set()   # finished by a stop string or an error at a token of this step
+        for request, row in sampled:
+            if request.request_id in ended_here:
+                # A speculative step gave it more tokens than it keeps: drop those after the end.
+                request.all_token_ids.pop()
+                request.cumulative_logprob -= runner_output.logprobs[row]
+                continue
+            try:
+                if self._process_token(request, runner_output, row):
+                    ended_here.add(request.request_id)
+            except Exception as exc:  # one request's failure must not take the batch down
+                logger.exception("request %s failed", request.request_id)
+                request.error = f"{type(exc).__name__}: {exc}"
+                self.finish(request, RequestStatus.FINISHED_ERROR)
+                ended_here.add(request.request_id)
+            parent_id = self.parent_of[request.request_id]
+            progressed[parent_id] = self.parents[parent_id]
+        for parent in [parent for parent in self.beam_searches if parent.finished]:
+            progressed[parent.request_id] = parent
+        outputs = [output for parent in progressed.values() if (output := parent.make_output()) is not None]
+        for parent in progressed.values():
+            if parent.finished:
+                self._forget(parent)
+        return outputs
+
+    def _process_token(self, request: Request, runner_output: ModelRunnerOutput, row: int) -> bool:
+        """Takes in one appended token; True when it completed a stop string, which ends the request."""
+        child = self.children[request.request_id]
+        token_id = runner_output.sampled_token_ids[row]
+        top = None
+        if request.sampling_params.logprobs is not None:
+            top = self._logprob_entry(token_id, runner_output.logprobs[row], runner_output.token_ranks[row],
+                                      runner_output.top_logprob_ids[row], runner_output.top_logprobs[row],
+                                      request.sampling_params.logprobs)
+        stop_string = process_token(child, token_id, top)
+        if stop_string is not None:   # ends the request even if max_tokens did in the same token
+            request.stop_reason = stop_string
+            self.finish(request, RequestStatus.FINISHED_STOPPED)
+            return True
+        return False
+
+    def _store_prompt_logprobs(self, chunks: dict[str, PromptLogprobs]) -> None:
+        """Hands each request's share of the step's prompt logprobs to its user request, as Logprob entries."""
+        for request_id, chunk in chunks.items():
+            parent = self.parents.get(self.parent_of.get(request_id))
+            if parent is None:   # aborted since the step was scheduled
+                continue
+            positions = range(chunk.first_position, chunk.first_position + len(chunk.token_logprobs))
+            entries = [self._logprob_entry(parent.prompt_token_ids[position], *values, parent.params.prompt_logprobs)
+                       for position, *values in zip(positions, chunk.token_logprobs, chunk.token_ranks,
+                                                    chunk.top_ids, chunk.top_logprobs)]
+            parent.add_prompt_logprobs(chunk.first_position, entries)
+
+    def _logprob_entry(self, token_id: int, token_logprob: float, rank: int, top_ids: list[int],
+                       top_values: list[float], k: int) -> dict[int, Logprob]:
+        """The token's logprob and rank, plus the k most likely tokens ranked from 1 (sampled or prompt tokens)."""
+        decode = self.tokenizer.decode
+        entry = {token_id: Logprob(token_logprob, rank, decode([token_id], skip_special_tokens=False))}
+        for top_rank, (top_id, value) in enumerate(zip(top_ids[:k], top_values[:k]), start=1):
+            if top_id not in entry:
+                entry[top_id] = Logprob(value, top_rank, decode([top_id], skip_special_tokens=False))
+        return entry
+
+    def _pooled_outputs(self, pooled: dict) -> list[PoolingRequestOutput]:
+        """The pooling requests the step finished (the scheduler freed their blocks), each with its result."""
+        outputs = []
+        for request_id, row in pooled.items():
+            parent = self.parents.get(request_id)
+            if parent is None:   # aborted since the step was scheduled
+                continue
+            parent.take(row)
+            outputs.append(parent.make_output())
+            self._forget(parent)
+        return outputs
+
+    def _forget(self, parent: ParentRequest | BeamSearchParent | PoolingParent) -> None:
+        del self.parents[parent.request_id]
+        if isinstance(parent, PoolingParent):
+            return
+        if isinstance(parent, BeamSearchParent):
+            self.beam_searches.remove(parent)
+            return
+        for child in parent.children:
+            del self.children[child.request.request_id]
+            del self.parent_of[child.request.request_id]

@@ -20,7 +20,8 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.dp_router import BlockHashReport
-from pagedllm.engine.llm_engine import CheckedPrompt, LLMEngine, PromptType
+from pagedllm.engine.input_processor import CheckedPrompt, PromptType
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.stats import EngineStats
 from pagedllm.lora.request import LoRAInUseError, LoRARequest
 from pagedllm.outputs import RequestOutput

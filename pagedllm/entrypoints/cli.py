@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import itertools
 import json
 import logging
 import sys
 
-from pagedllm.bench import (accuracy, cascade, dashboard_cost, embed, kernels, latency, load, logit_controls, memory,
-                            multi_turn, scheduling, serving, structured_outputs, sweep, throughput)
-from pagedllm.bench.reliability import suite as reliability
 from pagedllm.config import (ACTIVATION_DTYPES, ATTENTION_BACKENDS, DATA_PARALLEL_ROUTINGS,
                              DISTRIBUTED_EXECUTOR_BACKENDS, DTYPES, KV_CACHE_DTYPES, LORA_DTYPES, MAX_LORA_RANKS,
                              POOLING_CHOICES, PREEMPTION_MODES, QUANTIZATIONS, RUNNERS, SCHEDULING_POLICIES,
@@ -26,6 +24,30 @@ from pagedllm.entrypoints.openai.server_config import (REASONING_PARSER_NAMES, R
                                                        TOOL_PARSER_NAMES, ServerConfig)
 
 _UNSET = argparse.SUPPRESS
+
+# `pagedllm bench NAME`: the module that runs it (add_arguments, run) and its line of help.
+BENCHMARKS = {
+    "throughput": ("pagedllm.bench.throughput", "offline throughput on a workload, optionally against transformers"),
+    "latency": ("pagedllm.bench.latency", "prefill and per-token decode time of one batch"),
+    "serving": ("pagedllm.bench.serving", "TTFT / TPOT / ITL / latency against a running server"),
+    "memory": ("pagedllm.bench.memory", "KV utilisation, sharing and concurrency figures"),
+    "dashboard": ("pagedllm.bench.dashboard_cost", "server throughput with the live KV-cache page open against closed"),
+    "sweep": ("pagedllm.bench.sweep", "throughput and KV waste by block size, with a plot"),
+    "scheduling": ("pagedllm.bench.scheduling", "scheduler + KV bookkeeping time per step"),
+    "structured": ("pagedllm.bench.structured_outputs",
+                   "decode step time with structured outputs against without, at batch 64"),
+    "accuracy": ("pagedllm.bench.accuracy", "bfloat16 against float32 greedy tokens, or KV cache dtypes teacher-forced"),
+    "kernels": ("pagedllm.bench.kernels", "quantized linear kernels against the float matmul, per row count"),
+    "cascade": ("pagedllm.bench.cascade",
+                "the shared-prefix attention kernel against the plain decode kernel, per group size"),
+    "load": ("pagedllm.bench.load", "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),
+    "embed": ("pagedllm.bench.embed", "embedding inputs/s and tokens/s against sentence-transformers, side by side"),
+    "logit-controls": ("pagedllm.bench.logit_controls",
+                       "cost of logit_bias / allowed_token_ids / bad_words and prompt_logprobs"),
+    "multi-turn": ("pagedllm.bench.multi_turn", "multi-turn conversations over a small RAM pool, KV disk tier off and on"),
+    "reliability": ("pagedllm.bench.reliability.suite",
+                    "load, soak, faults, fuzzing and security checks against real servers"),
+}
 
 
 def _default(settings: type, name: str) -> str:
@@ -290,7 +312,8 @@ def _serve(args: argparse.Namespace) -> None:
     run_server(args.engine_config, args.server_config)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
+    """The command line; `benchmark` names the `pagedllm bench` subcommand whose module and arguments to load."""
     parser = argparse.ArgumentParser(prog="pagedllm", description="PagedAttention LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -320,35 +343,23 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(handler=_chat, settings={"engine_config": EngineConfig})
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
-    benchmarks = (
-        ("throughput", throughput, "offline throughput on a workload, optionally against transformers"),
-        ("latency", latency, "prefill and per-token decode time of one batch"),
-        ("serving", serving, "TTFT / TPOT / ITL / latency against a running server"),
-        ("memory", memory, "KV utilisation, sharing and concurrency figures"),
-        ("dashboard", dashboard_cost, "server throughput with the live KV-cache page open against closed"),
-        ("sweep", sweep, "throughput and KV waste by block size, with a plot"),
-        ("scheduling", scheduling, "scheduler + KV bookkeeping time per step"),
-        ("structured", structured_outputs, "decode step time with structured outputs against without, at batch 64"),
-        ("accuracy", accuracy, "bfloat16 against float32 greedy tokens, or KV cache dtypes teacher-forced"),
-        ("kernels", kernels, "quantized linear kernels against the float matmul, per row count"),
-        ("cascade", cascade, "the shared-prefix attention kernel against the plain decode kernel, per group size"),
-        ("load", load, "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),
-        ("embed", embed, "embedding inputs/s and tokens/s against sentence-transformers, side by side"),
-        ("logit-controls", logit_controls, "cost of logit_bias / allowed_token_ids / bad_words and prompt_logprobs"),
-        ("multi-turn", multi_turn, "multi-turn conversations over a small RAM pool, KV disk tier off and on"),
-        ("reliability", reliability, "load, soak, faults, fuzzing and security checks against real servers"),
-    )
-    for name, module, text in benchmarks:
-        sub = bench.add_parser(name, help=text, description=module.__doc__)
-        module.add_arguments(sub)
-        sub.set_defaults(handler=module.run, settings={})
+    for name, (module_name, text) in BENCHMARKS.items():
+        # Only the chosen benchmark's module is imported, for its arguments; the others stay a name and a line.
+        sub = bench.add_parser(name, help=text, add_help=name == benchmark)
+        if name == benchmark:
+            module = importlib.import_module(module_name)
+            sub.description = module.__doc__
+            module.add_arguments(sub)
+            sub.set_defaults(handler=module.run, settings={})
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parses the command line; for model commands also builds args.engine_config (and, for serve,
-    args.server_config) from the --config file and the flags. Bad settings exit with a usage error."""
-    parser = build_parser()
+    args.server_config) from the --config file and the flags. Bad settings exit with a usage error.
+    A first pass finds which benchmark `pagedllm bench NAME` names, so that only its module is loaded."""
+    chosen, _ = build_parser().parse_known_args(argv)
+    parser = build_parser(getattr(chosen, "benchmark", None))
     args = parser.parse_args(argv)
     if args.settings:
         try:

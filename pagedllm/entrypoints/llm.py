@@ -9,7 +9,8 @@ from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.stats import EngineStats
 from pagedllm.entrypoints.score_utils import pair_up, plan_scoring
 from pagedllm.lora.request import LoRARequest

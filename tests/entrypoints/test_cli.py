@@ -151,3 +151,19 @@ def test_scheduling_policy_flag_and_its_choices(capsys):
     with pytest.raises(SystemExit):
         parse_args(["serve", "--scheduling-policy", "lifo"])
     assert "--scheduling-policy: invalid choice: 'lifo'" in capsys.readouterr().err
+
+
+def test_bench_loads_only_the_benchmark_that_runs():
+    """`pagedllm bench NAME` imports NAME's module alone (for its arguments); other commands import none."""
+    probe = ("import sys; from pagedllm.entrypoints.cli import parse_args; {call}; "
+             "print(sorted(m for m in sys.modules if m.startswith('pagedllm.bench.')))")
+
+    def bench_modules(call: str) -> str:
+        return subprocess.run([sys.executable, "-c", probe.format(call=call)], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert bench_modules("parse_args(['generate', 'Hi'])") == "[]"
+    assert bench_modules("parse_args(['bench', 'scheduling', '--steps', '3'])") == (
+        "['pagedllm.bench.scheduling', 'pagedllm.bench.workload']")   # workload: scheduling's own import
+    assert "--steps" in subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "scheduling",
+                                        "--help"], capture_output=True, text=True, check=True).stdout

@@ -8,7 +8,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ATTENTION_BACKENDS, EngineConfig
-from pagedllm.engine.llm_engine import gpu_kv_cache_budget
+from pagedllm.config.resolve import gpu_kv_cache_budget
 from pagedllm.entrypoints.cli import parse_args
 from pagedllm.model.attention import selector
 from pagedllm.model.attention.selector import FORCE_VARIABLE, select_attention_backend

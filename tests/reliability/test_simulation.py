@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.bench.reliability import simulation
-from pagedllm.bench.reliability.simulation import (
-    PHASES, SimulationSettings, check_cached_blocks, check_free_queue, check_idle, check_mid_run,
-    run_simulation)
+from pagedllm.bench.reliability.simulation import PHASES, SimulationSettings, check_idle, check_mid_run, run_simulation
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.entrypoints import cli
+from pagedllm.kv.invariants import check_cached_blocks, check_free_queue
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step import ModelRunnerOutput

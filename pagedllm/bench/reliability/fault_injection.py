@@ -17,7 +17,7 @@ import sys
 import time
 import weakref
 
-from pagedllm.engine import llm_engine
+from pagedllm.engine import llm_engine, output_processor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.openai import api_server
@@ -95,7 +95,7 @@ def install() -> None:
     request_faults: weakref.WeakSet = weakref.WeakSet()
     step_fault_ids: set[str] = set()   # the runner sees plain data: request ids
     holds = Holds()
-    add_request, process_token = llm_engine.LLMEngine.add_request, llm_engine.process_token
+    add_request, process_token = llm_engine.LLMEngine.add_request, output_processor.process_token
     execute_model = ModelRunner.execute_model
     step, build_app = llm_engine.LLMEngine.step, api_server.build_app
 
@@ -138,7 +138,7 @@ def install() -> None:
         return app
 
     llm_engine.LLMEngine.add_request = marking_add_request
-    llm_engine.process_token = faulty_process_token
+    output_processor.process_token = faulty_process_token
     ModelRunner.execute_model = faulty_execute_model
     llm_engine.LLMEngine.step = holding_step
     api_server.build_app = build_app_with_holds_route

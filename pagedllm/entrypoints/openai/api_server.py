@@ -16,10 +16,11 @@ from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.anthropic.serving import router as messages_router
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.data_parallel import DPAsyncLLM
+from pagedllm.engine.protocol import EngineClient, EngineDeadError
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.body_limit import RequestSizeLimitMiddleware
 from pagedllm.entrypoints.openai.dashboard import install_dashboard
-from pagedllm.entrypoints.openai.errors import APIError, install_error_handlers
+from pagedllm.entrypoints.openai.errors import APIError, api_error_for, install_error_handlers
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeChatRequest, TokenizeCompletionRequest)
@@ -58,8 +59,14 @@ def pagedllm_version() -> str:
     return importlib.metadata.version("pagedllm")
 
 
-@router.get("/health", response_class=Response, responses={200: {"description": "The server is up (empty body)"}})
-async def health() -> Response:
+@router.get("/health", response_class=Response, responses={200: {"description": "The server is up (empty body)"},
+                                                            **ERROR_RESPONSES})
+async def health(request: Request) -> Response:
+    """vLLM's: 200 while the engine serves, 503 once it is shut down or dead."""
+    try:
+        await _state(request).llm.check_health()
+    except EngineDeadError as exc:
+        raise api_error_for(exc) from exc
     return Response(status_code=200)
 
 
@@ -71,8 +78,8 @@ async def version() -> VersionResponse:
 @router.get("/v1/models", responses=ERROR_RESPONSES)
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
-    root = state.engine.config.model or str(bundled_model_path())
-    max_model_len = state.engine.max_model_len
+    root = state.llm.config.model or str(bundled_model_path())
+    max_model_len = state.llm.max_model_len
     adapters = state.adapters.all()
     return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_model_len) for name in state.model_names]
                      + [ModelCard(id=adapter.lora_name, root=adapter.lora_path, parent=state.adapters.parent_of(adapter),
@@ -99,7 +106,7 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, reques
         tokens = state.chat_prompt_ids(body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs)
     else:
         tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens)
+    return TokenizeResponse(count=len(tokens), max_model_len=state.llm.max_model_len, tokens=tokens)
 
 
 @router.post("/detokenize", responses=ERROR_RESPONSES)
@@ -107,7 +114,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     check_undeclared_fields(body)
     state = _state(request)
     state.resolve_model(body.model)
-    vocab_size = state.engine.model_config.vocab_size
+    vocab_size = state.llm.model_config.vocab_size
     if not all(0 <= token < vocab_size for token in body.tokens):
         raise APIError(400, f"tokens must be integers in [0, {vocab_size})", param="tokens")
     return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
@@ -122,9 +129,9 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def build_app(llm: AsyncLLM | DPAsyncLLM, config: ServerConfig) -> FastAPI:
-    """The app over an engine that is already loaded; its lifespan shuts the engine down."""
-    model_names = config.served_model_name or [llm.engine.config.model or bundled_model_path().stem]
+def build_app(llm: EngineClient, config: ServerConfig) -> FastAPI:
+    """The app over an engine client that is already loaded; its lifespan shuts the engine down."""
+    model_names = config.served_model_name or [llm.config.model or bundled_model_path().stem]
     api_keys: dict[str, str | None] = {**config.tenant_keys, **({config.api_key: None} if config.api_key else {})}
     state = ServerState(llm=llm, model_names=model_names, metrics=ServerMetrics(model_names[0]),
                         system_fingerprint=f"pagedllm-{pagedllm_version()}", salt_by_tenant=bool(config.tenant_keys),
@@ -137,7 +144,7 @@ def build_app(llm: AsyncLLM | DPAsyncLLM, config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
-            if llm.engine.config.enable_lora:
+            if llm.config.enable_lora:
                 await _load_lora_modules(state.adapters, config.lora_modules or [])
             stats_task = asyncio.create_task(log_stats_periodically(state))
             try:
@@ -159,8 +166,9 @@ def build_app(llm: AsyncLLM | DPAsyncLLM, config: ServerConfig) -> FastAPI:
         logger.warning("runtime LoRA updating is on (--allow-runtime-lora-updating or %s): clients with the API key "
                        "can load adapters from any path this server can read", RUNTIME_LORA_UPDATING_ENV)
         app.include_router(runtime_updates_router)
-    if not config.disable_dashboard and isinstance(llm, AsyncLLM):   # Ray replicas keep their engines elsewhere
-        install_dashboard(app, llm, api_key_required=bool(api_keys))
+    local_engine = llm.local_engine()
+    if not config.disable_dashboard and local_engine is not None:   # Ray replicas keep their engines elsewhere
+        install_dashboard(app, local_engine, api_key_required=bool(api_keys))
     # The last added runs first: the key is checked before the body is even counted.
     app.add_middleware(RequestSizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if api_keys:
@@ -184,20 +192,11 @@ def _exit_cleanly(signum: int, frame) -> None:
     sys.exit(0)
 
 
-def start_engine(engine_config: EngineConfig, max_waiting_requests: int | None) -> AsyncLLM | DPAsyncLLM:
+def start_engine(engine_config: EngineConfig, max_waiting_requests: int | None) -> EngineClient:
     """One engine in this process, or (distributed_executor_backend ray) its replicas on Ray; loads the model."""
     if engine_config.distributed_executor_backend == "ray":
         return DPAsyncLLM.from_config(engine_config, max_waiting_requests)
     return AsyncLLM.from_config(engine_config, max_waiting_requests)
-
-
-def _kv_cache_summary(llm: AsyncLLM | DPAsyncLLM) -> str:
-    if isinstance(llm, DPAsyncLLM):
-        info = llm.replicas[0].info
-        return (f"{len(llm.replicas)} Ray engine replicas, each with {info.num_kv_blocks} KV blocks of "
-                f"{info.block_size} tokens")
-    kv = llm.engine.stats().kv_cache
-    return f"{kv.num_blocks} KV blocks of {kv.block_size} tokens ({kv.num_blocks * kv.block_size} tokens)"
 
 
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
@@ -205,8 +204,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     in-flight requests shutdown_timeout seconds, cancels the rest, and the lifespan stops the engine."""
     llm = start_engine(engine_config, config.max_waiting_requests)
     app = build_app(llm, config)
-    logger.info("serving %s (dtype %s) with %s at http://%s:%d", app.state.server.model_name,
-                str(llm.engine.dtype).removeprefix("torch."), _kv_cache_summary(llm), config.host, config.port)
+    logger.info("serving %s %s at http://%s:%d", app.state.server.model_name, llm.describe(), config.host,
+                config.port)
     # uvicorn re-raises the signal that stopped it once its graceful shutdown is over; by then
     # everything is done, so the process exits 0 instead of dying by the signal.
     for signum in (signal.SIGINT, signal.SIGTERM):

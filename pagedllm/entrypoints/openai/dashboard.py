@@ -24,10 +24,11 @@ from importlib import resources
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 
-from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.protocol import LocalEngine
 from pagedllm.entrypoints.openai.kv_map import KVMapFeed, StepRecorder, block_detail, capture, kv_map_snapshot
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.response_protocol import ERROR_RESPONSES
+
 logger = logging.getLogger(__name__)
 
 MIN_FRAME_INTERVAL = 0.2      # seconds: at most 5 frames a second
@@ -40,7 +41,7 @@ router = APIRouter()
 class DashboardHub:
     """The pages' shared feed: starts with the first subscriber, stops with the last."""
 
-    def __init__(self, llm: AsyncLLM, api_key_required: bool):
+    def __init__(self, llm: LocalEngine, api_key_required: bool):
         self.llm = llm
         self.api_key_required = api_key_required
         self.feed = KVMapFeed(llm.engine.kv_manager.block_size)
@@ -169,6 +170,6 @@ async def kv_map_events(request: Request) -> StreamingResponse:
                              headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
 
-def install_dashboard(app: FastAPI, llm: AsyncLLM, api_key_required: bool) -> None:
+def install_dashboard(app: FastAPI, llm: LocalEngine, api_key_required: bool) -> None:
     app.state.dashboard = DashboardHub(llm, api_key_required)
     app.include_router(router)

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pagedllm.engine.async_llm import EngineDeadError, EngineOverloadedError, EngineRequestError
+from pagedllm.engine.protocol import EngineDeadError, EngineOverloadedError, EngineRequestError
 from pagedllm.sampling_params import SamplingParams
 
 # OpenAI's error types by status; the rest are server errors.

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedllm.engine.beam_search import BeamSearchParams
-from pagedllm.engine.llm_engine import MAX_CACHE_SALT_CHARS
+from pagedllm.engine.input_processor import MAX_CACHE_SALT_CHARS
 from pagedllm.entrypoints.openai.errors import APIError, sampling_field_named_in
 from pagedllm.entrypoints.openai.structured_requests import StructuredOutputFields, structured_outputs_params
 from pagedllm.entrypoints.openai.tool_requests import ChatCompletionTool, ToolCallParam, ToolChoice

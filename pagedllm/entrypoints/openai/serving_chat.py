@@ -74,7 +74,7 @@ def start_chat(body: ChatCompletionRequest, raw_request: Request, state: ServerS
     tools = body.tools if tool_mode != "none" else None   # "none": the template does not offer them either
     params = body.to_sampling_params(forced_tool_schema(tools, tool_mode, body.parallel_tool_calls) if tools else None)
     prompt_ids = state.chat_prompt_ids(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
-    if cache_breakpoints and not state.engine.config.enable_prefix_caching:
+    if cache_breakpoints and not state.llm.config.enable_prefix_caching:
         raise APIError(400, f"{cache_breakpoints[0].field}: keeping a prefix cached needs the prefix cache, which "
                             "this server runs without (--no-enable-prefix-caching); leave cache_control out",
                        param=cache_breakpoints[0].field)

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 import jinja2
 from fastapi import Request
 
-from pagedllm.engine.async_llm import AsyncLLM, EngineOverloadedError
 from pagedllm.engine.beam_search import BeamSearchParams
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.protocol import EngineClient, EngineOverloadedError
 from pagedllm.engine.request import CachePin
 from pagedllm.engine.stats import EngineStats
 from pagedllm.lora.request import LoRARequest
@@ -36,7 +35,7 @@ _TEMPLATE_CALL_ARGUMENTS = frozenset({
 
 @dataclass
 class ServerState:
-    llm: AsyncLLM
+    llm: EngineClient
     model_names: list[str]      # the first is the one responses report
     metrics: ServerMetrics
     system_fingerprint: str
@@ -53,12 +52,8 @@ class ServerState:
         return self.model_names[0]
 
     @property
-    def engine(self) -> LLMEngine:
-        return self.llm.engine
-
-    @property
     def tokenizer(self) -> Tokenizer:
-        return self.llm.engine.tokenizer
+        return self.llm.tokenizer
 
     def resolve_model(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's model names, or None for a base model's name (or no name); any other
@@ -120,7 +115,7 @@ class ServerState:
         if cache_pins:
             prompt["cache_pins"] = list(cache_pins)
         try:
-            self.engine.check_prompt(prompt, params)
+            self.llm.check_prompt(prompt, params)
         except ValueError as exc:
             raise APIError(400, str(exc), param=sampling_field_named_in(str(exc)) or param) from exc
         return prompt
@@ -131,9 +126,9 @@ class ServerState:
         """The prompts' output streams, merged. Refused with a 503 (Retry-After) now, before any answer
         has begun, when they would take the waiting requests past max_waiting_requests. A priority other
         than 0 needs the engine's priority policy (--scheduling-policy priority)."""
-        if priority != 0 and self.engine.config.scheduling_policy != "priority":
+        if priority != 0 and self.llm.config.scheduling_policy != "priority":
             raise APIError(400, f"priority {priority} needs the server started with --scheduling-policy priority "
-                                f"(it runs {self.engine.config.scheduling_policy!r}); send 0 or leave it out",
+                                f"(it runs {self.llm.config.scheduling_policy!r}); send 0 or leave it out",
                            param="priority")
         try:
             self.llm.check_capacity(len(prompts))

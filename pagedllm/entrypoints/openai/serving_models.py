@@ -9,6 +9,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedllm.entrypoints.openai.response_protocol import ERROR_RESPONSES
@@ -20,8 +21,8 @@ runtime_updates_router = APIRouter()
 
 
 class ServedAdapters:
-    def __init__(self, llm, base_model_names: list[str]):
-        self._llm = llm   # AsyncLLM or DPAsyncLLM: async add_lora / remove_lora
+    def __init__(self, llm: EngineClient, base_model_names: list[str]):
+        self._llm = llm
         self._base_model_names = base_model_names
         self._by_name: dict[str, LoRARequest] = {}
         self._loading: set[str] = set()   # names whose load is under way: a second load of one is a duplicate

@@ -8,7 +8,7 @@ import uuid
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
-from pagedllm.engine.async_llm import EngineOverloadedError
+from pagedllm.engine.protocol import EngineOverloadedError
 from pagedllm.entrypoints.openai.errors import APIError, api_error_for
 from pagedllm.entrypoints.openai.pooling_protocol import (EmbeddingData, EmbeddingRequest, EmbeddingResponse,
                                                           PoolingUsage, RerankDocument, RerankRequest, RerankResponse,
@@ -40,7 +40,7 @@ def _param_named_in(message: str, default: str) -> str:
 def _checked(state: ServerState, prompt: str | dict, params: PoolingParams, param: str) -> str | dict:
     """The prompt, checked now (model kind, length, token ids, KV room) so that a bad one is a 400."""
     try:
-        state.engine.check_pooling_prompt(prompt, params)
+        state.llm.check_pooling_prompt(prompt, params)
     except ValueError as exc:
         raise APIError(400, str(exc), param=_param_named_in(str(exc), param)) from exc
     return prompt
@@ -117,7 +117,7 @@ async def _score_pairs(state: ServerState, raw_request: Request, first: str | li
     except ValueError as exc:
         raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
     try:
-        plan = plan_scoring(state.tokenizer, state.engine.pooling, pairs)
+        plan = plan_scoring(state.tokenizer, state.llm.pooling, pairs)
     except ValueError as exc:
         raise APIError(400, str(exc), param="model") from exc
     prompts = [_checked(state, prompt, plan.params, names[1]) for prompt in plan.prompts]

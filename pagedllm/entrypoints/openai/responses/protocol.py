@@ -10,7 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from pagedllm.engine.llm_engine import MAX_CACHE_SALT_CHARS
+from pagedllm.engine.input_processor import MAX_CACHE_SALT_CHARS
 from pagedllm.entrypoints.openai.protocol import RequestModel, StreamOptions
 from pagedllm.entrypoints.openai.structured_requests import StrictModel
 
