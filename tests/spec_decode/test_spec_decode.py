@@ -31,7 +31,9 @@ from pagedllm.spec_decode.planner import SpeculationPlanner
 from pagedllm.worker.rejection_sampler import accept
 from pagedllm.step import ModelRunnerOutput
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# disable_by_batch_size None: exactness is checked with speculation in every step, whatever the batch.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": None}
 # Prompts that repeat themselves, so n-gram lookup finds proposals (and a random model's loops do too).
 REPEATING_PROMPTS = [
     [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
@@ -42,7 +44,7 @@ REPEATING_PROMPTS = [
 
 
 def _draft_config(path) -> dict:
-    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3, "disable_by_batch_size": None}
 
 
 def _outputs(llm: LLM, prompts, params) -> list[list[int]]:
@@ -397,7 +399,8 @@ def test_bundled_model_float32_greedy_is_token_identical(bundled_gguf_path):
 
     reference = run(LLM(**common))
     for speculative_config in (NGRAM, {"method": "draft_model", "model": str(bundled_gguf_path),
-                                       "num_speculative_tokens": 4, "quantization": "auto"}):
+                                       "num_speculative_tokens": 4, "quantization": "auto",
+                                       "disable_by_batch_size": None}):
         llm = LLM(speculative_config=speculative_config, **common)
         assert run(llm) == reference
         assert llm.stats().spec_decoding.num_accepted_tokens > 0
