@@ -364,8 +364,10 @@ def test_sampling_with_speculation_keeps_the_targets_distribution(make_tiny_mode
     num_samples = 3000
     # Four tokens: after the first (from the prefill), one step verifies two proposals, giving tokens 2 and 3.
     params = [SamplingParams(temperature=1.0, max_tokens=4, seed=seed, ignore_eos=True) for seed in range(num_samples)]
-    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
-    draft_model = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1,
+             "disable_by_batch_size": None}
+    draft_model = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2,
+                   "disable_by_batch_size": None}
     for speculative_config in (ngram, draft_model):
         llm = LLM(str(target), dtype="float32", kv_cache_memory="64MiB", max_num_seqs=256,
                   speculative_config=speculative_config)
