@@ -147,12 +147,8 @@ def _preemption_case(args: argparse.Namespace, modes: list[str], block_bytes: in
         llm.llm_engine.step_listeners.append(lambda step: computed.append(step.num_tokens))
         started = time.perf_counter()
         llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
-        seconds = time.perf_counter() - started
-        stats = llm.llm_engine.stats()
-        swapped = stats.kv_swap.swap_outs if stats.kv_swap is not None else 0
-        print(f"| {mode} | {seconds:.2f} | {args.preempt_requests * args.preempt_output_len / seconds:.1f} "
-              f"| {stats.num_preemptions} | {swapped} | {sum(computed) - computed_once} |")
-        llm.llm_engine.shutdown()
+        _print_mode_row(mode, llm.llm_engine, time.perf_counter() - started,
+                        args.preempt_requests * args.preempt_output_len, sum(computed) - computed_once)
 
 
 def _late_preemption_case(args: argparse.Namespace, modes: list[str], block_bytes: int, vocab_size: int) -> None:
@@ -191,12 +187,18 @@ def _late_preemption_case(args: argparse.Namespace, modes: list[str], block_byte
             engine.add_request(f"high{index}", {"prompt_token_ids": prompts[index]}, params, priority=0)
         while engine.has_unfinished_requests():
             engine.step()
-        seconds = time.perf_counter() - started
-        stats = engine.stats()
-        swapped = stats.kv_swap.swap_outs if stats.kv_swap is not None else 0
-        print(f"| {mode} | {seconds:.2f} | {2 * num_low * args.preempt_output_len / seconds:.1f} "
-              f"| {stats.num_preemptions} | {swapped} | {sum(computed) - computed_once} |")
-        engine.shutdown()
+        _print_mode_row(mode, engine, time.perf_counter() - started, 2 * num_low * args.preempt_output_len,
+                        sum(computed) - computed_once)
+
+
+def _print_mode_row(mode: str, engine, seconds: float, num_output_tokens: int, recomputed: int) -> None:
+    """One preemption mode's row (seconds, output tok/s, preemptions, swaps, tokens recomputed); shuts the engine
+    down."""
+    stats = engine.stats()
+    swapped = stats.kv_swap.swap_outs if stats.kv_swap is not None else 0
+    print(f"| {mode} | {seconds:.2f} | {num_output_tokens / seconds:.1f} | {stats.num_preemptions} | {swapped} "
+          f"| {recomputed} |")
+    engine.shutdown()
 
 
 def _conversation_turns(args: argparse.Namespace, vocab_size: int):

@@ -39,8 +39,11 @@ class ReadAhead:
     def take(self, name: str, digest: bytes) -> torch.Tensor | None:
         """The payload read ahead for this file and key, given up; None when it is not ready (the caller reads)."""
         with self._lock:
-            entry = self._ready.pop(name, None)
-        return entry[1] if entry is not None and entry[0] == digest else None
+            entry = self._ready.get(name)
+            if entry is None or entry[0] != digest:
+                return None
+            del self._ready[name]
+        return entry[1]
 
     def forget(self, name: str) -> None:
         """The file is deleted: a payload read ahead for it goes too."""
