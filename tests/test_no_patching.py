@@ -42,9 +42,8 @@ def patches_in(source: str, filename: str = "<source>") -> list[str]:
         found.append(f"{filename}:{node.lineno} {what}")
 
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Name, ast.arg)) and (node.id if isinstance(node, ast.Name) else node.arg) == "monkeypatch":
-            report(node, "uses monkeypatch")
-        elif isinstance(node, ast.Attribute) and node.attr == "monkeypatch":
+        bound = node.id if isinstance(node, ast.Name) else node.arg if isinstance(node, ast.arg) else None
+        if bound == "monkeypatch" or isinstance(node, ast.Attribute) and node.attr == "monkeypatch":
             report(node, "uses monkeypatch")
         elif isinstance(node, ast.Call) and node.args:
             func, target = node.func, node.args[0]

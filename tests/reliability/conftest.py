@@ -19,7 +19,8 @@ def quiet_httpx():
 def main_server(tmp_path_factory):
     """The suite's main server: fault-injection hooks, an API key, a small KV cache so blocks get reused."""
     server = ServerProcess(tmp_path_factory.mktemp("main") / "server.log", "--kv-cache-memory",
-                           QUICK.kv_cache_memory, *MAIN_SERVER_FLAGS, api_key="reliability-key", launcher=FAULT_INJECTION_LAUNCHER)
+                           QUICK.kv_cache_memory, *MAIN_SERVER_FLAGS, api_key="reliability-key",
+                           launcher=FAULT_INJECTION_LAUNCHER)
     yield server
     server.stop()
 
