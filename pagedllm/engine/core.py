@@ -53,7 +53,7 @@ class EngineCore:
         self.step_listeners: list[Callable[[StepStats], None]] = []
         # Hooks for test tooling (the reliability suite's fault injection), so that it needs no patching: each
         # request listener sees every request queued, with its siblings; each step gate is asked before a step
-        # whether it may run. A closed gate skips the step (the gate itself decides how long to wait first);
+        # whether it may run. A shut gate skips the step (the gate itself decides how long to wait first);
         # calls made between steps, aborts and stats, still go through.
         self.request_listeners: list[Callable[[Request, list[Request]], None]] = []
         self.step_gates: list[Callable[[], bool]] = []

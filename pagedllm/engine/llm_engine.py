@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, wrap_executor: Callable[[Executor], Executor] | None = None):
         """wrap_executor: given the executor built for the config, returns the one the engine core steps (test
-        tooling wraps it to fail, hold or slow steps on command; None: the executor itself)."""
+        tooling wraps it to fail steps or corrupt tokens on command; None: the executor itself)."""
         if config.data_parallel_size > 1:   # replicas are several engines: DPAsyncLLM (pagedllm serve) runs them
             raise ValueError(f"data_parallel_size must be 1 for one LLMEngine, got {config.data_parallel_size}; "
                              "serve replicas with `pagedllm serve --data-parallel-size N`")
