@@ -90,13 +90,14 @@ def _temporary_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def _write_private(path: Path, *parts: bytes | memoryview) -> None:
     """Writes a 0600 file whole or not at all (a temporary name, then a rename)."""
     temporary = _temporary_path(path)
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
+            for part in parts:
+                handle.write(part)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
@@ -114,23 +115,31 @@ def _hold_mid_write(path: Path, data: bytes, fifo: str) -> None:
     threading.Event().wait()
 
 
-def block_tensors(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int) -> list[torch.Tensor]:
-    """Every tensor slice that holds one block: per layer K then V, each with its scales if it has them."""
-    return [tensor[block_id].reshape(-1).view(torch.uint8)
+def _block_rows(kv_caches: list[tuple[CacheTensor, CacheTensor]]) -> list[torch.Tensor]:
+    """Every cache tensor as [blocks, bytes of one block] (views: a write lands in the pool): per layer K then V,
+    each with its scales if it has them. A block's payload is its row of each, in this order."""
+    return [tensor.view(tensor.shape[0], -1).view(torch.uint8)
             for layer in kv_caches for cache in layer for tensor in (cache.data, cache.scales) if tensor is not None]
 
 
-def copy_block_out(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int) -> torch.Tensor:
-    """The block's bytes, copied now to host memory (the caller may overwrite the block right after)."""
-    return torch.cat(block_tensors(kv_caches, block_id)).cpu()
+def copy_blocks_out(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_ids: list[int]) -> torch.Tensor:
+    """The blocks' bytes, copied now to host memory, one row per block (the caller may overwrite the blocks
+    right after): one gather per cache tensor, however many blocks."""
+    rows = _block_rows(kv_caches)
+    index = torch.tensor(block_ids, dtype=torch.int64, device=rows[0].device)
+    return torch.cat([tensor.index_select(0, index) for tensor in rows], dim=1).cpu()
 
 
-def copy_block_in(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, payload: torch.Tensor) -> None:
-    """Writes bytes that copy_block_out made back into a block of the pool."""
+def copy_blocks_in(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_ids: list[int],
+                   payloads: torch.Tensor) -> None:
+    """Writes rows that copy_blocks_out made (or read back from files) into blocks of the pool."""
+    rows = _block_rows(kv_caches)
+    index = torch.tensor(block_ids, dtype=torch.int64, device=rows[0].device)
     offset = 0
-    for tensor in block_tensors(kv_caches, block_id):
-        tensor.copy_(payload[offset:offset + tensor.numel()], non_blocking=False)
-        offset += tensor.numel()
+    for tensor in rows:
+        width = tensor.shape[1]
+        tensor.index_copy_(0, index, payloads[:, offset:offset + width].to(tensor.device))
+        offset += width
 
 
 class DiskKVStore:
@@ -196,21 +205,20 @@ class DiskKVStore:
     def delete(self, block_hash: bytes) -> None:
         self._queue.put(("delete", self._block_name(block_hash)))
 
-    def load(self, kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, block_hash: bytes,
-             digest: bytes) -> bool:
-        """Reads the block into the pool at block_id; False (and the file removed) when it is missing, is
-        for another key, or fails its length or checksum."""
-        return self._load(kv_caches, block_id, self._block_name(block_hash), digest)
+    def read(self, block_hash: bytes, digest: bytes) -> torch.Tensor | None:
+        """The block's payload; None (and the file removed) when it is missing, is for another key, or fails
+        its length or checksum."""
+        return self._payload(self._block_name(block_hash), digest)
 
     def write_swap(self, key: int, payload: torch.Tensor) -> None:
         """Queues a swapped-out block's copy for the writer (read back from memory until written)."""
         self._queue_write(self._swap_name(key), self._swap_digest(key), payload)
 
-    def load_swap(self, kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, key: int) -> bool:
-        """Reads a swapped block back into block_id and deletes its file; False when it cannot be read."""
-        loaded = self._load(kv_caches, block_id, self._swap_name(key), self._swap_digest(key))
+    def read_swap(self, key: int) -> torch.Tensor | None:
+        """A swapped block's payload, its file deleted; None when it cannot be read."""
+        payload = self._payload(self._swap_name(key), self._swap_digest(key))
         self.delete_swap(key)
-        return loaded
+        return payload
 
     def delete_swap(self, key: int) -> None:
         self._queue.put(("delete", self._swap_name(key)))
@@ -220,23 +228,20 @@ class DiskKVStore:
             self._pending[name] = (digest, payload)
         self._queue.put(("write", name))
 
-    def _load(self, kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, name: str,
-              digest: bytes) -> bool:
+    def _payload(self, name: str, digest: bytes) -> torch.Tensor | None:
+        """From memory while the write is queued, else from the file."""
         with self._lock:
             pending = self._pending.get(name)
         if pending is not None and pending[0] == digest:
-            payload = pending[1]
-        else:
-            payload = self._read(name, digest)
-            if payload is None:
-                return False
-        copy_block_in(kv_caches, block_id, payload)
-        return True
+            return pending[1]
+        return self._read(name, digest)
 
     def _read(self, name: str, digest: bytes) -> torch.Tensor | None:
         path = self.directory / name
         try:
-            data = path.read_bytes()
+            with open(path, "rb", buffering=0) as handle:
+                data = bytearray(os.fstat(handle.fileno()).st_size)
+                handle.readinto(data)
         except OSError:
             return None
         problem = None
@@ -257,7 +262,7 @@ class DiskKVStore:
             return None
         os.utime(path)   # its access time orders the LRU rebuilt at the next start
         self.bytes_read += len(data)
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return torch.frombuffer(data, dtype=torch.uint8, offset=HEADER_BYTES)
 
     def flush(self) -> None:
         """Returns once every queued write and delete is done."""
@@ -292,13 +297,13 @@ class DiskKVStore:
         if entry is None:
             return
         digest, payload = entry
-        data = payload.numpy().tobytes()
-        file = HEADER.pack(MAGIC, digest, len(data), zlib.crc32(data)) + data
+        data = memoryview(payload.numpy())   # no copy: the row stays unchanged while it is queued
+        header = HEADER.pack(MAGIC, digest, len(data), zlib.crc32(data))
         try:
             if self._hold_fifo:
-                _hold_mid_write(self.directory / name, file, self._hold_fifo)
-            _write_private(self.directory / name, file)
-            self.bytes_written += len(file)
+                _hold_mid_write(self.directory / name, header + data.tobytes(), self._hold_fifo)
+            _write_private(self.directory / name, header, data)
+            self.bytes_written += len(header) + len(data)
         finally:
             with self._lock:
                 if self._pending.get(name) is entry:
