@@ -2,8 +2,9 @@
 
 A waiting request whose prefix continues on disk gets free blocks for those disk blocks; their reads are queued
 for the next step (loading), and its RAM hits and the blocks once loaded are held for it (staged) until it is
-admitted, so nothing of its prefix is evicted meanwhile. The manager decides which request loads (kv/manager.py);
-this module keeps those blocks, completes the loads and turns the pool's evictions into spills.
+admitted, so nothing of its prefix is evicted meanwhile; while its blocks are not free yet, its disk blocks are
+named once for the workers to read ahead. The manager decides which request loads (kv/manager.py); this module
+keeps those blocks, completes the loads and turns the pool's evictions into spills.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class DiskWork:
     swap_outs: list[tuple[int, SwapKey]] = field(default_factory=list)   # (block id, key)
     swap_ins: list[tuple[int, SwapKey]] = field(default_factory=list)
     swap_drops: list[SwapKey] = field(default_factory=list)
+    # Blocks of waiting requests to read into memory ahead of their loads (a hint: nothing waits on it).
+    read_ahead: list[tuple[BlockHash, KeyDigest]] = field(default_factory=list)
 
     @property
     def has_work(self) -> bool:
@@ -38,6 +41,8 @@ class DiskLoads:
         self._loading: dict[str, list[tuple[KVBlock, BlockHash, BlockKey]]] = {}   # read in the coming step
         self._staged: dict[str, list[KVBlock]] = {}   # held for the request until it is admitted
         self._pending: list[tuple[int, BlockHash, KeyDigest]] = []
+        self._read_ahead: list[tuple[BlockHash, KeyDigest]] = []
+        self._read_ahead_for: set[str] = set()   # requests whose blocks were named for read-ahead
 
     def __contains__(self, request_id: str) -> bool:
         """Whether the request's disk blocks are read in the current step."""
@@ -52,6 +57,17 @@ class DiskLoads:
         self._loading[request_id] = [(block, block_hash, key) for block, (block_hash, key) in zip(blocks, found)]
         self._pending.extend((block.block_id, block_hash, key_digest(key))
                              for block, (block_hash, key) in zip(blocks, found))
+
+    def read_ahead(self, request_id: str, found: list[tuple[BlockHash, BlockKey]]) -> None:
+        """The request's disk blocks, which it cannot load yet (too few free blocks), are read into the workers'
+        memory meanwhile; named once per request."""
+        if request_id not in self._read_ahead_for:
+            self._read_ahead_for.add(request_id)
+            self._read_ahead.extend((block_hash, key_digest(key)) for block_hash, key in found)
+
+    def take_read_ahead(self) -> list[tuple[BlockHash, KeyDigest]]:
+        read_ahead, self._read_ahead = self._read_ahead, []
+        return read_ahead
 
     def complete(self, failed: set[int]) -> None:
         """The step's loads are done: loaded blocks join the prefix cache (held for their request), blocks the
@@ -77,6 +93,7 @@ class DiskLoads:
 
     def forget(self, request_id: str) -> None:
         """The request ended: blocks being read for it and blocks held for it go back."""
+        self._read_ahead_for.discard(request_id)
         for block, _, _ in self._loading.pop(request_id, ()):
             self.pool.free([block])
         self.release(request_id)

@@ -21,8 +21,8 @@ shortened to what fits); deadlines are read from an injectable clock.
 
 With a disk tier (kv/disk_tier.py) cached blocks evicted from the pool are spilled to disk, and a waiting
 request whose prefix continues on disk has those blocks loaded into free blocks first (load_from_disk, the
-blocks kept by kv/disk_loads.py): they are held for it, cached once loaded, and taken as prefix hits when it
-is admitted. The manager only decides; take_disk_work() hands the step's spills, loads and deletes to the
+blocks kept by kv/disk_loads.py; read ahead while they are not free yet): they are held for it, cached once
+loaded, and taken as prefix hits when it is admitted. The manager only decides; take_disk_work() hands the step's spills, loads and deletes to the
 workers, and complete_disk_loads() applies what they could not read (those tokens are recomputed).
 
 With a swap space (kv/swap.py) a preempted request may be swapped out instead of recomputed (the records in
@@ -172,6 +172,7 @@ class KVCacheManager:
         # admitted would otherwise starve each other, with nothing running to free any.
         if blocks_needed(len(token_ids), self.block_size) - len(ram_hits) > self.pool.num_free_blocks:
             self.pool.free(ram_hits)
+            self._disk_loads.read_ahead(request_id, found)   # while the running requests free blocks
             return False
         self._disk_loads.start(request_id, ram_hits, found)
         return True
@@ -191,11 +192,13 @@ class KVCacheManager:
         swap space)."""
         if self.disk is None and self.swap is None:
             return None
-        spills, loads, deletes = [], [], []
+        work = DiskWork([], [], [])
         if self._disk_loads is not None:
-            spills, loads, deletes = self._disk_loads.take_spills(), self._disk_loads.take_loads(), self.disk.take_deletes()
-        swap_work = self._swapped.take_work() if self._swapped is not None else ([], [], [])
-        return DiskWork(spills, loads, deletes, *swap_work)
+            work = DiskWork(self._disk_loads.take_spills(), self._disk_loads.take_loads(), self.disk.take_deletes(),
+                            read_ahead=self._disk_loads.take_read_ahead())
+        if self._swapped is not None:
+            work.swap_outs, work.swap_ins, work.swap_drops = self._swapped.take_work()
+        return work
 
     def is_swapped(self, request_id: str) -> bool:
         """Whether the request's KV waits in the swap space (swapped out, not yet swapped in)."""

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.model.attention.cache import CacheTensor
+from pagedllm.worker.kv_read_ahead import ReadAhead
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +144,9 @@ def copy_blocks_in(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_ids: 
 
 
 class DiskKVStore:
-    def __init__(self, directory: str, payload_bytes: int):
-        """payload_bytes: one block's K/V (and scales), every layer, as the pool holds it."""
+    def __init__(self, directory: str, payload_bytes: int, read_ahead_blocks: int = 0):
+        """payload_bytes: one block's K/V (and scales), every layer, as the pool holds it; read_ahead_blocks: the
+        most blocks read ahead and kept in memory for loads to come (kv_read_ahead.py)."""
         self.directory = Path(directory)
         self.payload_bytes = payload_bytes
         self.bytes_read = 0
@@ -157,6 +159,7 @@ class DiskKVStore:
         self._hold_fifo = os.environ.get(HOLD_MID_WRITE_ENV)
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
+        self._read_ahead = ReadAhead(self._read, read_ahead_blocks)
 
     @staticmethod
     def _block_name(block_hash: bytes) -> str:
@@ -203,7 +206,17 @@ class DiskKVStore:
         self._queue_write(self._block_name(block_hash), digest, payload)
 
     def delete(self, block_hash: bytes) -> None:
+        self._read_ahead.forget(self._block_name(block_hash))
         self._queue.put(("delete", self._block_name(block_hash)))
+
+    def read_ahead(self, block_hash: bytes, digest: bytes) -> None:
+        """Starts reading the block's file in the background for a load to come (nothing if it is queued for
+        writing: it is in memory already)."""
+        name = self._block_name(block_hash)
+        with self._lock:
+            if name in self._pending:
+                return
+        self._read_ahead.ask(name, digest)
 
     def read(self, block_hash: bytes, digest: bytes) -> torch.Tensor | None:
         """The block's payload; None (and the file removed) when it is missing, is for another key, or fails
@@ -229,12 +242,13 @@ class DiskKVStore:
         self._queue.put(("write", name))
 
     def _payload(self, name: str, digest: bytes) -> torch.Tensor | None:
-        """From memory while the write is queued, else from the file."""
+        """From memory while the write is queued or once read ahead, else from the file."""
         with self._lock:
             pending = self._pending.get(name)
         if pending is not None and pending[0] == digest:
             return pending[1]
-        return self._read(name, digest)
+        payload = self._read_ahead.take(name, digest)
+        return payload if payload is not None else self._read(name, digest)
 
     def _read(self, name: str, digest: bytes) -> torch.Tensor | None:
         path = self.directory / name
@@ -261,15 +275,18 @@ class DiskKVStore:
             path.unlink(missing_ok=True)
             return None
         os.utime(path)   # its access time orders the LRU rebuilt at the next start
-        self.bytes_read += len(data)
+        with self._lock:   # the read-ahead thread reads too
+            self.bytes_read += len(data)
         return torch.frombuffer(data, dtype=torch.uint8, offset=HEADER_BYTES)
 
     def flush(self) -> None:
-        """Returns once every queued write and delete is done."""
+        """Returns once every queued write, delete and read-ahead is done."""
         self._queue.join()
+        self._read_ahead.flush()
 
     def close(self) -> None:
         self.flush()
+        self._read_ahead.close()
         self._queue.put(None)
         self._writer.join()
 

@@ -185,6 +185,8 @@ class ModelRunner:
             store.delete(block_hash)
         for key in work.swap_drops:
             swap.drop(key)
+        for block_hash, digest in work.read_ahead:   # read while this step's forward pass runs
+            store.read_ahead(block_hash, digest)
         return failures, swap_seconds
 
     def _read_back(self, items: list[tuple], read) -> list[int]:
