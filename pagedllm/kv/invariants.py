@@ -86,7 +86,7 @@ def per_request_state(owner) -> list[str]:
 
 def check_kv_idle(kv: KVCacheManager) -> list[str]:
     """With no request unfinished: every block free with ref count 0, the free queue and cached_blocks well
-    formed, and no per-request state in the manager."""
+    formed, and no per-request state in the manager or its tiers' books."""
     pool = kv.pool
     problems = []
     held = [block for block in pool.blocks if block.ref_count != 0]
@@ -96,7 +96,7 @@ def check_kv_idle(kv: KVCacheManager) -> list[str]:
     if pool.num_free_blocks != pool.num_blocks:
         problems.append(f"pool not whole: {pool.num_free_blocks} of {pool.num_blocks} blocks free")
     problems += check_free_queue(pool) + check_cached_blocks(pool)
-    left = per_request_state(kv)
+    left = per_request_state(kv) + [state for books in kv.tier_books for state in per_request_state(books)]
     if left:
         problems.append(f"the KV manager holds per-request state at an idle point: {', '.join(left)}")
     return problems

@@ -147,6 +147,11 @@ class KVCacheManager:
         self.pool.hash_log.restart()
         return held
 
+    @property
+    def tier_books(self) -> list[DiskLoads | SwappedRequests]:
+        """The disk loads' and the swapped requests' books, where the tiers keep their per-request state."""
+        return [books for books in (self._disk_loads, self._swapped) if books is not None]
+
     def is_loading(self, request_id: str) -> bool:
         """Whether the request waits for blocks being read back (disk hits or a swap-in) in the current step."""
         return ((self._disk_loads is not None and request_id in self._disk_loads)

@@ -13,6 +13,7 @@ finds, as it does temporary files that a killed process left half written.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -274,7 +275,8 @@ class DiskKVStore:
             logger.warning("KV block file %s refused (%s); its tokens are recomputed", path.name, problem)
             path.unlink(missing_ok=True)
             return None
-        os.utime(path)   # its access time orders the LRU rebuilt at the next start
+        with contextlib.suppress(OSError):   # (deleted meanwhile for the quota: the payload is still right)
+            os.utime(path)   # its access time orders the LRU rebuilt at the next start
         with self._lock:   # the read-ahead thread reads too
             self.bytes_read += len(data)
         return torch.frombuffer(data, dtype=torch.uint8, offset=HEADER_BYTES)
