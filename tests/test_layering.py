@@ -19,11 +19,6 @@ PACKAGE = "pagedllm"
 KNOWN_EXCEPTIONS = {
     ("pagedllm.bench.reliability.fault_injection", "pagedllm.entrypoints.cli"):
         "house-core (issue 29 part 2): the reliability suite leaves the package",
-    ("pagedllm.entrypoints.openai.api_server", "pagedllm.entrypoints.anthropic.serving"):
-        "house-core (issue 29 part 1): the app that mounts both APIs sits above openai/ and anthropic/",
-    ("pagedllm.entrypoints.openai.serving_engine", "pagedllm.entrypoints.openai.responses.store"):
-        "issue 29 part 3 follow-up: ServerState holds the Responses store; it belongs to the app the responses "
-        "routes read (api_server, house-core's)",
 }
 
 

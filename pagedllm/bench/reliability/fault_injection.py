@@ -20,7 +20,7 @@ import weakref
 from pagedllm.engine import llm_engine, output_processor
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.entrypoints import cli
-from pagedllm.entrypoints.openai import api_server
+from pagedllm.entrypoints import api_server
 from pagedllm.worker.model_runner import ModelRunner
 
 REQUEST_FAULT = "<<inject-request-fault>>"
