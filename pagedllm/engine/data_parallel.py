@@ -10,8 +10,8 @@ the OpenAI server drives over them:
   the replica with the fewest requests in flight (sent from here and not yet finished), ties to the one that
   was given fewer so far; its outputs stream back;
 - abort (or closing a stream) reaches the replica that owns the request and frees its blocks;
-- stats() sums every live replica's figures (stats.combine_stats), so KV usage is used blocks over all blocks, and keeps each
-  replica's own figures and the router's choices beside them (DataParallelStats);
+- stats() sums every live replica's figures (stats.combine_stats), so KV usage is used blocks over all
+  blocks, and keeps each replica's own figures and the router's choices beside them (DataParallelStats);
 - a replica that dies (killed, its node lost) fails only the requests it held, with
   EngineRequestError, and is skipped from then on; when none is left, requests get EngineDeadError;
 - max_waiting_requests bounds the requests sent to replicas that have not yet had an output back;
@@ -357,4 +357,3 @@ class DPAsyncLLM(EngineClient):
     def _no_replica_left(self) -> EngineDeadError:
         self._dead = EngineDeadError(f"all {len(self.replicas)} engine replicas died")
         return self._dead
-

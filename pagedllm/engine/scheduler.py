@@ -17,10 +17,10 @@ admitted again until they have a new token to compute, so the blocks go to reque
 can move their search on.
 
 `schedule()` hands the step to the workers as plain data (pagedllm/step.py, written by engine/step_data.py):
-a request they do not hold comes whole, a running one as what it gained since its last step. `update_from_output()` applies
-the result in one place: computed tokens advanced, full blocks cached, sampled tokens appended and
-checked against the token-level stops (EOS, stop_token_ids, max_tokens), beams advanced, finished
-requests freed. Stop strings need text, so the output processor checks them and calls `finish`.
+a request they do not hold comes whole, a running one as what it gained since its last step.
+`update_from_output()` applies the result in one place: computed tokens advanced, full blocks cached,
+sampled tokens appended and checked against the token-level stops (EOS, stop_token_ids, max_tokens),
+beams advanced, finished requests freed. Stop strings need text, so the output processor checks them and calls `finish`.
 
 Structured outputs: a request with a grammar (`Request.grammar`) is admitted only once its grammar has
 compiled (others run meanwhile); each step carries the bitmask of the rows that sample under a grammar
