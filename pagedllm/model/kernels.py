@@ -44,7 +44,13 @@ def _import_if_built(variant: str) -> ModuleType | None:
 def cpu_features() -> set[str]:
     """The instruction sets of this CPU that variants need (empty without a build)."""
     probe = importlib.util.find_spec("pagedllm._C_cpu_features")
-    return set(importlib.import_module(probe.name).cpu_features()) if probe is not None else set()
+    if probe is None:
+        built = [variant for variant in VARIANTS if importlib.util.find_spec(module_name(variant)) is not None]
+        if built:   # a build from before the probe existed: never a quiet fall to torch
+            raise ImportError(f"kernel variants {built} are built but not pagedllm._C_cpu_features, which chooses "
+                              "among them: rebuild (bash scripts/setup.sh, or python setup.py build_ext --inplace)")
+        return set()
+    return set(importlib.import_module(probe.name).cpu_features())
 
 
 def supported_variants() -> list[str]:
