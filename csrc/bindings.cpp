@@ -1,3 +1,5 @@
+#include <torch/extension.h>
+
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
