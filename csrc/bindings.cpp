@@ -1,26 +1,8 @@
+#include <torch/extension.h>
+
 #include "ops.h"
 
-#include <string>
-#include <vector>
-
-// The instruction sets of the running CPU (and OS) that pagedllm builds kernel variants for; the
-// Python side imports the best variant it finds here. Empty where none applies (not x86).
-static std::vector<std::string> cpu_features() {
-  std::vector<std::string> found;
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  // __builtin_cpu_supports takes only string literals.
-#define PAGEDLLM_CHECK(name) if (__builtin_cpu_supports(name)) found.emplace_back(name);
-  PAGEDLLM_CHECK("avx2") PAGEDLLM_CHECK("fma") PAGEDLLM_CHECK("f16c") PAGEDLLM_CHECK("bmi2")
-  PAGEDLLM_CHECK("avx512f") PAGEDLLM_CHECK("avx512bw") PAGEDLLM_CHECK("avx512vl") PAGEDLLM_CHECK("avx512dq")
-  PAGEDLLM_CHECK("avx512cd") PAGEDLLM_CHECK("avx512bf16") PAGEDLLM_CHECK("avx512vnni")
-#undef PAGEDLLM_CHECK
-#endif
-  return found;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("cpu_features", &cpu_features, "Instruction sets of this CPU that kernel variants need");
   using pybind11::arg;
   // sliding_window 0 and logit_softcap 0: neither (most models).
   m.def("paged_attention", &paged_attention, "Paged attention over KV blocks, decode tokens (CPU)", arg("out"),

@@ -2,7 +2,9 @@
 // PyTorch formula a kernel replaces, which serves where the extension is not built.
 #pragma once
 
-#include <torch/extension.h>
+// ATen only: torch/extension.h (the C++ frontend and pybind11) costs every file tens of seconds of
+// compile; bindings.cpp alone includes it.
+#include <ATen/ATen.h>
 
 #include <optional>
 

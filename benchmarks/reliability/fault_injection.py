@@ -27,7 +27,7 @@ from pagedllm.engine.executor.abstract import Executor
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.entrypoints import cli
-from pagedllm.entrypoints.openai.api_server import build_app, serve_app
+from pagedllm.entrypoints.api_server import build_app, serve_app
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 
 HOLD_POLL = 0.05      # seconds a held engine idles per skipped step, so it does not spin

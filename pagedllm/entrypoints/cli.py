@@ -305,7 +305,7 @@ def _chat_turns(engine, params, conversation: list[dict]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from pagedllm.entrypoints.openai.api_server import run_server
+    from pagedllm.entrypoints.api_server import run_server
 
     run_server(args.engine_config, args.server_config)
 

@@ -11,7 +11,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.kv_map import KVMapFeed, StepRecorder, block_detail, capture, kv_map_snapshot
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.api_server import build_app
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.snapshot import block_codes

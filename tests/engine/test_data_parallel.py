@@ -104,7 +104,7 @@ def _stats(num_blocks, used, running, waiting, hits, queries, step):
 
 
 def test_combined_stats_sum_counts_and_pool_kv_usage():
-    from pagedllm.engine.data_parallel import combine_stats
+    from pagedllm.engine.stats import combine_stats
 
     step = StepStats(scheduling_seconds=0.001, prepare_seconds=0.0005, model_seconds=0.5, num_seqs=3, num_tokens=40,
                      num_preemptions=0)
@@ -118,7 +118,7 @@ def test_combined_stats_sum_counts_and_pool_kv_usage():
 
 
 def test_combined_stats_sum_the_disk_tiers_speculation_and_adapters_per_step():
-    from pagedllm.engine.data_parallel import combine_stats
+    from pagedllm.engine.stats import combine_stats
     from pagedllm.engine.stats import KVDiskStats
     from pagedllm.spec_decode.metrics import SpecDecodingStats
 

@@ -30,9 +30,21 @@ def test_the_best_variant_the_cpu_supports_is_chosen():
     assert "generic" in supported
     if not os.environ.get(kernels.FORCE_VARIABLE):
         assert kernels.variant == supported[0]
-    features = set(kernels.load("generic").cpu_features())
+    features = kernels.cpu_features()
     for variant in supported:
         assert kernels.VARIANTS[variant] <= features
+
+
+def test_the_cpu_features_are_those_linux_reports():
+    """The probe (pagedllm._C_cpu_features, what variants are chosen by) against the kernel's view of the CPU:
+    /proc/cpuinfo's flags, among those some variant needs."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo (not Linux)")
+    flags_line = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags"))
+    reported = {flag.replace("_", "") for flag in flags_line.split(":", 1)[1].split()}
+    needed = set().union(*kernels.VARIANTS.values())
+    assert kernels.cpu_features() == needed & reported
 
 
 def test_forcing_a_variant_the_cpu_lacks_or_that_does_not_exist_is_refused():

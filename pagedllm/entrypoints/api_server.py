@@ -1,4 +1,6 @@
-"""The FastAPI app (routes, middleware, lifespan) and `run_server`, which `pagedllm serve` calls."""
+"""The FastAPI app (routes, middleware, lifespan) and `run_server`, which `pagedllm serve` calls. It mounts the
+OpenAI routes (its own and those of openai/), the Anthropic Messages API (anthropic/) and the dashboard, so it
+sits above both API packages."""
 from __future__ import annotations
 
 import asyncio
@@ -13,10 +15,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from pagedllm.config import EngineConfig
-from pagedllm.entrypoints.anthropic.serving import router as messages_router
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.data_parallel import DPAsyncLLM
 from pagedllm.engine.protocol import EngineClient, EngineDeadError
+from pagedllm.entrypoints.anthropic.serving import router as messages_router
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.body_limit import RequestSizeLimitMiddleware
 from pagedllm.entrypoints.openai.dashboard import install_dashboard
@@ -138,7 +140,6 @@ def build_app(llm: EngineClient, config: ServerConfig) -> FastAPI:
                         chat_template=config.chat_template_text, tool_call_parser=config.tool_call_parser,
                         enable_auto_tool_choice=config.enable_auto_tool_choice,
                         reasoning_parser=config.reasoning_parser,
-                        response_store=ResponseStore(config.responses_store_size, config.responses_store_ttl),
                         adapters=ServedAdapters(llm, model_names))
 
     @contextlib.asynccontextmanager
@@ -157,6 +158,7 @@ def build_app(llm: EngineClient, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="pagedllm", version=pagedllm_version(), lifespan=lifespan)
     app.state.server = state
+    app.state.response_store = ResponseStore(config.responses_store_size, config.responses_store_ttl)
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(responses_router)
