@@ -79,3 +79,11 @@ void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
 // The weight as floats: out [rows, cols] = scale * q + min, exactly as gguf's dequantization computes it.
 void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,
                 int64_t bits, int64_t group);
+
+// One layer's LoRA update for a step (lora_sgmv.cpp): out[rows[i]] += x[rows[i]] . A . B with the A and B of the
+// slot of the segment (slot, start, end) in `segments` holding position i; rows in no segment are left alone.
+// a [slots, parts * max_rank, in]: part p's A in rows p * max_rank onwards; b [slots, max_rank, out]: column c
+// holds the B of the part that owns c (columns column_starts[p] to column_starts[p + 1]); ranks [slots, parts]:
+// each part's rank (0: no update). x, out: [rows, in], [rows, out] in one dtype; a, b float32/bfloat16/float16.
+void lora_sgmv(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks, at::Tensor column_starts,
+               at::Tensor rows, at::Tensor segments);

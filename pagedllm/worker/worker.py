@@ -106,8 +106,9 @@ class Worker:
         """Wraps the model's projections for LoRA and makes the manager of this rank's adapters."""
         lora_config = args.engine_config.lora_config
         dtype = args.dtype if lora_config.lora_dtype == "auto" else getattr(torch, lora_config.lora_dtype)
-        lora_model = LoRAModel(model, model.config, lora_config.max_loras, self.rank, self.group.world_size)
-        return LoRAWorkerManager(lora_model, lora_config, dtype, self.device)
+        lora_model = LoRAModel(model, model.config, lora_config.max_loras, lora_config.max_lora_rank, dtype, self.device,
+                               self.rank, self.group.world_size)
+        return LoRAWorkerManager(lora_model, lora_config)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.model_runner.lora.add(lora_request)
