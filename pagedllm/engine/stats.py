@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.kv.manager import KVCacheUsage
+from pagedllm.kv.usage import KVCacheUsage
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 

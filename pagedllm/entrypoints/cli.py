@@ -45,8 +45,6 @@ BENCHMARKS = {
     "logit-controls": ("pagedllm.bench.logit_controls",
                        "cost of logit_bias / allowed_token_ids / bad_words and prompt_logprobs"),
     "multi-turn": ("pagedllm.bench.multi_turn", "multi-turn conversations over a small RAM pool, KV disk tier off and on"),
-    "reliability": ("pagedllm.bench.reliability.suite",
-                    "load, soak, faults, fuzzing and security checks against real servers"),
 }
 
 

@@ -141,7 +141,9 @@ class Worker:
         config = self.model_runner.model.config
         root_hash = open_kv_cache_dir(self.engine_config.kv_cache_dir, identity)
         payload = kv_bytes_per_block(config, self.engine_config.block_size, self.model_runner.kv_cache_dtype)
-        store = DiskKVStore(self.engine_config.kv_cache_dir, payload)
+        # Read ahead at most a pool's worth of blocks: more could not be loaded before the first were used.
+        num_blocks = self.model_runner.kv_caches[0][0].data.shape[0]
+        store = DiskKVStore(self.engine_config.kv_cache_dir, payload, read_ahead_blocks=num_blocks)
         self.kv_disk_store = self.model_runner.kv_disk_store = store
         return root_hash, store.list_blocks()
 

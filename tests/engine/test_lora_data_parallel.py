@@ -59,7 +59,7 @@ def test_serve_with_two_replicas_loads_lora_modules_on_both(ray_module, model_di
     cluster is the server's own, started before the module's replicas.)"""
     import psutil
 
-    from pagedllm.bench.reliability.server import ServerProcess
+    from pagedllm.bench.server_process import ServerProcess
 
     monkeypatch.setenv("RAY_ADDRESS", "local")   # the server starts a Ray cluster of its own
     server = ServerProcess(tmp_path / "server.log", str(model_dir), "--dtype", "float32", "--kv-cache-memory", "16MiB",

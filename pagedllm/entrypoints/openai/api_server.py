@@ -203,7 +203,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Loads the model, then serves until SIGINT/SIGTERM: uvicorn stops accepting connections, gives
     in-flight requests shutdown_timeout seconds, cancels the rest, and the lifespan stops the engine."""
     llm = start_engine(engine_config, config.max_waiting_requests)
-    app = build_app(llm, config)
+    serve_app(build_app(llm, config), llm, config)
+
+
+def serve_app(app: FastAPI, llm: EngineClient, config: ServerConfig) -> None:
+    """Serves a built app until SIGINT/SIGTERM (run_server's second half, for launchers that build their own)."""
     logger.info("serving %s %s at http://%s:%d", app.state.server.model_name, llm.describe(), config.host,
                 config.port)
     # uvicorn re-raises the signal that stopped it once its graceful shutdown is over; by then
