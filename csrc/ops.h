@@ -64,6 +64,10 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up);
 // argmax (first position of the maximum, as torch.argmax). Logits must not hold NaN.
 void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logits);
 
+// Sets to -inf, in float32 logits [rows, vocab] row logits_rows[i], every token that bitmask [n, ceil(vocab / 32)]
+// int32 row i disallows (bit b of word w is token 32w + b, 1 = allowed; xgrammar's layout).
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor logits_rows);
+
 // Group-quantized weights (formats in quant_format.h): out [rows, out_features] = x [rows, cols] @ weight^T (+ bias).
 // _rows: float activations against weights dequantized in registers, up to 8 rows per pass over the weights
 // (few rows; each row's result independent of the others). _brgemm: blocks of weights dequantized to x's

@@ -26,13 +26,13 @@ from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
 from pagedllm.worker.rejection_sampler import Proposal, verify
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
-from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.host_staging import HostStaging, fetch
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_disk_store import DiskKVStore, copy_blocks_in, copy_blocks_out
 from pagedllm.worker.kv_swap import DiskSwapSpace, RamSwapSpace
 from pagedllm.worker.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from pagedllm.worker.sampler import SamplerOutput, SamplingBatch, choose_tokens, sample, summarise
+from pagedllm.worker.token_bitmask import apply_token_bitmask
 
 
 SCALE_BYTES = 4   # one float32 scale per slot and kv head, for the caches that have them
@@ -256,10 +256,13 @@ class ModelRunner:
     @staticmethod
     def _apply_grammar_bitmask(logits: torch.Tensor, req_ids: list[str], scheduler_output: SchedulerOutput
                                ) -> torch.Tensor:
-        """Structured outputs: the rows with a grammar may sample only what it allows next."""
+        """Structured outputs: the rows with a grammar may sample only what it allows next (float32 logits:
+        the sampler's dtype)."""
         logits_row = {request_id: index for index, request_id in enumerate(req_ids)}
-        rows = [logits_row[request_id] for request_id in scheduler_output.grammar_request_ids]
-        return apply_grammar_bitmask(logits, scheduler_output.grammar_bitmask, rows)
+        rows = torch.tensor([logits_row[request_id] for request_id in scheduler_output.grammar_request_ids])
+        logits = logits.float()
+        apply_token_bitmask(logits, scheduler_output.grammar_bitmask, rows)
+        return logits
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         """Copy on write, in the draft model's KV pool too (it is indexed by the same block ids)."""
