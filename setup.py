@@ -5,20 +5,23 @@ _C_avx2, _C_avx512, _C_avx512bf16), and pagedllm/model/kernels.py imports the be
 running it supports: a build made on one machine runs, and runs fast, on another. Elsewhere
 only pagedllm._C is built, for the compiler's default target.
 
+pagedllm._C_cpu_features (csrc/cpu_features.c, plain C, no torch) tells which variants the running CPU can
+run, so a build may hold any subset of them.
+
 Install with `pip install --no-build-isolation -e .` so the build uses the torch that is
 already installed (an isolated build would fetch another, much larger, torch).
-PAGEDLLM_BUILD_VARIANTS=host builds only the generic variant and the best one this CPU runs
-(scripts/setup.sh does, for a first answer in minutes); a list such as "_C,_C_avx2" builds those.
+PAGEDLLM_BUILD_VARIANTS=host builds only the best variant this CPU runs (scripts/setup.sh does, for a
+first answer in minutes); a list such as "_C,_C_avx2" builds those.
 """
 import os
 import platform
 import runpy
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 SOURCES = ["csrc/bindings.cpp", "csrc/paged_attention.cpp", "csrc/prefill_attention.cpp", "csrc/cascade_attention.cpp",
            "csrc/layer_ops.cpp", "csrc/sampler_ops.cpp", "csrc/quant_linear.cpp",
-           "csrc/quant_matmul.cpp"]
+           "csrc/quant_matmul.cpp", "csrc/lora_sgmv.cpp"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c", "-mbmi2"]                                  # x86-64-v3
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd"]   # x86-64-v4
 # Variant name -> compiler flags; the names match pagedllm/model/kernels.py.
@@ -27,8 +30,8 @@ X86_VARIANTS = {"_C": [], "_C_avx2": _AVX2, "_C_avx512": _AVX512,
 
 
 def host_variants() -> list[str]:
-    """The generic variant and the best one this CPU can run, by the feature table pagedllm picks
-    variants with at import (pagedllm/model/isa_variants.py), read against /proc/cpuinfo's flags."""
+    """The best variant this CPU can run, by the feature table pagedllm picks variants with at import
+    (pagedllm/model/isa_variants.py), read against /proc/cpuinfo's flags."""
     table = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pagedllm/model/isa_variants.py"))
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -37,7 +40,7 @@ def host_variants() -> list[str]:
         return list(X86_VARIANTS)
     features = {flag.replace("_", "") for flag in line.split(":", 1)[1].split()}
     best = next((variant for variant, needs in table["VARIANTS"].items() if needs <= features), "generic")
-    return sorted({"_C", table["extension_name"](best)})
+    return [table["extension_name"](best)]
 
 
 def extensions():
@@ -71,6 +74,7 @@ def extensions():
         variants = {name: variants[name] for name in chosen.split(",")}
     exts = [CppExtension(f"pagedllm.{name}", SOURCES, extra_compile_args=flags + isa_flags,
                          extra_link_args=["-fopenmp"]) for name, isa_flags in variants.items()]
+    exts.append(Extension("pagedllm._C_cpu_features", ["csrc/cpu_features.c"]))
     return exts, {"build_ext": BuildEachVariantApart}
 
 

@@ -1,26 +1,8 @@
+#include <torch/extension.h>
+
 #include "ops.h"
 
-#include <string>
-#include <vector>
-
-// The instruction sets of the running CPU (and OS) that pagedllm builds kernel variants for; the
-// Python side imports the best variant it finds here. Empty where none applies (not x86).
-static std::vector<std::string> cpu_features() {
-  std::vector<std::string> found;
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  // __builtin_cpu_supports takes only string literals.
-#define PAGEDLLM_CHECK(name) if (__builtin_cpu_supports(name)) found.emplace_back(name);
-  PAGEDLLM_CHECK("avx2") PAGEDLLM_CHECK("fma") PAGEDLLM_CHECK("f16c") PAGEDLLM_CHECK("bmi2")
-  PAGEDLLM_CHECK("avx512f") PAGEDLLM_CHECK("avx512bw") PAGEDLLM_CHECK("avx512vl") PAGEDLLM_CHECK("avx512dq")
-  PAGEDLLM_CHECK("avx512cd") PAGEDLLM_CHECK("avx512bf16") PAGEDLLM_CHECK("avx512vnni")
-#undef PAGEDLLM_CHECK
-#endif
-  return found;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("cpu_features", &cpu_features, "Instruction sets of this CPU that kernel variants need");
   using pybind11::arg;
   // sliding_window 0 and logit_softcap 0: neither (most models).
   m.def("paged_attention", &paged_attention, "Paged attention over KV blocks, decode tokens (CPU)", arg("out"),
@@ -41,8 +23,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
   m.def("dequantize", &dequantize, "Group-quantized weights to floats (CPU)");
   m.def("logits_summary", &logits_summary, "Per-row logsumexp and argmax of float32 logits (CPU)");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "Disallowed tokens of a packed bitmask to -inf, in place (CPU)");
   // Quantized matmuls (quant_matmul.cpp, quant_linear.cpp).
   m.def("quantized_linear_rows", &quantized_linear_rows, "Quantized linear, float activations, few rows (CPU)");
   m.def("quantized_linear_brgemm", &quantized_linear_brgemm, "Quantized linear, dequantized tiles through oneDNN brgemm (CPU)");
   m.def("quantized_linear_int8", &quantized_linear_int8, "Quantized linear, int8 activations and dot products (CPU)");
+  // One layer's LoRA update for a whole step (lora_sgmv.cpp).
+  m.def("lora_sgmv", &lora_sgmv, "One layer's LoRA update of a step, rows grouped by adapter slot (CPU)", arg("out"),
+        arg("x"), arg("a"), arg("b"), arg("ranks"), arg("column_starts"), arg("rows"), arg("segments"));
 }

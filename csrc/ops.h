@@ -2,7 +2,9 @@
 // PyTorch formula a kernel replaces, which serves where the extension is not built.
 #pragma once
 
-#include <torch/extension.h>
+// ATen only: torch/extension.h (the C++ frontend and pybind11) costs every file tens of seconds of
+// compile; bindings.cpp alone includes it.
+#include <ATen/ATen.h>
 
 #include <optional>
 
@@ -62,6 +64,10 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up);
 // argmax (first position of the maximum, as torch.argmax). Logits must not hold NaN.
 void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logits);
 
+// Sets to -inf, in float32 logits [rows, vocab] row logits_rows[i], every token that bitmask [n, ceil(vocab / 32)]
+// int32 row i disallows (bit b of word w is token 32w + b, 1 = allowed; xgrammar's layout).
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor logits_rows);
+
 // Group-quantized weights (formats in quant_format.h): out [rows, out_features] = x [rows, cols] @ weight^T (+ bias).
 // _rows: float activations against weights dequantized in registers, up to 8 rows per pass over the weights
 // (few rows; each row's result independent of the others). _brgemm: blocks of weights dequantized to x's
@@ -77,3 +83,11 @@ void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
 // The weight as floats: out [rows, cols] = scale * q + min, exactly as gguf's dequantization computes it.
 void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,
                 int64_t bits, int64_t group);
+
+// One layer's LoRA update for a step (lora_sgmv.cpp): out[rows[i]] += x[rows[i]] . A . B with the A and B of the
+// slot of the segment (slot, start, end) in `segments` holding position i; rows in no segment are left alone.
+// a [slots, parts * max_rank, in]: part p's A in rows p * max_rank onwards; b [slots, max_rank, out]: column c
+// holds the B of the part that owns c (columns column_starts[p] to column_starts[p + 1]); ranks [slots, parts]:
+// each part's rank (0: no update). x, out: [rows, in], [rows, out] in one dtype; a, b float32/bfloat16/float16.
+void lora_sgmv(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks, at::Tensor column_starts,
+               at::Tensor rows, at::Tensor segments);

@@ -6,7 +6,7 @@
 // K's and V's each [blocks, kv_heads, block_size]: an element's value is its int8 times its slot's scale.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <c10/util/Float8_e5m2.h>
 

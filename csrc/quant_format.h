@@ -8,7 +8,7 @@
 // the source's scale exactly, e.g. Q4_K's d * sub-scale).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <c10/util/Half.h>
 

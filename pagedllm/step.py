@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedllm.kv.manager import DiskWork
+from pagedllm.kv.disk_loads import DiskWork
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 

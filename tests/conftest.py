@@ -25,7 +25,8 @@ from transformers import (  # noqa: E402
     Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
 )
 
-from pagedllm.bench.reliability.server import ServerProcess  # noqa: E402
+from benchmarks.reliability.fault_markers import FAULT_INJECTION_LAUNCHER  # noqa: E402
+from pagedllm.bench.server_process import SERVE_MODULE, ServerProcess  # noqa: E402
 from pagedllm.model import kernels  # noqa: E402
 from pagedllm.model.loader import bundled_model_path  # noqa: E402
 from pagedllm.tokenizer import load_tokenizer_from_gguf  # noqa: E402
@@ -187,7 +188,8 @@ def server(request, tmp_path_factory):
     module = request.module
     process = ServerProcess(tmp_path_factory.mktemp(module.__name__.rpartition(".")[2]) / "server.log",
                             *module.SERVER_FLAGS, api_key=getattr(module, "SERVER_API_KEY", None),
-                            fault_injection=getattr(module, "SERVER_FAULT_INJECTION", False))
+                            launcher=FAULT_INJECTION_LAUNCHER if getattr(module, "SERVER_FAULT_INJECTION", False)
+                            else SERVE_MODULE)
     yield process
     process.stop()
 

@@ -16,15 +16,7 @@ PACKAGE = "pagedllm"
 
 # Imports that break the order today, each with who removes it; an entry that no longer occurs fails
 # test_known_exceptions_still_exist, so the list only shrinks.
-KNOWN_EXCEPTIONS = {
-    ("pagedllm.bench.reliability.fault_injection", "pagedllm.entrypoints.cli"):
-        "house-core (issue 29 part 2): the reliability suite leaves the package",
-    ("pagedllm.entrypoints.openai.api_server", "pagedllm.entrypoints.anthropic.serving"):
-        "house-core (issue 29 part 1): the app that mounts both APIs sits above openai/ and anthropic/",
-    ("pagedllm.entrypoints.openai.serving_engine", "pagedllm.entrypoints.openai.responses.store"):
-        "issue 29 part 3 follow-up: ServerState holds the Responses store; it belongs to the app the responses "
-        "routes read (api_server, house-core's)",
-}
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def read_layers(doc: Path) -> list[list[str]]:
@@ -187,6 +179,18 @@ def test_imports_point_down_only(edges, layers):
 def test_no_circles_between_modules_or_packages(edges, layers):
     found = cycles(edges, [unit for line in layers for unit in line], KNOWN_EXCEPTIONS)
     assert not found, f"import circles: {found}"
+
+
+def test_the_package_imports_nothing_from_the_source_tree():
+    """benchmarks/ and tests/ sit above the package and are not installed with it: pagedllm never imports them."""
+    found = []
+    for module, (path, _) in module_files(ROOT, PACKAGE).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{module}:{node.lineno} imports {name}" for name in names
+                      if name.partition(".")[0] in ("benchmarks", "tests")]
+    assert not found, found
 
 
 def test_known_exceptions_still_exist(edges):

@@ -41,7 +41,7 @@ def read_feed(url: str, frames, subscribed) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from pagedllm.bench.reliability.server import ServerProcess
+    from pagedllm.bench.server_process import ServerProcess
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     workload = workload_from_args(args)

@@ -5,9 +5,10 @@ output tokens/s, prompt tokens found in the prefix cache, and blocks read back f
 --data-parallel-size N > 1 the rows are Ray replica routings instead (--data-parallel-routing, each replica with
 that RAM pool, no disk tier): the prefix hit rate and TTFT of prefix-aware routing against least-loaded.
 
-Two more cases follow: a restart (one long prompt's TTFT cold, then in a new engine on the same
---kv-cache-dir), and preemption of long contexts (requests whose decoding outgrows a small pool) under each
---preemption-modes, with the tokens each recomputed.
+More cases follow: a restart (one long prompt's TTFT cold, then in a new engine on the same --kv-cache-dir),
+and preemption of long contexts under each --preemption-modes, with the tokens each recomputed: requests whose
+decoding outgrows a small pool, then requests preempted late, with their whole prompts computed, by
+higher-priority ones whose prefill takes their blocks.
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preempt-requests", type=int, default=4, help="long requests decoding at once")
     parser.add_argument("--preempt-prompt-len", type=int, default=2048, help="tokens of each long request's prompt")
     parser.add_argument("--preempt-output-len", type=int, default=128, help="tokens each long request decodes")
+    parser.add_argument("--preempt-step-tokens", type=int, default=512,
+                        help="the late-preemption case's token budget per step (its prefill chunks)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -90,6 +93,7 @@ def run(args: argparse.Namespace) -> None:
         _restart_case(args, block_bytes, vocab_size)
     if modes:
         _preemption_case(args, modes, block_bytes, vocab_size)
+        _late_preemption_case(args, modes, block_bytes, vocab_size)
 
 
 def _restart_case(args: argparse.Namespace, block_bytes: int, vocab_size: int) -> None:
@@ -143,12 +147,58 @@ def _preemption_case(args: argparse.Namespace, modes: list[str], block_bytes: in
         llm.llm_engine.step_listeners.append(lambda step: computed.append(step.num_tokens))
         started = time.perf_counter()
         llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
-        seconds = time.perf_counter() - started
-        stats = llm.llm_engine.stats()
-        swapped = stats.kv_swap.swap_outs if stats.kv_swap is not None else 0
-        print(f"| {mode} | {seconds:.2f} | {args.preempt_requests * args.preempt_output_len / seconds:.1f} "
-              f"| {stats.num_preemptions} | {swapped} | {sum(computed) - computed_once} |")
-        llm.llm_engine.shutdown()
+        _print_mode_row(mode, llm.llm_engine, time.perf_counter() - started,
+                        args.preempt_requests * args.preempt_output_len, sum(computed) - computed_once)
+
+
+def _late_preemption_case(args: argparse.Namespace, modes: list[str], block_bytes: int, vocab_size: int) -> None:
+    """Long requests preempted after their prompts are computed (scheduling_policy priority): half of
+    --preempt-requests decode at a low priority, then as many of the same length arrive at a higher one. The pool
+    holds the low ones' whole lives and one prefill chunk more, so the high ones' chunks preempt the low ones
+    and take their freed blocks, evicting their cached prefixes: recompute prefills most of each context again
+    when they resume, swap copies it back."""
+    from pagedllm import LLM, SamplingParams
+
+    rng = random.Random(args.seed + 3)
+    num_low = max(1, args.preempt_requests // 2)
+    prompts = [[rng.randrange(vocab_size) for _ in range(args.preempt_prompt_len)] for _ in range(2 * num_low)]
+    size, chunk = args.block_size, args.preempt_step_tokens
+    pool_blocks = num_low * -(-(args.preempt_prompt_len + args.preempt_output_len) // size) + -(-chunk // size) + 1
+    computed_once = 2 * num_low * (args.preempt_prompt_len + args.preempt_output_len - 1)
+    params = SamplingParams(temperature=0, max_tokens=args.preempt_output_len, ignore_eos=True)
+    print(f"\nPreemption late: {num_low} requests of {args.preempt_prompt_len} prompt tokens decoding "
+          f"{args.preempt_output_len} each at a low priority, then {num_low} more at a high one, in a pool of "
+          f"{pool_blocks} blocks, {chunk} tokens a step")
+    print("| preemption mode, late | seconds | output tok/s | preemptions | swapped | tokens recomputed |")
+    print("|---|---|---|---|---|---|")
+    for mode in modes:
+        llm = LLM(args.model, dtype=args.dtype, block_size=size, kv_cache_memory=pool_blocks * block_bytes,
+                  preemption_mode=mode, scheduling_policy="priority", max_num_batched_tokens=chunk)
+        engine = llm.llm_engine
+        computed = []
+        engine.step_listeners.append(lambda step: computed.append(step.num_tokens))
+        started = time.perf_counter()
+        for index in range(num_low):
+            engine.add_request(f"low{index}", {"prompt_token_ids": prompts[index]}, params, priority=1)
+        decoding: set[str] = set()
+        while len(decoding) < num_low:   # every low one has its prompt computed and its first token
+            decoding.update(output.request_id for output in engine.step() if output.outputs[0].token_ids)
+        for index in range(num_low, 2 * num_low):
+            engine.add_request(f"high{index}", {"prompt_token_ids": prompts[index]}, params, priority=0)
+        while engine.has_unfinished_requests():
+            engine.step()
+        _print_mode_row(mode, engine, time.perf_counter() - started, 2 * num_low * args.preempt_output_len,
+                        sum(computed) - computed_once)
+
+
+def _print_mode_row(mode: str, engine, seconds: float, num_output_tokens: int, recomputed: int) -> None:
+    """One preemption mode's row (seconds, output tok/s, preemptions, swaps, tokens recomputed); shuts the engine
+    down."""
+    stats = engine.stats()
+    swapped = stats.kv_swap.swap_outs if stats.kv_swap is not None else 0
+    print(f"| {mode} | {seconds:.2f} | {num_output_tokens / seconds:.1f} | {stats.num_preemptions} | {swapped} "
+          f"| {recomputed} |")
+    engine.shutdown()
 
 
 def _conversation_turns(args: argparse.Namespace, vocab_size: int):

@@ -51,10 +51,18 @@ class EngineCore:
         self.last_step_stats: StepStats | None = None
         # Called on the engine thread with each step's StepStats (the dashboard subscribes while a page is open).
         self.step_listeners: list[Callable[[StepStats], None]] = []
+        # Hooks for test tooling (the reliability suite's fault injection), so that it needs no patching: each
+        # request listener sees every request queued, with its siblings; each step gate is asked before a step
+        # whether it may run. A shut gate skips the step (the gate itself decides how long to wait first);
+        # calls made between steps, aborts and stats, still go through.
+        self.request_listeners: list[Callable[[Request, list[Request]], None]] = []
+        self.step_gates: list[Callable[[], bool]] = []
 
     def add_request(self, request: Request, siblings: list[Request] = ()) -> None:
         """Queues a request; `siblings` (its other parallel samples) are forked from it when it first samples."""
         self.scheduler.add_request(request, siblings)
+        for listener in self.request_listeners:
+            listener(request, siblings)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Ends a request wherever it is; its blocks return to the pool at once."""
@@ -65,7 +73,9 @@ class EngineCore:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> CoreStep:
-        """Schedules a batch, runs it on the executor and applies its output."""
+        """Schedules a batch, runs it on the executor and applies its output (nothing while a step gate is shut)."""
+        if not all(gate() for gate in self.step_gates):
+            return CoreStep([], None, [])
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         failed, self.scheduler.failed_requests = self.scheduler.failed_requests, []

@@ -1,9 +1,8 @@
 """Data parallelism on Ray: data_parallel_size engine replicas behind AsyncLLM's interface.
 
 Each replica (ray_replica.EngineReplica) is an async Ray actor holding the whole model, its own
-KV cache and its own step loop. They are placed with one placement group, one bundle per
-replica, spread across the cluster's nodes where there are several. `DPAsyncLLM` is what the
-OpenAI server drives instead of an AsyncLLM:
+KV cache and its own step loop, placed by ray_placement.py. `DPAsyncLLM` is the engine client
+the OpenAI server drives over them:
 
 - a request goes where dp_router.choose_replica says: with data_parallel_routing prefix, to the live replica
   holding the longest cached prefix of its prompt (known from the block hashes each replica reports, asked for
@@ -11,21 +10,20 @@ OpenAI server drives instead of an AsyncLLM:
   the replica with the fewest requests in flight (sent from here and not yet finished), ties to the one that
   was given fewer so far; its outputs stream back;
 - abort (or closing a stream) reaches the replica that owns the request and frees its blocks;
-- stats() sums every live replica's figures, so KV usage is used blocks over all blocks, and keeps each
-  replica's own figures and the router's choices beside them (DataParallelStats);
+- stats() sums every live replica's figures (stats.combine_stats), so KV usage is used blocks over all
+  blocks, and keeps each replica's own figures and the router's choices beside them (DataParallelStats);
 - a replica that dies (killed, its node lost) fails only the requests it held, with
   EngineRequestError, and is skipped from then on; when none is left, requests get EngineDeadError;
 - max_waiting_requests bounds the requests sent to replicas that have not yet had an output back;
 - a LoRA adapter is added to (and removed from) every live replica, so a request with it can go to any.
 
-Ray is an optional extra (`pip install pagedllm[ray]`) and is imported only here, when used.
+Ray is an optional extra (`pip install pagedllm[ray]`), imported (ray_placement.import_ray) only when used.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -36,65 +34,18 @@ from pagedllm.engine.input_processor import CheckedPrompt, PromptType, cache_sal
 from pagedllm.engine.lora_adapters import lora_cache_salt
 from pagedllm.engine.pooling import check_pooling_params
 from pagedllm.engine.protocol import EngineClient, EngineDeadError, EngineRequestError
-from pagedllm.engine.ray_replica import EngineReplica, ReplicaInfo, ReplicaStats
-from pagedllm.engine.stats import DataParallelStats, EngineStats, StepStats
+from pagedllm.engine.ray_placement import import_ray, place_replicas
+from pagedllm.engine.ray_replica import ReplicaInfo, ReplicaStats
+from pagedllm.engine.stats import DataParallelStats, EngineStats, combine_stats
 from pagedllm.lora.request import LoRAInUseError, LoRARequest
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode.metrics import SpecDecodingStats
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-PLACEMENT_TIMEOUT_SECONDS = 600   # generous bound on placing, then on loading, every replica; then fail loudly
-
-
-def import_ray():
-    """Ray with usage statistics off (they would leave the machine); a clear error when not installed."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    try:
-        import ray
-    except ImportError as exc:
-        raise ImportError("distributed_executor_backend 'ray' needs Ray: pip install 'pagedllm[ray]'") from exc
-    return ray
-
-
-def sum_figures(figures: list, same: tuple[str, ...] = ()):
-    """One figures dataclass for several engines': every field summed, but those named in `same` (equal in all)."""
-    first = figures[0]
-    return type(first)(**{f.name: getattr(first, f.name) if f.name in same else sum(getattr(x, f.name) for x in figures)
-                          for f in dataclasses.fields(first)})
-
-
-def combine_stats(stats: list[EngineStats]) -> EngineStats:
-    """One engine's figures for several: counts, blocks and the disk tiers' figures are summed (so usage is all
-    used blocks over all blocks, and the prefix hit rate all hits over all lookups); the last step is the slowest
-    replica's time with every replica's sequences and tokens."""
-    disks = [s.kv_disk for s in stats if s.kv_disk is not None]
-    swaps = [s.kv_swap for s in stats if s.kv_swap is not None]
-    steps = [s.last_step for s in stats if s.last_step is not None]
-    last_step = StepStats(scheduling_seconds=max(s.scheduling_seconds for s in steps),
-                          prepare_seconds=max(s.prepare_seconds for s in steps),
-                          model_seconds=max(s.model_seconds for s in steps),
-                          num_seqs=sum(s.num_seqs for s in steps), num_tokens=sum(s.num_tokens for s in steps),
-                          num_preemptions=sum(s.num_preemptions for s in steps),
-                          num_loras=sum(s.num_loras for s in steps)) if steps else None
-    return EngineStats(kv_cache=sum_figures([s.kv_cache for s in stats], same=("block_size",)),
-                       num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
-                       num_preemptions=sum(s.num_preemptions for s in stats), last_step=last_step,
-                       spec_decoding=SpecDecodingStats.combined([s.spec_decoding for s in stats if s.spec_decoding]),
-                       kv_disk=sum_figures(disks) if disks else None,
-                       kv_swap=sum_figures(swaps, same=("tier",)) if swaps else None,
-                       running_lora_adapters=_names_on_any(s.running_lora_adapters for s in stats),
-                       waiting_lora_adapters=_names_on_any(s.waiting_lora_adapters for s in stats),
-                       max_lora=stats[0].max_lora)
-
-
-def _names_on_any(per_replica) -> tuple[str, ...]:
-    return tuple(sorted(set().union(*per_replica)))
 
 
 @dataclass(eq=False)
@@ -154,40 +105,13 @@ class DPAsyncLLM(EngineClient):
 
     @classmethod
     def _start(cls, ray, config: EngineConfig, owns_ray: bool, max_waiting_requests: int | None) -> DPAsyncLLM:
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        size = config.data_parallel_size
         # config and tokenizer; weights stay unread
         checkpoint = load_checkpoint(config.model, config.quantization, config.runner, config.pooler_config,
                                      config.hf_overrides)
         if checkpoint.pooling is not None:
             raise ValueError("pooling models (embeddings, scores) serve with data_parallel_size 1")
-        bundle = replica_bundle(config, ray.cluster_resources())
-        group = placement_group([bundle] * size, strategy="SPREAD")
-        try:
-            try:
-                ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_SECONDS)
-            except ray.exceptions.GetTimeoutError:
-                raise TimeoutError(f"could not place {size} replicas of {bundle} in {PLACEMENT_TIMEOUT_SECONDS}s; "
-                                   f"the Ray cluster has {ray.available_resources()} free") from None
-            actor_class = ray.remote(EngineReplica)
-            actors = [actor_class.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-            ).remote(config, int(bundle["CPU"])) for index in range(size)]
-            try:
-                infos = ray.get([actor.info.remote() for actor in actors], timeout=PLACEMENT_TIMEOUT_SECONDS)
-            except BaseException:
-                for actor in actors:
-                    ray.kill(actor)
-                raise
-        except BaseException:
-            remove_placement_group(group)
-            raise
+        actors, infos, group = place_replicas(ray, config)
         replicas = [Replica(index, actor, info) for index, (actor, info) in enumerate(zip(actors, infos))]
-        logger.info("%d engine replicas on Ray, %s each, on nodes %s", size, bundle,
-                    ", ".join(info.node_id[:12] for info in infos))
         return cls(config, checkpoint.tokenizer, checkpoint.config, replicas, group, owns_ray, max_waiting_requests)
 
     @property
@@ -433,22 +357,3 @@ class DPAsyncLLM(EngineClient):
     def _no_replica_left(self) -> EngineDeadError:
         self._dead = EngineDeadError(f"all {len(self.replicas)} engine replicas died")
         return self._dead
-
-
-def replica_bundle(config: EngineConfig, cluster_resources: dict[str, float]) -> dict[str, float]:
-    """One replica's resources: a GPU per tensor parallel rank where the cluster has GPUs (and the device is
-    not forced to cpu), and an equal share of the cluster's CPUs (at least one) for the torch threads."""
-    size = config.data_parallel_size
-    num_cpus = int(cluster_resources.get("CPU", 0))
-    if num_cpus < size:
-        raise ValueError(f"data_parallel_size ({size}) needs at least one CPU per replica; "
-                         f"the Ray cluster has {num_cpus}")
-    bundle = {"CPU": num_cpus // size}
-    num_gpus = int(cluster_resources.get("GPU", 0))
-    if num_gpus and config.device != "cpu":
-        gpus = getattr(config, "tensor_parallel_size", 1)
-        if num_gpus < size * gpus:
-            raise ValueError(f"data_parallel_size ({size}) x tensor_parallel_size ({gpus}) needs {size * gpus} "
-                             f"GPUs; the Ray cluster has {num_gpus}")
-        bundle["GPU"] = gpus
-    return bundle

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from pagedllm.config import EngineConfig
 from pagedllm.config.resolve import (DEFAULT_CPU_KV_CACHE_MEMORY, check_draft_vocab, check_pooling_config,
@@ -15,6 +16,7 @@ from pagedllm.config.resolve import (DEFAULT_CPU_KV_CACHE_MEMORY, check_draft_vo
                                      resolve_max_model_len, resolve_token_budget)
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core import EngineCore
+from pagedllm.engine.executor.abstract import Executor
 from pagedllm.engine.executor.factory import create_executor
 from pagedllm.engine.input_processor import CheckedPrompt, InputProcessor, PromptType
 from pagedllm.engine.kv_setup import (kv_block_bytes, kv_blocks_in, open_kv_disk_tier, open_kv_swap_space,
@@ -38,7 +40,9 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, wrap_executor: Callable[[Executor], Executor] | None = None):
+        """wrap_executor: given the executor built for the config, returns the one the engine core steps (test
+        tooling wraps it to fail steps or corrupt tokens on command; None: the executor itself)."""
         if config.data_parallel_size > 1:   # replicas are several engines: DPAsyncLLM (pagedllm serve) runs them
             raise ValueError(f"data_parallel_size must be 1 for one LLMEngine, got {config.data_parallel_size}; "
                              "serve replicas with `pagedllm serve --data-parallel-size N`")
@@ -62,6 +66,8 @@ class LLMEngine:
         num_blocks = None if profile else self._kv_blocks_in(config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
         self.executor = create_executor(WorkerArgs(config, self.device, self.dtype, self.kv_cache_dtype,
                                                    self.max_model_len, num_blocks), checkpoint)
+        if wrap_executor is not None:
+            self.executor = wrap_executor(self.executor)
         del checkpoint
         self.runner = self.executor.driver_worker.model_runner   # rank 0's, for in-process tests and logs
         self.lora = EngineLoRAAdapters(self.executor, self.model_config, config.lora_config,

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from pagedllm.config import PREEMPTION_MODES
+from pagedllm.kv.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +69,19 @@ class PreemptionPolicy:
                         num_blocks, _seconds(swap))
         return chosen
 
-    def record(self, swapped: bool) -> None:
+    def swap_out(self, kv_manager: KVCacheManager, request_id: str, num_computed_tokens: int) -> bool:
+        """Swaps a preempted request's computed blocks out if this policy wants it and the KV manager's swap
+        space has room; whether it did (else it recomputes). Counted either way, once it has KV to keep."""
+        if kv_manager.swap is None or not num_computed_tokens:
+            return False
+        num_blocks = kv_manager.num_blocks_to_swap(request_id, num_computed_tokens)
+        swapped = self.wants_swap(num_computed_tokens, num_blocks) and kv_manager.swap_out(request_id,
+                                                                                           num_computed_tokens)
         if swapped:
             self.counters.swapped += 1
         else:
             self.counters.recomputed += 1
+        return swapped
 
 
 def _smoothed(average: float | None, value: float) -> float:

@@ -16,11 +16,11 @@ waiting ones (often their own siblings) need: they are preempted and parked, tha
 admitted again until they have a new token to compute, so the blocks go to requests that
 can move their search on.
 
-`schedule()` hands the step to the workers as plain data (pagedllm/step.py): a request they do not
-hold comes whole, a running one as what it gained since its last step. `update_from_output()` applies
-the result in one place: computed tokens advanced, full blocks cached, sampled tokens appended and
-checked against the token-level stops (EOS, stop_token_ids, max_tokens), beams advanced, finished
-requests freed. Stop strings need text, so the output processor checks them and calls `finish`.
+`schedule()` hands the step to the workers as plain data (pagedllm/step.py, written by engine/step_data.py):
+a request they do not hold comes whole, a running one as what it gained since its last step.
+`update_from_output()` applies the result in one place: computed tokens advanced, full blocks cached,
+sampled tokens appended and checked against the token-level stops (EOS, stop_token_ids, max_tokens),
+beams advanced, finished requests freed. Stop strings need text, so the output processor checks them and calls `finish`.
 
 Structured outputs: a request with a grammar (`Request.grammar`) is admitted only once its grammar has
 compiled (others run meanwhile); each step carries the bitmask of the rows that sample under a grammar
@@ -31,10 +31,8 @@ A request with cache pins (Anthropic's cache_control) pins those prefixes of its
 computed; pins expire at the start of a step. A waiting request that cannot get its blocks while nothing runs
 (so nothing would ever free them) drops pins, the nearest deadline first, rather than wait for them.
 
-With speculation (a SpeculationPlanner), a decoding request may take 1 + k rows: its next token and k
-proposals, all counted in the token budget and given slots. After the step it keeps the KV of the
-tokens it accepted only: `KVCacheManager.rollback` gives back the rejected slots, and blocks are cached
-up to the verified tokens.
+With speculation, a decoding request may take 1 + k rows and keeps the KV of the tokens it accepted only
+(engine/spec_scheduling.py). The stops a sampled token decides are engine/stop_checks.py's.
 
 With a KV disk tier, a waiting request whose cached prefix continues on disk waits one step while those
 blocks are read back (the step's `disk_work`), then is admitted with them as prefix-cache hits.
@@ -49,10 +47,12 @@ import bisect
 
 from pagedllm.engine.preemption import PreemptionPolicy
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.spec_scheduling import SpecScheduling
+from pagedllm.engine.step_data import describe_scheduled, new_request_data
+from pagedllm.engine.stop_checks import check_stop
 from pagedllm.kv.manager import KVCacheManager
-from pagedllm.spec_decode.metrics import SpecDecodingStats
 from pagedllm.spec_decode.planner import SpeculationPlanner
-from pagedllm.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 
 
 class Scheduler:
@@ -81,9 +81,8 @@ class Scheduler:
         self.structured_output = structured_output   # a StructuredOutputManager, or None
         self._num_grammar_requests = 0   # of self.requests
         self.failed_requests: list[Request] = []   # failed before running (grammar did not compile)
-        self.speculation = speculation
-        self.spec_decoding_stats = (SpecDecodingStats(speculation.config.num_speculative_tokens)
-                                    if speculation is not None else None)
+        self.speculation = SpecScheduling(speculation, kv_manager) if speculation is not None else None
+        self.spec_decoding_stats = self.speculation.stats if speculation is not None else None
 
     def _order_key(self, request: Request) -> tuple:
         if self.policy == "priority":
@@ -127,7 +126,8 @@ class Scheduler:
                 index += 1
                 continue
             # A request under a grammar does not speculate: its bitmask covers one row per step.
-            if num_new == 1 and speculates and request.grammar is None and self._speculate(request, budget, out):
+            if num_new == 1 and speculates and request.grammar is None and self.speculation.schedule_proposals(
+                    request, budget, out):
                 num_new += out.num_spec_tokens[request.request_id]
             elif num_new > budget:
                 num_new = budget
@@ -141,58 +141,10 @@ class Scheduler:
             self._admit_waiting(budget, scheduled)
         if not scheduled and self.waiting:   # also when the only request with work preempted itself
             self._park_idle_for_waiting(budget, scheduled, out)
-        self._describe(scheduled, out)
-        return out
-
-    def _speculate(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
-        """Plans the request's proposal rows and takes their slots; False (nothing changed) when it gets
-        none, or the pool has no free block for them: speculation never preempts anyone."""
-        if request.beam_search is not None:   # beams choose their tokens from top-k candidates instead
-            return False
-        room = min(request.max_tokens - request.num_output_tokens - 1, budget - 1)
-        num_spec, proposals = self.speculation.plan(request.all_token_ids, room)
-        computed = request.num_computed_tokens
-        if not num_spec or not self.kv_manager.allocate_slots(request.request_id, computed + 1 + num_spec, computed):
-            return False
-        out.num_spec_tokens[request.request_id] = num_spec
-        if proposals is not None:
-            out.spec_token_ids[request.request_id] = proposals
-        return True
-
-    def _describe(self, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> None:
-        """Fills the step's plain data: new requests whole, running ones by what changed since their last step."""
-        kv = self.kv_manager
-        block_table = kv.get_block_table
-        rewritten = kv.take_rewritten_entries()   # copy-on-write replaced these requests' table entries
-        cached: CachedRequestData = out.scheduled_cached_reqs
-        add_id, add_tokens = cached.request_ids.append, cached.new_token_ids.append
-        add_start, add_blocks = cached.block_table_starts.append, cached.new_block_ids.append
-        add_computed = cached.num_computed_tokens.append
-        num_scheduled = out.num_scheduled_tokens
-        for request, num_new in scheduled:   # ~0.3 us per running request
-            request_id = request.request_id
-            table = block_table(request_id)
-            tokens = request.all_token_ids
-            if request.worker_num_tokens:
-                start = request.worker_num_blocks
-                if rewritten and request_id in rewritten:
-                    start = min(start, rewritten[request_id])
-                add_id(request_id)
-                add_tokens(tokens[request.worker_num_tokens:])
-                add_start(start)
-                add_blocks(table[start:])
-                add_computed(request.num_computed_tokens)
-            else:
-                out.scheduled_new_reqs.append(self._new_request_data(request, table))
-            request.worker_num_tokens, request.worker_num_blocks = len(tokens), len(table)
-            num_scheduled[request_id] = num_new
-            if self._pending_forks and request.num_computed_tokens + num_new == len(tokens):
-                self._fork_siblings(request, num_new, out)
-        out.total_num_scheduled_tokens = sum(num_scheduled.values())
-        out.block_copies = kv.take_block_copies()
-        out.disk_work = kv.take_disk_work()
+        describe_scheduled(scheduled, out, self.kv_manager, self._fork_siblings if self._pending_forks else None)
         if self._num_grammar_requests:
             self._fill_grammar_bitmask(out)
+        return out
 
     def _fill_grammar_bitmask(self, out: SchedulerOutput) -> None:
         """The bitmask of the rows that sample in this step under a grammar (their KV reaches their last token)."""
@@ -203,12 +155,6 @@ class Scheduler:
         if constrained:
             out.grammar_request_ids = [request.request_id for request in constrained]
             out.grammar_bitmask = self.structured_output.grammar_bitmask([r.grammar for r in constrained])
-
-    def _new_request_data(self, request: Request, table: list[int], sample_with: str | None = None
-                          ) -> NewRequestData:
-        return NewRequestData(request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
-                              request.sampling_params, request.eos_token_ids, list(table),
-                              request.num_computed_tokens, sample_with, request.lora_request)
 
     def _fork_siblings(self, first: Request, num_new: int, out: SchedulerOutput) -> None:
         """The first sample of n finishes its prefill in this step: its siblings take every block it holds
@@ -222,7 +168,7 @@ class Scheduler:
             sibling.all_token_ids = list(first.all_token_ids)
             sibling.num_computed_tokens = first.num_computed_tokens + num_new
             self._admit_running(sibling)
-            out.scheduled_new_reqs.append(self._new_request_data(sibling, table, sample_with=first.request_id))
+            out.scheduled_new_reqs.append(new_request_data(sibling, table, sample_with=first.request_id))
             sibling.worker_num_tokens, sibling.worker_num_blocks = len(sibling.all_token_ids), len(table)
             out.num_scheduled_tokens[sibling.request_id] = 0
 
@@ -341,7 +287,8 @@ class Scheduler:
                 return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        if not self._swap_out(request):
+        if self.preemption is None or not self.preemption.swap_out(self.kv_manager, request.request_id,
+                                                                   request.num_computed_tokens):
             self.kv_manager.free(request.request_id)
             request.num_computed_tokens = 0
         if request.worker_num_tokens:
@@ -350,17 +297,6 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(request)
         request.status = RequestStatus.PREEMPTED
-
-    def _swap_out(self, request: Request) -> bool:
-        """Swaps the request out if the policy wants it and there is room; whether it did."""
-        policy, kv = self.preemption, self.kv_manager
-        if policy is None or kv.swap is None or not request.num_computed_tokens:
-            return False
-        num_blocks = kv.num_blocks_to_swap(request.request_id, request.num_computed_tokens)
-        swapped = (policy.wants_swap(request.num_computed_tokens, num_blocks)
-                   and kv.swap_out(request.request_id, request.num_computed_tokens))
-        policy.record(swapped)
-        return swapped
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
                            ) -> list[tuple[Request, int]]:
@@ -400,9 +336,7 @@ class Scheduler:
             request.all_token_ids.append(token_id)
             request.cumulative_logprob += logprobs[row]
             sampled.append((request, row))
-            status = _token_stop(request, token_id)
-            if request.grammar is not None:
-                status = _grammar_stop(request, token_id) or status
+            status = check_stop(request, token_id)
             if status is not None:
                 self.finish(request, status)
         for search in searches:
@@ -410,7 +344,7 @@ class Scheduler:
         for request_id in runner_output.pooler_output or ():   # pooled: done, and its blocks are freed now
             self.finish(requests[request_id], RequestStatus.FINISHED_STOPPED)
         if speculated:
-            self._keep_verified(scheduler_output, runner_output)
+            self.speculation.keep_verified(requests, scheduler_output, runner_output)
         return sampled
 
     def _pin_prefixes(self, request: Request) -> None:
@@ -418,25 +352,6 @@ class Scheduler:
         pin_prefix = self.kv_manager.pin_prefix
         request.num_pinned_tokens = max(pin_prefix(request.request_id, request.all_token_ids, pin.num_tokens, pin.ttl_s)
                                         for pin in request.cache_pins)
-
-    def _keep_verified(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
-        """After a speculative step: each request's KV now holds its decode token and the proposals it
-        accepted (one row each but the last, the target's own token, which has no KV yet); the slots of
-        rejected proposals go back, and blocks that became full and verified are cached."""
-        num_rows: dict[str, int] = {}
-        for request_id in runner_output.req_ids:
-            num_rows[request_id] = num_rows.get(request_id, 0) + 1
-        kv, stats = self.kv_manager, self.spec_decoding_stats
-        for request_id, num_spec in scheduler_output.num_spec_tokens.items():
-            num_accepted = num_rows[request_id] - 1
-            stats.observe(num_spec, num_accepted)
-            request = self.requests.get(request_id)
-            if request is None:   # finished in this step
-                continue
-            request.num_computed_tokens += 1 + num_accepted
-            kv.rollback(request_id, request.num_computed_tokens)
-            kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
-            request.worker_num_blocks = min(request.worker_num_blocks, len(kv.get_block_table(request_id)))
 
     def fork(self, source: Request, target: Request) -> None:
         """Starts `target` from `source`'s tokens. A running source shares its KV with it (every block, copy on
@@ -467,28 +382,3 @@ class Scheduler:
         self.kv_manager.free(request_id)
         self._finished_ids.append(request_id)
 
-
-def _grammar_stop(request: Request, token_id: int) -> RequestStatus | None:
-    """Advances the request's grammar by the token: stopped once the grammar has taken its stop token (so
-    nothing may follow, ignore_eos or not); an error if it refuses the token, which the bitmask should
-    have made impossible."""
-    grammar = request.grammar
-    if not grammar.accept_tokens([token_id]):
-        request.error = f"token {token_id} does not match the request's structured_outputs grammar"
-        return RequestStatus.FINISHED_ERROR
-    return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
-
-
-def _token_stop(request: Request, token_id: int) -> RequestStatus | None:
-    """The stops a token id decides: EOS (unless ignore_eos) and stop_token_ids once min_tokens are out,
-    then max_tokens. The token stays in the output; as in vLLM it adds no text unless
-    include_stop_str_in_output."""
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        stops_on_eos = token_id in request.eos_token_ids and not params.ignore_eos
-        if stops_on_eos or token_id in params.stop_token_ids:
-            request.stop_reason = None if stops_on_eos else token_id
-            return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= request.max_tokens:
-        return RequestStatus.FINISHED_LENGTH
-    return None

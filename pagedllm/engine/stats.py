@@ -1,9 +1,11 @@
-"""Engine figures for logs, metrics and benchmarks, derived at the moment they are asked for."""
+"""Engine figures for logs, metrics and benchmarks, derived at the moment they are asked for; several engines' figures
+combined into one (data-parallel replicas)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from pagedllm.kv.manager import KVCacheUsage
+from pagedllm.kv.usage import KVCacheUsage
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 
@@ -75,3 +77,38 @@ class DataParallelStats:
     routing: str                         # data_parallel_routing: prefix or least-loaded
     replicas: dict[int, EngineStats]     # by replica index
     routed: dict[int, dict[str, int]]    # replica index -> requests sent to it, by reason (dp_router.ROUTING_REASONS)
+
+
+def sum_figures(figures: list, same: tuple[str, ...] = ()):
+    """One figures dataclass for several engines': every field summed, but those named in `same` (equal in all)."""
+    first = figures[0]
+    return type(first)(**{f.name: getattr(first, f.name) if f.name in same else sum(getattr(x, f.name) for x in figures)
+                          for f in dataclasses.fields(first)})
+
+
+def combine_stats(stats: list[EngineStats]) -> EngineStats:
+    """One engine's figures for several: counts, blocks and the disk tiers' figures are summed (so usage is all
+    used blocks over all blocks, and the prefix hit rate all hits over all lookups); the last step is the slowest
+    replica's time with every replica's sequences and tokens."""
+    disks = [s.kv_disk for s in stats if s.kv_disk is not None]
+    swaps = [s.kv_swap for s in stats if s.kv_swap is not None]
+    steps = [s.last_step for s in stats if s.last_step is not None]
+    last_step = StepStats(scheduling_seconds=max(s.scheduling_seconds for s in steps),
+                          prepare_seconds=max(s.prepare_seconds for s in steps),
+                          model_seconds=max(s.model_seconds for s in steps),
+                          num_seqs=sum(s.num_seqs for s in steps), num_tokens=sum(s.num_tokens for s in steps),
+                          num_preemptions=sum(s.num_preemptions for s in steps),
+                          num_loras=sum(s.num_loras for s in steps)) if steps else None
+    return EngineStats(kv_cache=sum_figures([s.kv_cache for s in stats], same=("block_size",)),
+                       num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
+                       num_preemptions=sum(s.num_preemptions for s in stats), last_step=last_step,
+                       spec_decoding=SpecDecodingStats.combined([s.spec_decoding for s in stats if s.spec_decoding]),
+                       kv_disk=sum_figures(disks) if disks else None,
+                       kv_swap=sum_figures(swaps, same=("tier",)) if swaps else None,
+                       running_lora_adapters=_names_on_any(s.running_lora_adapters for s in stats),
+                       waiting_lora_adapters=_names_on_any(s.waiting_lora_adapters for s in stats),
+                       max_lora=stats[0].max_lora)
+
+
+def _names_on_any(per_replica) -> tuple[str, ...]:
+    return tuple(sorted(set().union(*per_replica)))

@@ -45,8 +45,6 @@ BENCHMARKS = {
     "logit-controls": ("pagedllm.bench.logit_controls",
                        "cost of logit_bias / allowed_token_ids / bad_words and prompt_logprobs"),
     "multi-turn": ("pagedllm.bench.multi_turn", "multi-turn conversations over a small RAM pool, KV disk tier off and on"),
-    "reliability": ("pagedllm.bench.reliability.suite",
-                    "load, soak, faults, fuzzing and security checks against real servers"),
 }
 
 
@@ -308,7 +306,7 @@ def _chat_turns(engine, params, conversation: list[dict]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from pagedllm.entrypoints.openai.api_server import run_server
+    from pagedllm.entrypoints.api_server import run_server
 
     run_server(args.engine_config, args.server_config)
 

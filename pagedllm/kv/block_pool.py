@@ -68,6 +68,10 @@ class PrefixPin:
     deadline: float
 
 
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
 def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...], extra_key: str | None = None,
                root_hash: bytes = PROCESS_ROOT_HASH) -> BlockHash:
     """sha256 of a full block's identity in a canonical, unambiguous encoding: the parent's digest (root_hash

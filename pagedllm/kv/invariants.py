@@ -69,3 +69,34 @@ def check_ref_counts(kv: KVCacheManager) -> list[str]:
     sample = ", ".join(f"block {b.block_id}: ref {b.ref_count}, in {held.get(b.block_id, 0)} tables"
                        for b in wrong[:3])
     return [f"ref counts: {len(wrong)} blocks disagree with the block tables ({sample})"]
+
+
+def check_kv_consistent(kv: KVCacheManager) -> list[str]:
+    """What must hold at any point between steps: ref counts match the block tables, the free queue is
+    well formed, and cached_blocks is exact."""
+    return check_ref_counts(kv) + check_free_queue(kv.pool) + check_cached_blocks(kv.pool)
+
+
+def per_request_state(owner) -> list[str]:
+    """The dict, list and set attributes of owner that are not empty, as 'name (length)', whatever they are
+    called: at an idle point any of them is state a finished request left behind."""
+    return [f"{name} ({len(value)})" for name, value in vars(owner).items()
+            if isinstance(value, (dict, list, set)) and value]
+
+
+def check_kv_idle(kv: KVCacheManager) -> list[str]:
+    """With no request unfinished: every block free with ref count 0, the free queue and cached_blocks well
+    formed, and no per-request state in the manager or its tiers' books."""
+    pool = kv.pool
+    problems = []
+    held = [block for block in pool.blocks if block.ref_count != 0]
+    if held:
+        problems.append(f"pool not whole: {len(held)} blocks still referenced "
+                        f"(e.g. {', '.join(repr(b) for b in held[:3])})")
+    if pool.num_free_blocks != pool.num_blocks:
+        problems.append(f"pool not whole: {pool.num_free_blocks} of {pool.num_blocks} blocks free")
+    problems += check_free_queue(pool) + check_cached_blocks(pool)
+    left = per_request_state(kv) + [state for books in kv.tier_books for state in per_request_state(books)]
+    if left:
+        problems.append(f"the KV manager holds per-request state at an idle point: {', '.join(left)}")
+    return problems

@@ -20,125 +20,38 @@ stay in the pool until the deadline, at most max_pinned_fraction of the pool in 
 shortened to what fits); deadlines are read from an injectable clock.
 
 With a disk tier (kv/disk_tier.py) cached blocks evicted from the pool are spilled to disk, and a waiting
-request whose prefix continues on disk has those blocks loaded into free blocks first (load_from_disk):
-they are held for it, cached once loaded, and taken as prefix hits when it is admitted. The manager only
-decides; take_disk_work() hands the step's spills, loads and deletes to the workers, and
-complete_disk_loads() applies what they could not read (those tokens are recomputed).
+request whose prefix continues on disk has those blocks loaded into free blocks first (load_from_disk, the
+blocks kept by kv/disk_loads.py; read ahead while they are not free yet): they are held for it, cached once
+loaded, and taken as prefix hits when it is admitted. The manager only decides; take_disk_work() hands the step's spills, loads and deletes to the
+workers, and complete_disk_loads() applies what they could not read (those tokens are recomputed).
 
-With a swap space (kv/swap.py) a preempted request may be swapped out instead of recomputed: its computed
-blocks are copied out (except shared prefix-cache blocks, found again by their hash) and freed; when it is
-admitted again, swap_in takes fresh blocks for them and queues their copies back for one step, after which
-its table and computed tokens are back as they were (shortened at the first block that could not be read).
+With a swap space (kv/swap.py) a preempted request may be swapped out instead of recomputed (the records in
+kv/swapped_requests.py): its computed blocks are copied out and freed; when it is admitted again, swap_in
+queues their copies back for one step, after which its table and computed tokens are back as they were
+(shortened at the first block that could not be read).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from pagedllm.kv.block_pool import (PROCESS_ROOT_HASH, BlockHash, BlockKey, BlockPool, KVBlock, block_key,
-                                    extend_block_hashes)
-from pagedllm.kv.disk_tier import DiskTier, KeyDigest, key_digest
+                                    blocks_needed, extend_block_hashes)
+from pagedllm.kv.disk_loads import DiskLoads, DiskWork
+from pagedllm.kv.disk_tier import DiskTier, key_digest
 from pagedllm.kv.hash_log import DISK, RAM, BlockHashLog, short_hash
-from pagedllm.kv.swap import SwapKey, SwapSpace
+from pagedllm.kv.swap import SwapSpace
+from pagedllm.kv.swapped_requests import SwappedRequest, SwappedRequests, copied_on_swap
+from pagedllm.kv.usage import KVCacheUsage, measure_usage
 
 
 RELEASED = -1   # the block id of a table entry outside the window, given back
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 def blocks_outside_window(num_computed_tokens: int, sliding_window: int, block_size: int) -> int:
     """Leading blocks that tokens from position num_computed_tokens on never see: a token at p sees
     keys p - sliding_window + 1 .. p."""
     return max(0, num_computed_tokens - sliding_window + 1) // block_size
-
-
-@dataclass
-class DiskWork:
-    """What the workers do with the KV tiers in one step, in this order: copy the spilled and swapped-out
-    blocks out (the step may overwrite them), read the loads and swap-ins in, then hand writes and deletes to
-    the background writer and drop the swapped blocks no one will read."""
-    spills: list[tuple[int, BlockHash, KeyDigest]]   # (block id, hash, key digest)
-    loads: list[tuple[int, BlockHash, KeyDigest]]
-    deletes: list[BlockHash]
-    swap_outs: list[tuple[int, SwapKey]] = field(default_factory=list)   # (block id, key)
-    swap_ins: list[tuple[int, SwapKey]] = field(default_factory=list)
-    swap_drops: list[SwapKey] = field(default_factory=list)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.spills or self.loads or self.deletes or self.swap_outs or self.swap_ins or self.swap_drops)
-
-
-@dataclass
-class SwapEntry:
-    """One table entry of a swapped-out request."""
-    key: SwapKey | None             # where its copy is; None: a shared prefix-cache block, found again by hash
-    block_hash: BlockHash | None    # set when the block was in the prefix cache
-    block_key: BlockKey | None
-
-
-@dataclass
-class SwappedRequest:
-    """What a swapped-out request's table was, to rebuild it when it is swapped in."""
-    num_tokens: int                 # computed tokens whose KV was kept
-    num_released: int               # leading entries outside the window (nothing kept)
-    entries: list[SwapEntry]        # the entries from num_released on, covering num_tokens
-    block_hashes: list[BlockHash]
-    num_cached_blocks: int
-    cache_salt: str | None
-    forked: bool
-
-    @property
-    def keys(self) -> list[SwapKey]:
-        return [entry.key for entry in self.entries if entry.key is not None]
-
-
-@dataclass
-class SwapIn:
-    """A swap-in in flight: the table being rebuilt (placeholders for released entries first) and the blocks
-    whose copies are read back in this step."""
-    record: SwappedRequest
-    table: list[KVBlock]
-    copied_back: list[KVBlock]
-
-
-# The table entry of a released block in a swapped-in table: never freed, cached or read.
-_RELEASED_BLOCK = KVBlock(-1)
-
-
-@dataclass(frozen=True)
-class KVCacheUsage:
-    """Figures derived from the pool and the block tables at one instant."""
-    num_blocks: int
-    num_used_blocks: int        # held by at least one request or pin
-    num_free_blocks: int        # held by none (cached-idle ones included)
-    num_pinned_blocks: int      # held by a pin (a request may hold them too)
-    num_cached_idle_blocks: int  # free, but still holding reusable prefix KV
-    num_shared_blocks: int      # held by more than one request
-    num_logical_blocks: int     # table entries over all requests: what no sharing would need
-    num_tokens_stored: int      # filled slots in used blocks
-    block_size: int
-    prefix_cache_queries: int   # prompt tokens looked up in the prefix cache, ever
-    prefix_cache_hits: int      # of those, tokens found
-
-    @property
-    def usage(self) -> float:
-        """Fraction of the pool in use (what vLLM reports as KV-cache usage)."""
-        return self.num_used_blocks / self.num_blocks
-
-    @property
-    def utilization(self) -> float:
-        """Filled slots / slots in used blocks: how much of the taken memory holds real KV."""
-        slots = self.num_used_blocks * self.block_size
-        return self.num_tokens_stored / slots if slots else 1.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class KVCacheManager:
@@ -159,17 +72,9 @@ class KVCacheManager:
         self.disk = disk_tier
         self.root_hash = PROCESS_ROOT_HASH if root_hash is None else root_hash
         self.pool = BlockPool(num_blocks, record_evictions=disk_tier is not None)
-        # Disk loads: blocks being read for a waiting request, then held for it (cached) until it is admitted.
-        self._loading: dict[str, list[tuple[KVBlock, BlockHash, BlockKey]]] = {}
-        self._staged: dict[str, list[KVBlock]] = {}
-        self._pending_loads: list[tuple[int, BlockHash, KeyDigest]] = []
+        self._disk_loads = DiskLoads(self.pool, disk_tier) if disk_tier is not None else None
         self.swap = swap_space
-        self._swapped: dict[str, SwappedRequest] = {}
-        self._swapping_in: dict[str, SwapIn] = {}
-        self._restored: dict[str, int] = {}   # swapped in, not yet admitted: request id -> its computed tokens
-        self._pending_swap_outs: list[tuple[int, SwapKey]] = []
-        self._pending_swap_ins: list[tuple[int, SwapKey]] = []
-        self._pending_swap_drops: list[SwapKey] = []
+        self._swapped = SwappedRequests(self.pool, swap_space, block_size) if swap_space is not None else None
         self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
         self.clock = clock
         self.block_tables: dict[str, list[KVBlock]] = {}
@@ -242,15 +147,21 @@ class KVCacheManager:
         self.pool.hash_log.restart()
         return held
 
+    @property
+    def tier_books(self) -> list[DiskLoads | SwappedRequests]:
+        """The disk loads' and the swapped requests' books, where the tiers keep their per-request state."""
+        return [books for books in (self._disk_loads, self._swapped) if books is not None]
+
     def is_loading(self, request_id: str) -> bool:
         """Whether the request waits for blocks being read back (disk hits or a swap-in) in the current step."""
-        return request_id in self._loading or request_id in self._swapping_in
+        return ((self._disk_loads is not None and request_id in self._disk_loads)
+                or (self._swapped is not None and self._swapped.is_swapping_in(request_id)))
 
     def load_from_disk(self, request_id: str, token_ids: list[int], ram_hits: list[KVBlock]) -> bool:
         """After get_computed_blocks: if the request's prefix continues on disk and all its blocks are free, takes
         free blocks for those disk blocks, queues their loads for this step and holds the RAM hits too, so
         nothing of the prefix is evicted meanwhile. True when loads were queued: the request waits a step."""
-        if self.disk is None or request_id in self._loading:
+        if self.disk is None or request_id in self._disk_loads:
             return False
         hashes = self._block_hashes.get(request_id, [])
         found = []
@@ -266,70 +177,45 @@ class KVCacheManager:
         # admitted would otherwise starve each other, with nothing running to free any.
         if blocks_needed(len(token_ids), self.block_size) - len(ram_hits) > self.pool.num_free_blocks:
             self.pool.free(ram_hits)
+            self._disk_loads.read_ahead(request_id, found)   # while the running requests free blocks
             return False
-        self._release_staged(request_id)
-        blocks = self.pool.allocate(len(found))
-        self._staged[request_id] = list(ram_hits)
-        self._loading[request_id] = [(block, block_hash, key) for block, (block_hash, key) in zip(blocks, found)]
-        self._pending_loads.extend((block.block_id, block_hash, key_digest(key))
-                                   for block, (block_hash, key) in zip(blocks, found))
+        self._disk_loads.start(request_id, ram_hits, found)
         return True
 
     def complete_disk_loads(self, failed_block_ids: list[int]) -> None:
-        """The step's loads are done: loaded blocks join the prefix cache (held for their request), blocks the
-        workers could not read are freed and forgotten on disk, so their tokens are recomputed."""
+        """The step's loads and swap-ins are done: loaded blocks join the prefix cache (held for their request),
+        blocks the workers could not read are freed and forgotten on disk, so their tokens are recomputed;
+        swapped-in requests get their tables back."""
         failed = set(failed_block_ids)
-        for request_id, loads in self._loading.items():
-            staged = self._staged[request_id]
-            for block, block_hash, key in loads:
-                if block.block_id in failed:
-                    self.disk.discard(block_hash)
-                    self.disk.counters.read_failures += 1
-                    self.pool.free([block])
-                    continue
-                self.disk.counters.hits += 1
-                self.pool.cache(block, block_hash, key)
-                staged.append(block)
-        self._loading.clear()
-        for request_id, swap_in in self._swapping_in.items():
-            self._complete_swap_in(request_id, swap_in, failed)
-        self._swapping_in.clear()
+        if self._disk_loads is not None:
+            self._disk_loads.complete(failed)
+        for request_id, record, table, num_tokens in self._swapped.complete(failed) if self._swapped else ():
+            self._install_swapped_in(request_id, record, table, num_tokens)
 
     def take_disk_work(self) -> DiskWork | None:
         """The step's tier work, once every allocation of the step is made (None without a disk tier or a
-        swap space). Every cached block evicted from the pool is spilled unless the disk holds it already, has
-        no room, or the pool cached the same hash again within the step (the tokens were recomputed: RAM has them)."""
+        swap space)."""
         if self.disk is None and self.swap is None:
             return None
-        spills = []
-        for block_id, block_hash, key in self.pool.take_evicted() if self.disk is not None else ():
-            if block_hash in self.pool.cached_blocks:
-                continue
-            digest = key_digest(key)
-            if self.disk.add(block_hash, digest):
-                spills.append((block_id, block_hash, digest))
-        loads, self._pending_loads = self._pending_loads, []
-        work = DiskWork(spills, loads, self.disk.take_deletes() if self.disk is not None else [],
-                        self._pending_swap_outs, self._pending_swap_ins, self._pending_swap_drops)
-        self._pending_swap_outs, self._pending_swap_ins, self._pending_swap_drops = [], [], []
+        work = DiskWork([], [], [])
+        if self._disk_loads is not None:
+            work = DiskWork(self._disk_loads.take_spills(), self._disk_loads.take_loads(), self.disk.take_deletes(),
+                            read_ahead=self._disk_loads.take_read_ahead())
+        if self._swapped is not None:
+            work.swap_outs, work.swap_ins, work.swap_drops = self._swapped.take_work()
         return work
 
     def is_swapped(self, request_id: str) -> bool:
         """Whether the request's KV waits in the swap space (swapped out, not yet swapped in)."""
-        return request_id in self._swapped
+        return self._swapped is not None and self._swapped.is_swapped(request_id)
 
     def num_blocks_to_swap(self, request_id: str, num_computed_tokens: int) -> int:
         """How many blocks swap_out would copy: the computed ones but the shared prefix-cache blocks."""
-        return sum(1 for block in self._kept_blocks(request_id, num_computed_tokens) if self._copied_on_swap(block))
+        return sum(1 for block in self._kept_blocks(request_id, num_computed_tokens) if copied_on_swap(block))
 
     def _kept_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVBlock]:
         table = self.block_tables.get(request_id, [])
         return table[self.num_released_blocks(request_id):blocks_needed(num_computed_tokens, self.block_size)]
-
-    @staticmethod
-    def _copied_on_swap(block: KVBlock) -> bool:
-        """Only a block someone else holds and the prefix cache can find again stays behind."""
-        return block.ref_count == 1 or block.block_hash is None
 
     def swap_out(self, request_id: str, num_computed_tokens: int) -> bool:
         """Preempts the request by swapping: the blocks holding its num_computed_tokens tokens are copied out
@@ -337,110 +223,48 @@ class KVCacheManager:
         when there is no swap space, nothing computed, or too little room: the caller then frees it to
         recompute."""
         kept = self._kept_blocks(request_id, num_computed_tokens)
-        if self.swap is None or not kept:
+        if self._swapped is None or not kept:
             return False
-        copied = [block for block in kept if self._copied_on_swap(block)]
-        if not self.swap.reserve(len(copied)):
+        entries = self._swapped.copy_out(kept)
+        if entries is None:
             return False
-        keys = iter(self.swap.new_keys(len(copied)))
-        entries = []
-        for block in kept:
-            key = next(keys) if self._copied_on_swap(block) else None
-            if key is not None:
-                self._pending_swap_outs.append((block.block_id, key))
-            entries.append(SwapEntry(key, block.block_hash, block.block_key))
         record = SwappedRequest(num_computed_tokens, self.num_released_blocks(request_id), entries,
                                 list(self._block_hashes.get(request_id, [])), self._num_cached_blocks[request_id],
                                 self._cache_salts.get(request_id), request_id in self._forked)
-        self.swap.counters.swap_outs += 1
-        self.swap.counters.blocks_out += len(copied)
         self.free(request_id)
-        self._swapped[request_id] = record
+        self._swapped.park(request_id, record)
         return True
 
     def swap_in(self, request_id: str, num_tokens: int) -> bool:
-        """Starts bringing a swapped-out request of num_tokens tokens back: blocks the prefix cache still holds
-        are taken as they are, fresh blocks are taken for the copies, which are read back in this step (the
-        request waits: is_loading). Only when every block the request needs is free now (as load_from_disk);
-        False, with nothing changed, otherwise."""
-        record = self._swapped.get(request_id)
-        if record is None:
-            return False
-        plan: list[tuple[SwapEntry, KVBlock | None]] = []
-        for entry in record.entries:
-            block = self.pool.lookup(entry.block_hash, entry.block_key) if entry.block_hash is not None else None
-            if block is None and entry.key is None:
-                break   # a shared block gone from the cache: the tokens from here on are recomputed
-            plan.append((entry, block))
-        hits = [block for _, block in plan if block is not None]
-        held_elsewhere = sum(1 for block in hits if not block.is_free)
-        needed = blocks_needed(num_tokens, self.block_size) - record.num_released - held_elsewhere
-        if needed > self.pool.num_free_blocks:
-            return False
-        del self._swapped[request_id]
-        self.pool.touch(hits)   # before allocating, which could evict them
-        fresh = iter(self.pool.allocate(len(plan) - len(hits)))
-        table, copied_back, used_keys = [_RELEASED_BLOCK] * record.num_released, [], set()
-        for entry, block in plan:
-            if block is None:
-                block = next(fresh)
-                copied_back.append(block)
-                self._pending_swap_ins.append((block.block_id, entry.key))
-                used_keys.add(entry.key)
-            table.append(block)
-        self._pending_swap_drops.extend(key for key in record.keys if key not in used_keys)
-        self.swap.counters.blocks_reused += sum(1 for entry, block in plan if entry.key is not None and block is not None)
-        self.swap.release(len(record.keys))
-        self._swapping_in[request_id] = SwapIn(record, table, copied_back)
-        return True
+        """Starts bringing a swapped-out request of num_tokens tokens back: its copies are read back in this
+        step (the request waits: is_loading). Only when every block the request needs is free now (as
+        load_from_disk); False, with nothing changed, otherwise."""
+        return self._swapped is not None and self._swapped.swap_in(request_id, num_tokens)
 
-    def _complete_swap_in(self, request_id: str, swap_in: SwapIn, failed: set[int]) -> None:
-        """Installs the rebuilt table up to the first block that could not be read back (all of it with a
-        window, whose released blocks cannot be recomputed alone); the tokens after that are recomputed."""
-        record, table, size = swap_in.record, swap_in.table, self.block_size
-        num_failed = sum(1 for block in swap_in.copied_back if block.block_id in failed)
-        num_kept = len(table)
-        if num_failed:
-            num_kept = 0 if record.num_released else min(
-                index for index, block in enumerate(table) if block in swap_in.copied_back and block.block_id in failed)
-        counters = self.swap.counters
-        counters.failed_blocks += num_failed
-        counters.swap_ins += 1
-        counters.blocks_in += len(swap_in.copied_back) - num_failed
-        self.pool.free(table[max(num_kept, record.num_released):][::-1])
-        num_tokens = min(record.num_tokens, num_kept * size)
-        if num_tokens == 0:
-            return   # nothing kept: it is admitted as a new request
-        table = table[:num_kept]
+    def _install_swapped_in(self, request_id: str, record: SwappedRequest, table: list[KVBlock],
+                            num_tokens: int) -> None:
+        """The table of a swapped-in request, as it was when swapped out, cut to the blocks read back."""
         self.block_tables[request_id] = table
         self._block_ids[request_id] = [RELEASED] * record.num_released + [
             block.block_id for block in table[record.num_released:]]
         self.num_tokens[request_id] = num_tokens
         self._block_hashes[request_id] = record.block_hashes
-        self._num_cached_blocks[request_id] = min(record.num_cached_blocks, num_kept)
+        self._num_cached_blocks[request_id] = min(record.num_cached_blocks, len(table))
         if record.num_released:
             self._num_released[request_id] = record.num_released
         if record.cache_salt is not None:
             self._cache_salts[request_id] = record.cache_salt
         if record.forked:
             self._forked.add(request_id)
-        for entry, block in zip(record.entries, table[record.num_released:]):
-            if entry.block_hash is not None and block in swap_in.copied_back:
-                self.pool.cache(block, entry.block_hash, entry.block_key)
-        self._restored[request_id] = num_tokens
 
     def restored_tokens(self, request_id: str) -> int | None:
         """The computed tokens of a request swapped back in and not yet admitted (its table is in place)."""
-        return self._restored.get(request_id)
+        return self._swapped.restored_tokens(request_id) if self._swapped is not None else None
 
     def take_restored(self, request_id: str) -> None:
         """The swapped-in request is admitted: from now on it is an ordinary running request."""
-        self._restored.pop(request_id, None)
-
-    def _release_staged(self, request_id: str) -> None:
-        staged = self._staged.pop(request_id, None)
-        if staged:
-            self.pool.free(staged[::-1])
+        if self._swapped is not None:
+            self._swapped.take_restored(request_id)
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts one scheduled lookup, for the hit rate (only lookups that led to a run count)."""
@@ -487,7 +311,8 @@ class KVCacheManager:
             table.extend(new_blocks)
             block_ids.extend(block.block_id for block in new_blocks)
         self.block_tables[request_id] = table
-        self._release_staged(request_id)   # its table holds them now
+        if self._disk_loads is not None:
+            self._disk_loads.release(request_id)   # its table holds them now
         self._num_cached_blocks.setdefault(request_id, len(cached_blocks))
         self.num_tokens[request_id] = max(num_total_tokens, self.num_tokens.get(request_id, 0))
         return True
@@ -595,42 +420,17 @@ class KVCacheManager:
         self._forked.discard(request_id)
         self._rewritten.pop(request_id, None)
         released = self._num_released.pop(request_id, 0)
-        for block, _, _ in self._loading.pop(request_id, ()):
-            self.pool.free([block])
-        self._release_staged(request_id)
+        if self._disk_loads is not None:
+            self._disk_loads.forget(request_id)
         if table:
             self.pool.free(table[released:][::-1])
-        self._restored.pop(request_id, None)
-        swapped = self._swapped.pop(request_id, None)
-        if swapped is not None:   # ended while swapped out: its copies are dropped
-            self._pending_swap_drops.extend(swapped.keys)
-            self.swap.release(len(swapped.keys))
-        swap_in = self._swapping_in.pop(request_id, None)
-        if swap_in is not None:   # ended while its copies are read back (they land in blocks freed here)
-            self.pool.free(swap_in.table[swap_in.record.num_released:][::-1])
+        if self._swapped is not None:
+            self._swapped.forget(request_id)
 
     def usage(self) -> KVCacheUsage:
         """The figures now; pins whose time is up are dropped first (an idle engine runs no step to do it)."""
         self.expire_pins()
-        filled: dict[int, int] = {}
-        for request_id, table in self.block_tables.items():
-            num_tokens = self.num_tokens[request_id]
-            for index, block in enumerate(table[self.num_released_blocks(request_id):],
-                                          self.num_released_blocks(request_id)):
-                slots = min(self.block_size, num_tokens - index * self.block_size)
-                filled[block.block_id] = max(filled.get(block.block_id, 0), slots)
-        pool = self.pool
-        return KVCacheUsage(
-            num_blocks=pool.num_blocks,
-            num_used_blocks=pool.num_used_blocks,
-            num_free_blocks=pool.num_free_blocks,
-            num_pinned_blocks=pool.num_pinned_blocks,
-            num_cached_idle_blocks=pool.num_cached_idle_blocks(),
-            num_shared_blocks=sum(1 for block in pool.blocks if block.ref_count > 1),
-            num_logical_blocks=sum(len(table) - self.num_released_blocks(request_id)
-                                   for request_id, table in self.block_tables.items()),
-            num_tokens_stored=sum(filled.values()),
-            block_size=self.block_size,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
-        )
+        return measure_usage(self.pool, {request_id: table[self.num_released_blocks(request_id):]
+                                         for request_id, table in self.block_tables.items()},
+                             {request_id: self.num_released_blocks(request_id) for request_id in self.block_tables},
+                             self.num_tokens, self.block_size, self.prefix_cache_queries, self.prefix_cache_hits)

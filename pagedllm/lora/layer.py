@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from pagedllm.lora.peft_checkpoint import LoRAAdapter
-from pagedllm.lora.punica import LoRASegments, PackedLoRA, add_lora
+from pagedllm.lora.punica import LoRASegments, PackedLoRA, StackedLoRA, add_lora_torch
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.kernels import kernel_for
 from pagedllm.model.moe_config import is_sparse
 from pagedllm.model.parallel_linear import RowParallelLinear
 from pagedllm.model.tensor_parallel import Shard, num_kv_heads_per_rank, weight_shards
@@ -31,16 +32,25 @@ class StepLoRA:
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base: nn.Module, max_loras: int, step: StepLoRA):
+    """The base projection, then every row's adapter update in one call (the compiled kernel, chosen once here)."""
+
+    def __init__(self, base: nn.Module, stacked: StackedLoRA, step: StepLoRA, device: torch.device):
         super().__init__()
         self.base = base
         self.step = step
-        self.slots: list[PackedLoRA | None] = [None] * max_loras
+        self.stacked = stacked
+        self.kernel = kernel_for("lora_sgmv", device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        if self.step.segments.segments:
-            add_lora(out, x, self.step.segments, self.slots)
+        segments = self.step.segments
+        if segments.count:
+            stacked = self.stacked
+            if self.kernel is not None:
+                self.kernel(out, x, stacked.a, stacked.b, stacked.ranks, stacked.column_starts, segments.rows,
+                            segments.table)
+            else:
+                add_lora_torch(out, x, segments, stacked)
         return out
 
 
@@ -59,9 +69,13 @@ class LayerPlan:
 class LoRAModel:
     """The model's LoRA layers by (layer index, fused name), and how adapters are cut and packed for this rank."""
 
-    def __init__(self, model: nn.Module, config: ModelConfig, max_loras: int, rank: int, tp_size: int):
+    def __init__(self, model: nn.Module, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device, rank: int, tp_size: int):
         self.config = config
-        self.step = StepLoRA(LoRASegments())
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = device
+        self.step = StepLoRA(LoRASegments.none())
         self.layers: dict[tuple[int, str], LoRALinear] = {}
         self.plans: dict[tuple[int, str], LayerPlan] = {}
         shards = weight_shards(config, rank, tp_size) if tp_size > 1 else {}
@@ -78,47 +92,52 @@ class LoRAModel:
             if not is_sparse(config.moe, index):
                 owners |= {"gate_up_proj": decoder_layer.mlp, "down_proj": decoder_layer.mlp}
             for fused, owner in owners.items():
-                self.layers[(index, fused)] = self._wrap(owner, fused, max_loras)
                 kind = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
-                self.plans[(index, fused)] = LayerPlan(
-                    in_features[fused], columns[fused], tuple(shards.get(f"model.layers.{index}.{kind}.{part}.weight")
-                                          for part in FUSED_PARTS[fused]))
+                plan = LayerPlan(in_features[fused], columns[fused],
+                                 tuple(shards.get(f"model.layers.{index}.{kind}.{part}.weight")
+                                       for part in FUSED_PARTS[fused]))
+                self.plans[(index, fused)] = plan
+                stacked = StackedLoRA(max_loras, max_rank, plan.in_features, plan.columns, dtype, device)
+                self.layers[(index, fused)] = self._wrap(owner, fused, stacked)
 
-    def _wrap(self, owner: nn.Module, name: str, max_loras: int) -> LoRALinear:
+    def _wrap(self, owner: nn.Module, name: str, stacked: StackedLoRA) -> LoRALinear:
         """Puts a LoRALinear around the projection (inside a row-parallel wrapper, before its all-reduce)."""
         module = getattr(owner, name)
         if isinstance(module, RowParallelLinear):
             owner, name, module = module, "layer", module.layer
-        wrapped = LoRALinear(module, max_loras, self.step)
+        wrapped = LoRALinear(module, stacked, self.step, self.device)
         setattr(owner, name, wrapped)
         return wrapped
 
-    def pack(self, adapter: LoRAAdapter, dtype: torch.dtype, device: torch.device) -> dict[tuple[int, str], PackedLoRA]:
-        """This rank's cut of the adapter, in dtype on device, one PackedLoRA per fused layer it touches."""
+    def pack(self, adapter: LoRAAdapter) -> dict[tuple[int, str], PackedLoRA]:
+        """This rank's cut of the adapter, in the adapters' dtype on the device, one PackedLoRA per fused layer it
+        touches."""
         packed = {}
         for (index, fused), plan in self.plans.items():
-            found = [(column, width, shard, adapter.modules.get((index, part)))
-                     for part, column, width, shard in zip(FUSED_PARTS[fused], plan.starts, plan.columns, plan.shards)]
-            found = [(column, width, shard, module) for column, width, shard, module in found if module is not None]
-            if not found:
+            modules = [adapter.modules.get((index, part)) for part in FUSED_PARTS[fused]]
+            if all(module is None for module in modules):
                 continue
-            a_t = torch.zeros(plan.in_features, sum(module.rank for *_, module in found), dtype=torch.float32)
-            b_t = torch.zeros(a_t.shape[1], sum(plan.columns), dtype=torch.float32)
-            rank = 0
-            for column, width, shard, module in found:
+            a = torch.zeros(len(modules) * self.max_rank, plan.in_features, dtype=torch.float32)
+            b = torch.zeros(self.max_rank, sum(plan.columns), dtype=torch.float32)
+            ranks = torch.zeros(len(modules), dtype=torch.int64)
+            for part, (module, column, width, shard) in enumerate(zip(modules, plan.starts, plan.columns, plan.shards)):
+                if module is None:
+                    continue
                 lora_a, lora_b = module.lora_a, module.lora_b
                 if shard is not None:
                     lora_a, lora_b = (lora_a, shard.of(lora_b)) if shard.dim == 0 else (shard.of(lora_a), lora_b)
-                a_t[:, rank:rank + module.rank] = lora_a.t()
-                b_t[rank:rank + module.rank, column:column + width] = lora_b.t()
-                rank += module.rank
-            packed[(index, fused)] = PackedLoRA(a_t.to(device=device, dtype=dtype), b_t.to(device=device, dtype=dtype))
+                first = part * self.max_rank
+                a[first:first + module.rank] = lora_a
+                b[:module.rank, column:column + width] = lora_b.t()
+                ranks[part] = module.rank
+            packed[(index, fused)] = PackedLoRA(a.to(device=self.device, dtype=self.dtype),
+                                                b.to(device=self.device, dtype=self.dtype), ranks.to(self.device))
         return packed
 
     def set_slot(self, slot: int, packed: dict[tuple[int, str], PackedLoRA]) -> None:
         """Makes slot `slot` of every LoRA layer hold this adapter's update (None where it has none)."""
         for key, layer in self.layers.items():
-            layer.slots[slot] = packed.get(key)
+            layer.stacked.set(slot, packed.get(key))
 
     def set_step(self, segments: LoRASegments) -> None:
         self.step.segments = segments

@@ -1,11 +1,13 @@
-"""The step's token rows grouped by adapter slot (Punica / S-LoRA's SGMV layout), computed once per step.
+"""The step's token rows grouped by adapter slot (Punica / S-LoRA's SGMV layout), computed once per step, and each
+LoRA layer's adapters stacked by slot, so that one call updates a layer for every row of the step.
 
-Each LoRA layer then runs one shrink (x @ A) and one expand (@ B) per segment of rows that share an adapter,
-never one row at a time, and never by merging an adapter into the base weights (the base stays quantized).
+The update is x @ A @ B added to the base's output, never merged into the base weights (the base stays quantized).
+The compiled `lora_sgmv` runs it (shrink and expand per segment of rows sharing an adapter, all in one call);
+`add_lora_torch` is the same update in torch ops, where no compiled kernel serves.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,53 +15,72 @@ import torch
 NO_SLOT = -1   # a row of the base model
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoRASegments:
-    """segments: (slot, start, end) over the rows in `order`; order None: the rows are grouped already, in place."""
-    segments: list[tuple[int, int, int]] = field(default_factory=list)
-    order: torch.Tensor | None = None
+    """rows[start:end] are the step's token rows of segment (slot, start, end) of `table`; base rows are in none."""
+    rows: torch.Tensor    # int64 [rows with an adapter], grouped by slot, in step order within a slot
+    table: torch.Tensor   # int64 [segments, 3]: slot, start, end
+    count: int            # segments (0: a step of the base alone, no layer does LoRA work)
 
     @classmethod
     def of(cls, token_slots: np.ndarray, device: torch.device) -> LoRASegments:
-        """Groups tokens by slot (NO_SLOT rows are left out): by their place when each slot's rows are one run
-        already (the common case: one adapter, or requests of one adapter next to each other), else by a stable sort."""
-        if not len(token_slots) or (token_slots == NO_SLOT).all():
-            return cls()
-        runs = _runs(token_slots)
-        if len({slot for slot, _, _ in runs}) == len(runs):
-            return cls(runs)
-        order = np.argsort(token_slots, kind="stable")
-        return cls(_runs(token_slots[order]), torch.from_numpy(order).to(device))
+        """One segment per slot in the step (a stable sort: rows of one adapter need not be next to each other)."""
+        rows = np.flatnonzero(token_slots != NO_SLOT)
+        rows = rows[np.argsort(token_slots[rows], kind="stable")]
+        slots = token_slots[rows]
+        starts = np.flatnonzero(np.diff(slots, prepend=NO_SLOT - 1))
+        ends = np.append(starts[1:], len(rows))[:len(starts)]
+        table = np.stack([slots[starts], starts, ends], axis=1).astype(np.int64)
+        return cls(torch.from_numpy(rows.astype(np.int64)).to(device), torch.from_numpy(table).to(device), len(starts))
 
-
-def _runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
-    """(slot, start, end) of each run of equal slots, base rows left out."""
-    changes = np.flatnonzero(np.diff(slots)) + 1
-    starts, ends = np.concatenate([[0], changes]), np.concatenate([changes, [len(slots)]])
-    return [(int(slots[start]), int(start), int(end)) for start, end in zip(starts, ends) if slots[start] != NO_SLOT]
+    @classmethod
+    def none(cls) -> LoRASegments:
+        return cls.of(np.zeros(0, np.int64), torch.device("cpu"))
 
 
 @dataclass(frozen=True)
 class PackedLoRA:
-    """One adapter's update of one (possibly fused) layer in two matmuls: the parts' A stacked into one shrink, and
-    their B placed block-diagonally into one expand, each part's block writing its own output columns (q, k, v of
-    the fused qkv layer; gate, up of gate_up). One expand instead of one per part: on CPUs a step's cost at small
-    batches is the count of small matmuls, not their few extra zero multiplications."""
-    a_t: torch.Tensor   # [in_features, total rank]
-    b_t: torch.Tensor   # [total rank, out_features], zero outside each part's rows and columns
+    """One adapter's update of one (possibly fused) layer, laid out as a slot of StackedLoRA holds it: the parts' A
+    (q, k, v of the fused qkv layer; gate, up of gate_up) each in its own max_rank rows of `a`, and `b` giving every
+    output column the B row of the part that owns it, so the expand reads only that part's rank."""
+    a: torch.Tensor       # [parts * max_rank, in_features]
+    b: torch.Tensor       # [max_rank, out_features]
+    ranks: torch.Tensor   # int64 [parts]: each part's rank, 0 where the adapter leaves the part alone
 
 
-def add_lora(out: torch.Tensor, x: torch.Tensor, step: LoRASegments, slots: list[PackedLoRA | None]) -> None:
-    """out += each row's adapter update: one shrink and one expand matmul per segment of rows (SGMV)."""
-    gathered = x if step.order is None else x.index_select(0, step.order)
-    for slot, start, end in step.segments:
-        packed = slots[slot]
-        if packed is None:   # the adapter leaves this layer alone
-            continue
-        shrunk = gathered[start:end].to(packed.a_t.dtype) @ packed.a_t
-        if step.order is not None:
-            out.index_add_(0, step.order[start:end], (shrunk @ packed.b_t).to(out.dtype))
-        elif out.dtype == shrunk.dtype:
-            out[start:end].addmm_(shrunk, packed.b_t)
-        else:
-            out[start:end] += (shrunk @ packed.b_t).to(out.dtype)
+class StackedLoRA:
+    """Every slot's PackedLoRA of one layer in tensors [max_loras, ...]: the kernel takes tensors only, and a
+    slot with nothing for this layer (ranks 0) costs nothing."""
+
+    def __init__(self, max_loras: int, max_rank: int, in_features: int, columns: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device):
+        self.a = torch.zeros(max_loras, len(columns) * max_rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, max_rank, sum(columns), dtype=dtype, device=device)
+        self.ranks = torch.zeros(max_loras, len(columns), dtype=torch.int64, device=device)
+        self.column_starts = torch.tensor(np.cumsum((0,) + columns), dtype=torch.int64, device=device)
+
+    def set(self, slot: int, packed: PackedLoRA | None) -> None:
+        """Copies the adapter's update into the slot; None: the slot does nothing for this layer."""
+        if packed is None:
+            self.ranks[slot] = 0
+            return
+        self.a[slot].copy_(packed.a)
+        self.b[slot].copy_(packed.b)
+        self.ranks[slot].copy_(packed.ranks)
+
+
+def add_lora_torch(out: torch.Tensor, x: torch.Tensor, step: LoRASegments, stacked: StackedLoRA) -> None:
+    """out += each row's adapter update, in torch ops: per segment and part, one shrink and one expand matmul."""
+    max_rank = stacked.b.shape[1]
+    starts = stacked.column_starts.tolist()
+    for slot, start, end in step.table.tolist():
+        rows = step.rows[start:end]
+        inputs = x.index_select(0, rows).to(stacked.a.dtype)
+        update = torch.zeros(end - start, out.shape[1], dtype=stacked.a.dtype, device=out.device)
+        for part, rank in enumerate(stacked.ranks[slot].tolist()):
+            if rank:
+                first = part * max_rank
+                shrunk = inputs @ stacked.a[slot, first:first + rank].t()
+                columns = slice(starts[part], starts[part + 1])
+                update[:, columns] = shrunk @ stacked.b[slot, :rank, columns]
+        out.index_add_(0, rows, update.to(out.dtype))

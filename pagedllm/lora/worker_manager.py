@@ -2,8 +2,9 @@
 the model's slots for a step. A step's adapters are made resident before its forward pass; an adapter evicted from
 the LRU is read again from its folder when a request needs it (vLLM's behaviour).
 
-Slots hold references to the packed tensors, not copies: the grouped matmuls read each adapter where it lies, so
-activating an adapter costs no copy, and max_loras bounds the segments (matmuls) a step runs.
+A slot holds a copy of its adapter in each layer's stacked tensors (StackedLoRA), so that one kernel call reads every
+slot: activating an adapter copies its weights once (the size of the adapter), and max_loras bounds the segments a
+step runs.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import logging
 from collections import OrderedDict
 
 import numpy as np
-import torch
 
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.lora.layer import LoRAModel
@@ -23,12 +23,10 @@ logger = logging.getLogger(__name__)
 
 
 class LoRAWorkerManager:
-    def __init__(self, lora_model: LoRAModel, lora_config: LoRAConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, lora_model: LoRAModel, lora_config: LoRAConfig):
         self.lora_model = lora_model
         self.config = lora_config
-        self.dtype = dtype
-        self.device = device
-        self.loaded: OrderedDict[int, PackedLoRA] = OrderedDict()   # least recently used first
+        self.loaded: OrderedDict[int, dict[tuple[int, str], PackedLoRA]] = OrderedDict()   # least recently used first
         self.requests: dict[int, LoRARequest] = {}    # every adapter a request has named: how to load it again
         self.slot_adapters: list[int | None] = [None] * lora_config.max_loras
         self.slot_last_used = [0] * lora_config.max_loras
@@ -42,10 +40,10 @@ class LoRAWorkerManager:
             self.loaded.move_to_end(lora_id)
             return False
         adapter = load_peft_adapter(lora_request, self.lora_model.config, self.config)
-        self.loaded[lora_id] = self.lora_model.pack(adapter, self.dtype, self.device)
+        self.loaded[lora_id] = self.lora_model.pack(adapter)
         logger.info("LoRA adapter %r (id %d) loaded from %s: rank %d on %d projections, %s",
                     lora_request.lora_name, lora_id, lora_request.lora_path, adapter.rank, len(adapter.modules),
-                    str(self.dtype).removeprefix("torch."))
+                    str(self.lora_model.dtype).removeprefix("torch."))
         while len(self.loaded) > self.config.max_cpu_loras:
             self._drop(next(iter(self.loaded)))
         return True
@@ -100,7 +98,7 @@ class LoRAWorkerManager:
         lookup = np.full(max(needed, default=0) + 1, NO_SLOT, np.int64)
         for lora_id, slot in slot_of.items():
             lookup[lora_id] = slot
-        self.lora_model.set_step(LoRASegments.of(lookup[token_lora_ids], self.device))
+        self.lora_model.set_step(LoRASegments.of(lookup[token_lora_ids], self.lora_model.device))
 
     def _free_slot(self, taken: set[int]) -> int:
         """An empty slot, else the least recently used one this step does not need."""

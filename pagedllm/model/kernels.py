@@ -1,8 +1,9 @@
 """The compiled CPU kernels: the variant built for the best instruction set this CPU has.
 
 setup.py builds csrc/ once per instruction set on x86-64 (pagedllm._C for any CPU, _C_avx2,
-_C_avx512, _C_avx512bf16). The choice is made once, at import, from the features the CPU
-reports (`_C.cpu_features()`); the engine logs it. PAGEDLLM_ISA=<name> forces a variant (tests use
+_C_avx512, _C_avx512bf16), all of them or only the one for the building machine. The choice is made
+once, at import, from the features the CPU reports (`pagedllm._C_cpu_features`, built beside them, so no
+variant is imported to ask); the engine logs it. PAGEDLLM_ISA=<name> forces a variant (tests use
 it to check each one). `kernels` is None where nothing was built: the PyTorch formulas serve.
 
 Each op's path is chosen once too: a layer asks `kernel_for` when it is built and keeps what it gets (the
@@ -40,12 +41,21 @@ def _import_if_built(variant: str) -> ModuleType | None:
     return importlib.import_module(name) if importlib.util.find_spec(name) is not None else None
 
 
+def cpu_features() -> set[str]:
+    """The instruction sets of this CPU that variants need (empty without a build)."""
+    probe = importlib.util.find_spec("pagedllm._C_cpu_features")
+    if probe is None:
+        built = [variant for variant in VARIANTS if importlib.util.find_spec(module_name(variant)) is not None]
+        if built:   # a build from before the probe existed: never a quiet fall to torch
+            raise ImportError(f"kernel variants {built} are built but not pagedllm._C_cpu_features, which chooses "
+                              "among them: rebuild (bash scripts/setup.sh, or python setup.py build_ext --inplace)")
+        return set()
+    return set(importlib.import_module(probe.name).cpu_features())
+
+
 def supported_variants() -> list[str]:
     """The variants this CPU can run and this build holds, best first (empty without a build)."""
-    generic = _import_if_built("generic")
-    if generic is None:
-        return []
-    features = set(generic.cpu_features())
+    features = cpu_features()
     return [variant for variant, needs in VARIANTS.items()
             if needs <= features and _import_if_built(variant) is not None]
 

@@ -13,6 +13,7 @@ finds, as it does temporary files that a killed process left half written.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.model.attention.cache import CacheTensor
+from pagedllm.worker.kv_read_ahead import ReadAhead
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +92,14 @@ def _temporary_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def _write_private(path: Path, *parts: bytes | memoryview) -> None:
     """Writes a 0600 file whole or not at all (a temporary name, then a rename)."""
     temporary = _temporary_path(path)
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
+            for part in parts:
+                handle.write(part)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
@@ -114,28 +117,37 @@ def _hold_mid_write(path: Path, data: bytes, fifo: str) -> None:
     threading.Event().wait()
 
 
-def block_tensors(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int) -> list[torch.Tensor]:
-    """Every tensor slice that holds one block: per layer K then V, each with its scales if it has them."""
-    return [tensor[block_id].reshape(-1).view(torch.uint8)
+def _block_rows(kv_caches: list[tuple[CacheTensor, CacheTensor]]) -> list[torch.Tensor]:
+    """Every cache tensor as [blocks, bytes of one block] (views: a write lands in the pool): per layer K then V,
+    each with its scales if it has them. A block's payload is its row of each, in this order."""
+    return [tensor.view(tensor.shape[0], -1).view(torch.uint8)
             for layer in kv_caches for cache in layer for tensor in (cache.data, cache.scales) if tensor is not None]
 
 
-def copy_block_out(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int) -> torch.Tensor:
-    """The block's bytes, copied now to host memory (the caller may overwrite the block right after)."""
-    return torch.cat(block_tensors(kv_caches, block_id)).cpu()
+def copy_blocks_out(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_ids: list[int]) -> torch.Tensor:
+    """The blocks' bytes, copied now to host memory, one row per block (the caller may overwrite the blocks
+    right after): one gather per cache tensor, however many blocks."""
+    rows = _block_rows(kv_caches)
+    index = torch.tensor(block_ids, dtype=torch.int64, device=rows[0].device)
+    return torch.cat([tensor.index_select(0, index) for tensor in rows], dim=1).cpu()
 
 
-def copy_block_in(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, payload: torch.Tensor) -> None:
-    """Writes bytes that copy_block_out made back into a block of the pool."""
+def copy_blocks_in(kv_caches: list[tuple[CacheTensor, CacheTensor]], block_ids: list[int],
+                   payloads: torch.Tensor) -> None:
+    """Writes rows that copy_blocks_out made (or read back from files) into blocks of the pool."""
+    rows = _block_rows(kv_caches)
+    index = torch.tensor(block_ids, dtype=torch.int64, device=rows[0].device)
     offset = 0
-    for tensor in block_tensors(kv_caches, block_id):
-        tensor.copy_(payload[offset:offset + tensor.numel()], non_blocking=False)
-        offset += tensor.numel()
+    for tensor in rows:
+        width = tensor.shape[1]
+        tensor.index_copy_(0, index, payloads[:, offset:offset + width].to(tensor.device))
+        offset += width
 
 
 class DiskKVStore:
-    def __init__(self, directory: str, payload_bytes: int):
-        """payload_bytes: one block's K/V (and scales), every layer, as the pool holds it."""
+    def __init__(self, directory: str, payload_bytes: int, read_ahead_blocks: int = 0):
+        """payload_bytes: one block's K/V (and scales), every layer, as the pool holds it; read_ahead_blocks: the
+        most blocks read ahead and kept in memory for loads to come (kv_read_ahead.py)."""
         self.directory = Path(directory)
         self.payload_bytes = payload_bytes
         self.bytes_read = 0
@@ -148,6 +160,7 @@ class DiskKVStore:
         self._hold_fifo = os.environ.get(HOLD_MID_WRITE_ENV)
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
+        self._read_ahead = ReadAhead(self._read, read_ahead_blocks)
 
     @staticmethod
     def _block_name(block_hash: bytes) -> str:
@@ -194,23 +207,32 @@ class DiskKVStore:
         self._queue_write(self._block_name(block_hash), digest, payload)
 
     def delete(self, block_hash: bytes) -> None:
+        self._read_ahead.forget(self._block_name(block_hash))
         self._queue.put(("delete", self._block_name(block_hash)))
 
-    def load(self, kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, block_hash: bytes,
-             digest: bytes) -> bool:
-        """Reads the block into the pool at block_id; False (and the file removed) when it is missing, is
-        for another key, or fails its length or checksum."""
-        return self._load(kv_caches, block_id, self._block_name(block_hash), digest)
+    def read_ahead(self, block_hash: bytes, digest: bytes) -> None:
+        """Starts reading the block's file in the background for a load to come (nothing if it is queued for
+        writing: it is in memory already)."""
+        name = self._block_name(block_hash)
+        with self._lock:
+            if name in self._pending:
+                return
+        self._read_ahead.ask(name, digest)
+
+    def read(self, block_hash: bytes, digest: bytes) -> torch.Tensor | None:
+        """The block's payload; None (and the file removed) when it is missing, is for another key, or fails
+        its length or checksum."""
+        return self._payload(self._block_name(block_hash), digest)
 
     def write_swap(self, key: int, payload: torch.Tensor) -> None:
         """Queues a swapped-out block's copy for the writer (read back from memory until written)."""
         self._queue_write(self._swap_name(key), self._swap_digest(key), payload)
 
-    def load_swap(self, kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, key: int) -> bool:
-        """Reads a swapped block back into block_id and deletes its file; False when it cannot be read."""
-        loaded = self._load(kv_caches, block_id, self._swap_name(key), self._swap_digest(key))
+    def read_swap(self, key: int) -> torch.Tensor | None:
+        """A swapped block's payload, its file deleted; None when it cannot be read."""
+        payload = self._payload(self._swap_name(key), self._swap_digest(key))
         self.delete_swap(key)
-        return loaded
+        return payload
 
     def delete_swap(self, key: int) -> None:
         self._queue.put(("delete", self._swap_name(key)))
@@ -220,23 +242,21 @@ class DiskKVStore:
             self._pending[name] = (digest, payload)
         self._queue.put(("write", name))
 
-    def _load(self, kv_caches: list[tuple[CacheTensor, CacheTensor]], block_id: int, name: str,
-              digest: bytes) -> bool:
+    def _payload(self, name: str, digest: bytes) -> torch.Tensor | None:
+        """From memory while the write is queued or once read ahead, else from the file."""
         with self._lock:
             pending = self._pending.get(name)
         if pending is not None and pending[0] == digest:
-            payload = pending[1]
-        else:
-            payload = self._read(name, digest)
-            if payload is None:
-                return False
-        copy_block_in(kv_caches, block_id, payload)
-        return True
+            return pending[1]
+        payload = self._read_ahead.take(name, digest)
+        return payload if payload is not None else self._read(name, digest)
 
     def _read(self, name: str, digest: bytes) -> torch.Tensor | None:
         path = self.directory / name
         try:
-            data = path.read_bytes()
+            with open(path, "rb", buffering=0) as handle:
+                data = bytearray(os.fstat(handle.fileno()).st_size)
+                handle.readinto(data)
         except OSError:
             return None
         problem = None
@@ -255,16 +275,20 @@ class DiskKVStore:
             logger.warning("KV block file %s refused (%s); its tokens are recomputed", path.name, problem)
             path.unlink(missing_ok=True)
             return None
-        os.utime(path)   # its access time orders the LRU rebuilt at the next start
-        self.bytes_read += len(data)
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        with contextlib.suppress(OSError):   # (deleted meanwhile for the quota: the payload is still right)
+            os.utime(path)   # its access time orders the LRU rebuilt at the next start
+        with self._lock:   # the read-ahead thread reads too
+            self.bytes_read += len(data)
+        return torch.frombuffer(data, dtype=torch.uint8, offset=HEADER_BYTES)
 
     def flush(self) -> None:
-        """Returns once every queued write and delete is done."""
+        """Returns once every queued write, delete and read-ahead is done."""
         self._queue.join()
+        self._read_ahead.flush()
 
     def close(self) -> None:
         self.flush()
+        self._read_ahead.close()
         self._queue.put(None)
         self._writer.join()
 
@@ -292,13 +316,13 @@ class DiskKVStore:
         if entry is None:
             return
         digest, payload = entry
-        data = payload.numpy().tobytes()
-        file = HEADER.pack(MAGIC, digest, len(data), zlib.crc32(data)) + data
+        data = memoryview(payload.numpy())   # no copy: the row stays unchanged while it is queued
+        header = HEADER.pack(MAGIC, digest, len(data), zlib.crc32(data))
         try:
             if self._hold_fifo:
-                _hold_mid_write(self.directory / name, file, self._hold_fifo)
-            _write_private(self.directory / name, file)
-            self.bytes_written += len(file)
+                _hold_mid_write(self.directory / name, header + data.tobytes(), self._hold_fifo)
+            _write_private(self.directory / name, header, data)
+            self.bytes_written += len(header) + len(data)
         finally:
             with self._lock:
                 if self._pending.get(name) is entry:

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.model.attention.cache import CacheTensor
-from pagedllm.worker.kv_disk_store import DiskKVStore, copy_block_in
-
-KVCaches = list[tuple[CacheTensor, CacheTensor]]
+from pagedllm.worker.kv_disk_store import DiskKVStore
 
 
 class RamSwapSpace:
@@ -26,12 +23,9 @@ class RamSwapSpace:
     def save(self, key: int, payload: torch.Tensor) -> None:
         self._blocks[key] = payload
 
-    def restore(self, kv_caches: KVCaches, block_id: int, key: int) -> bool:
-        payload = self._blocks.pop(key, None)
-        if payload is None:
-            return False
-        copy_block_in(kv_caches, block_id, payload)
-        return True
+    def take(self, key: int) -> torch.Tensor | None:
+        """The block's copy, given up; None when there is none."""
+        return self._blocks.pop(key, None)
 
     def drop(self, key: int) -> None:
         self._blocks.pop(key, None)
@@ -46,8 +40,9 @@ class DiskSwapSpace:
     def save(self, key: int, payload: torch.Tensor) -> None:
         self.store.write_swap(key, payload)
 
-    def restore(self, kv_caches: KVCaches, block_id: int, key: int) -> bool:
-        return self.store.load_swap(kv_caches, block_id, key)
+    def take(self, key: int) -> torch.Tensor | None:
+        """The block's copy, its file deleted; None when it cannot be read."""
+        return self.store.read_swap(key)
 
     def drop(self, key: int) -> None:
         self.store.delete_swap(key)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.token_bitmask import apply_token_bitmask, pack_allowed, stack_bitmasks
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class RowLogitControls:
     """One request's controls, in the form the step's tensors are gathered from."""
     bias_ids: np.ndarray             # int64 token ids with a logit_bias
     bias_values: np.ndarray          # float32, the biases
-    allowed_ids: np.ndarray | None   # int64; None: every token allowed
+    allowed_bitmask: np.ndarray | None   # pack_allowed's words of allowed_token_ids; None: every token allowed
     bad_words: tuple[tuple[int, ...], ...]   # token-id sequences that may not be completed
 
     @classmethod
@@ -30,7 +31,7 @@ class RowLogitControls:
         allowed = params.allowed_token_ids
         return cls(bias_ids=np.fromiter(bias.keys(), np.int64, len(bias)),
                    bias_values=np.fromiter(bias.values(), np.float32, len(bias)),
-                   allowed_ids=None if allowed is None else np.array(allowed, np.int64),
+                   allowed_bitmask=None if allowed is None else pack_allowed(np.array(allowed, np.int64)),
                    bad_words=tuple(tuple(word) for word in params.bad_words_token_ids or ()))
 
     def banned_by_bad_words(self, output_token_ids: np.ndarray) -> list[int]:
@@ -52,8 +53,8 @@ class LogitControlsBatch:
     bias_rows: torch.Tensor | None = None      # with bias_ids, bias_values: (row, id, bias) triples
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
-    allowed_rows: torch.Tensor | None = None   # [k] rows restricted to allowed_mask[i]
-    allowed_mask: torch.Tensor | None = None   # [k, vocab] bool, True where the token is allowed
+    allowed_rows: torch.Tensor | None = None       # [k] int64 rows restricted to allowed_bitmask[i]
+    allowed_bitmask: np.ndarray | None = None      # [k, words] int32, token_bitmask's layout
     banned_rows: torch.Tensor | None = None    # with banned_ids: (row, id) pairs bad words ban now
     banned_ids: torch.Tensor | None = None
 
@@ -69,12 +70,10 @@ class LogitControlsBatch:
                                            device=device)
             batch.bias_ids = torch.from_numpy(np.concatenate([c.bias_ids for _, c in bias])).to(device)
             batch.bias_values = torch.from_numpy(np.concatenate([c.bias_values for _, c in bias])).to(device)
-        allowed = [(i, c) for i, c in enumerate(controls) if c is not None and c.allowed_ids is not None]
+        allowed = [(i, c) for i, c in enumerate(controls) if c is not None and c.allowed_bitmask is not None]
         if allowed:
-            batch.allowed_rows = torch.tensor([i for i, _ in allowed], dtype=torch.int64, device=device)
-            batch.allowed_mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool, device=device)
-            for k, (_, c) in enumerate(allowed):
-                batch.allowed_mask[k, torch.from_numpy(c.allowed_ids).to(device)] = True
+            batch.allowed_rows = torch.tensor([i for i, _ in allowed], dtype=torch.int64)
+            batch.allowed_bitmask = stack_bitmasks([c.allowed_bitmask for _, c in allowed], vocab_size)
         banned = [(i, token_id) for i, c in enumerate(controls) if c is not None and c.bad_words
                   for token_id in c.banned_by_bad_words(token_ids[rows[i], num_prompt_tokens[i]:num_tokens[i]])]
         if banned:
@@ -87,7 +86,7 @@ class LogitControlsBatch:
         """In vLLM's order: the allowed-token mask, bad words, then the biases (a bias cannot revive a
         token the mask or a bad word removed: -inf plus a bias stays -inf)."""
         if self.allowed_rows is not None:
-            logits[self.allowed_rows] = logits[self.allowed_rows].masked_fill(~self.allowed_mask, -math.inf)
+            apply_token_bitmask(logits, self.allowed_bitmask, self.allowed_rows)
         if self.banned_rows is not None:
             logits[self.banned_rows, self.banned_ids] = -math.inf
         if self.bias_rows is not None:

@@ -26,13 +26,13 @@ from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
 from pagedllm.worker.rejection_sampler import Proposal, verify
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
-from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.host_staging import HostStaging, fetch
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.kv_disk_store import DiskKVStore, copy_block_out
+from pagedllm.worker.kv_disk_store import DiskKVStore, copy_blocks_in, copy_blocks_out
 from pagedllm.worker.kv_swap import DiskSwapSpace, RamSwapSpace
 from pagedllm.worker.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs
 from pagedllm.worker.sampler import SamplerOutput, SamplingBatch, choose_tokens, sample, summarise
+from pagedllm.worker.token_bitmask import apply_token_bitmask
 
 
 SCALE_BYTES = 4   # one float32 scale per slot and kv head, for the caches that have them
@@ -169,24 +169,38 @@ class ModelRunner:
         deletes and drops the swapped blocks no one reads; returns the block ids that could not be read and
         the seconds the swap copies took."""
         work, store, swap, kv_caches = scheduler_output.disk_work, self.kv_disk_store, self.kv_swap_space, self.kv_caches
-        spilled = [(block_hash, digest, copy_block_out(kv_caches, block_id))
-                   for block_id, block_hash, digest in work.spills]
+        spilled = copy_blocks_out(kv_caches, [block_id for block_id, _, _ in work.spills]) if work.spills else ()
         started = time.perf_counter()
-        for block_id, key in work.swap_outs:
-            swap.save(key, copy_block_out(kv_caches, block_id))
+        if work.swap_outs:
+            for (_, key), payload in zip(work.swap_outs, copy_blocks_out(kv_caches, [b for b, _ in work.swap_outs])):
+                swap.save(key, payload)
         swap_seconds = time.perf_counter() - started
-        failures = [block_id for block_id, block_hash, digest in work.loads
-                    if not store.load(kv_caches, block_id, block_hash, digest)]
+        failures = self._read_back(work.loads, lambda load: store.read(load[1], load[2]))
         started = time.perf_counter()
-        failures += [block_id for block_id, key in work.swap_ins if not swap.restore(kv_caches, block_id, key)]
+        failures += self._read_back(work.swap_ins, lambda swap_in: swap.take(swap_in[1]))
         swap_seconds += time.perf_counter() - started
-        for block_hash, digest, payload in spilled:
+        for (block_id, block_hash, digest), payload in zip(work.spills, spilled):
             store.write(block_hash, digest, payload)
         for block_hash in work.deletes:
             store.delete(block_hash)
         for key in work.swap_drops:
             swap.drop(key)
+        for block_hash, digest in work.read_ahead:   # read while this step's forward pass runs
+            store.read_ahead(block_hash, digest)
         return failures, swap_seconds
+
+    def _read_back(self, items: list[tuple], read) -> list[int]:
+        """Reads each (block id, ...) item's payload and copies all those read into their blocks at once;
+        returns the block ids that could not be read."""
+        landed, payloads, failures = [], [], []
+        for item in items:
+            payload = read(item)
+            (failures if payload is None else landed).append(item[0])
+            if payload is not None:
+                payloads.append(payload)
+        if landed:
+            copy_blocks_in(self.kv_caches, landed, torch.stack(payloads))
+        return failures
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Updates the batch, makes the copy-on-write block copies, runs one forward pass, and samples."""
@@ -242,10 +256,13 @@ class ModelRunner:
     @staticmethod
     def _apply_grammar_bitmask(logits: torch.Tensor, req_ids: list[str], scheduler_output: SchedulerOutput
                                ) -> torch.Tensor:
-        """Structured outputs: the rows with a grammar may sample only what it allows next."""
+        """Structured outputs: the rows with a grammar may sample only what it allows next (float32 logits:
+        the sampler's dtype)."""
         logits_row = {request_id: index for index, request_id in enumerate(req_ids)}
-        rows = [logits_row[request_id] for request_id in scheduler_output.grammar_request_ids]
-        return apply_grammar_bitmask(logits, scheduler_output.grammar_bitmask, rows)
+        rows = torch.tensor([logits_row[request_id] for request_id in scheduler_output.grammar_request_ids])
+        logits = logits.float()
+        apply_token_bitmask(logits, scheduler_output.grammar_bitmask, rows)
+        return logits
 
     def _copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         """Copy on write, in the draft model's KV pool too (it is indexed by the same block ids)."""

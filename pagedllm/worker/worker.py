@@ -106,8 +106,9 @@ class Worker:
         """Wraps the model's projections for LoRA and makes the manager of this rank's adapters."""
         lora_config = args.engine_config.lora_config
         dtype = args.dtype if lora_config.lora_dtype == "auto" else getattr(torch, lora_config.lora_dtype)
-        lora_model = LoRAModel(model, model.config, lora_config.max_loras, self.rank, self.group.world_size)
-        return LoRAWorkerManager(lora_model, lora_config, dtype, self.device)
+        lora_model = LoRAModel(model, model.config, lora_config.max_loras, lora_config.max_lora_rank, dtype, self.device,
+                               self.rank, self.group.world_size)
+        return LoRAWorkerManager(lora_model, lora_config)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.model_runner.lora.add(lora_request)
@@ -141,7 +142,9 @@ class Worker:
         config = self.model_runner.model.config
         root_hash = open_kv_cache_dir(self.engine_config.kv_cache_dir, identity)
         payload = kv_bytes_per_block(config, self.engine_config.block_size, self.model_runner.kv_cache_dtype)
-        store = DiskKVStore(self.engine_config.kv_cache_dir, payload)
+        # Read ahead at most a pool's worth of blocks: more could not be loaded before the first were used.
+        num_blocks = self.model_runner.kv_caches[0][0].data.shape[0]
+        store = DiskKVStore(self.engine_config.kv_cache_dir, payload, read_ahead_blocks=num_blocks)
         self.kv_disk_store = self.model_runner.kv_disk_store = store
         return root_hash, store.list_blocks()
 

@@ -140,7 +140,7 @@ def test_multi_turn_prints_a_row_with_the_disk_tier_off_and_on(tiny_dir, capsys)
     out = run_bench(capsys, "multi-turn", tiny_dir, "--dtype", "float32", "--block-size", "8", "--conversations", "3",
                     "--turns", "2", "--system-len", "40", "--question-len", "8", "--output-len", "2",
                     "--restart-prompt-len", "40", "--preempt-requests", "2", "--preempt-prompt-len", "20",
-                    "--preempt-output-len", "28")
+                    "--preempt-output-len", "28", "--preempt-step-tokens", "8")
     # history 40 + 8 + 2 * 2 = 52 tokens, 7 blocks each: working set 21 blocks, a pool of max(7, 5) = 7
     assert "KV working set 21 blocks, RAM pool 7 blocks of 8 tokens" in out
     rows = table_rows(out, "| KV disk tier | TTFT ms p50 | p99 | output tok/s | prefix-hit prompt tokens |")
@@ -160,6 +160,16 @@ def test_multi_turn_prints_a_row_with_the_disk_tier_off_and_on(tiny_dir, capsys)
     preemptions, swapped, recomputed = figures["recompute"]
     assert preemptions >= 1 and swapped == 0 and recomputed > 0
     preemptions, swapped, recomputed = figures["swap"]
+    assert preemptions >= 1 and swapped == preemptions and recomputed == 0
+    # Late: one request of 20 tokens (3 blocks) decoding, then one more at a higher priority, 8 tokens a step, in a
+    # pool of 6 + 1 + 1 blocks: the high one's growth preempts the low one after its prompt is computed; recompute
+    # computes tokens again when it resumes (at least its last, partly filled block), swap none.
+    late = table_rows(out, "| preemption mode, late | seconds |")
+    assert "in a pool of 8 blocks, 8 tokens a step" in out
+    late_figures = {row.split("|")[1].strip(): [int(cell) for cell in row.split("|")[4:7]] for row in late}
+    preemptions, swapped, late_recomputed = late_figures["recompute"]
+    assert preemptions >= 1 and swapped == 0 and late_recomputed > 0
+    preemptions, swapped, recomputed = late_figures["swap"]
     assert preemptions >= 1 and swapped == preemptions and recomputed == 0
 
 

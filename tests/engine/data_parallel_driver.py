@@ -15,7 +15,7 @@ import sys
 import ray
 
 from pagedllm import SamplingParams
-from pagedllm.bench.reliability.server import poll
+from pagedllm.bench.server_process import poll
 from pagedllm.config import EngineConfig
 from pagedllm.engine.data_parallel import DPAsyncLLM
 

@@ -3,18 +3,24 @@ the delta frames (replayed, they rebuild each step's map and tables), the record
 a block's tokens and prefix-cache hits, and the routes' switches (--api-key, --disable-dashboard)."""
 from __future__ import annotations
 
+import sys
+import threading
+from collections import Counter
+
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.kv_capture import capture_kv, request_row
 from pagedllm.entrypoints.openai.kv_map import KVMapFeed, StepRecorder, block_detail, capture, kv_map_snapshot
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.api_server import build_app
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.kv.manager import KVCacheManager
-from pagedllm.kv.snapshot import block_codes
+from pagedllm.kv.snapshot import block_codes, block_owners
 from pagedllm.sampling_params import SamplingParams
 
 # Longer than two blocks of 16, so n = 4 siblings keep two full blocks shared and copy the third on write.
@@ -146,3 +152,32 @@ def test_routes_need_the_key_and_can_be_switched_off(engine):
     with TestClient(build_app(AsyncLLM(engine), ServerConfig(disable_dashboard=True))) as client:
         assert client.get("/dashboard").status_code == 404
         assert client.get("/v1/kv_map").status_code == 404
+
+
+def test_no_snapshot_work_while_no_page_is_open(engine):
+    """Counted by a profile hook on every thread (the engine's, the server's), not by the code under test:
+    requests served with no page open run no capture, no block code, no frame and no step recorder; the
+    hook does see the engine thread's steps, and the snapshot route's capture once asked."""
+    watched = {function.__code__: name for name, function in {
+        "step": EngineCore.step, "capture_kv": capture_kv, "request_row": request_row, "block_codes": block_codes,
+        "block_owners": block_owners, "frame": KVMapFeed.frame, "record": StepRecorder.__call__}.items()}
+    calls = Counter()
+
+    def count(frame, event, arg):
+        if event == "call" and frame.f_code in watched:
+            calls[watched[frame.f_code]] += 1
+
+    threading.setprofile(count)
+    sys.setprofile(count)
+    try:
+        with TestClient(build_app(AsyncLLM(engine), ServerConfig())) as client:
+            for _ in range(2):
+                answer = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "n": 2})
+                assert answer.status_code == 200
+            assert calls["step"] >= 8 and engine.step_listeners == []
+            assert set(calls) == {"step"}, calls
+            assert client.get("/v1/kv_map").status_code == 200
+            assert calls["capture_kv"] == calls["block_codes"] == calls["block_owners"] == 1
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.reliability.server import poll
+from pagedllm.bench.server_process import poll
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import EngineRequestError
 from pagedllm.engine.stats import EngineStats, StepStats
@@ -104,7 +104,7 @@ def _stats(num_blocks, used, running, waiting, hits, queries, step):
 
 
 def test_combined_stats_sum_counts_and_pool_kv_usage():
-    from pagedllm.engine.data_parallel import combine_stats
+    from pagedllm.engine.stats import combine_stats
 
     step = StepStats(scheduling_seconds=0.001, prepare_seconds=0.0005, model_seconds=0.5, num_seqs=3, num_tokens=40,
                      num_preemptions=0)
@@ -118,7 +118,7 @@ def test_combined_stats_sum_counts_and_pool_kv_usage():
 
 
 def test_combined_stats_sum_the_disk_tiers_speculation_and_adapters_per_step():
-    from pagedllm.engine.data_parallel import combine_stats
+    from pagedllm.engine.stats import combine_stats
     from pagedllm.engine.stats import KVDiskStats
     from pagedllm.spec_decode.metrics import SpecDecodingStats
 
@@ -426,7 +426,7 @@ def test_openai_client_against_serve_with_two_ray_replicas(ray_module, model_dir
     cached_tokens and the combined /metrics count its 3 cached blocks."""
     import openai
 
-    from pagedllm.bench.reliability.server import ServerProcess, metric
+    from pagedllm.bench.server_process import ServerProcess, metric
 
     history = random_prompts(1, seed=31, min_len=48, max_len=48)[0]["prompt_token_ids"]
     question = random_prompts(1, seed=32, min_len=8, max_len=8)[0]["prompt_token_ids"]

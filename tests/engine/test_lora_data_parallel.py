@@ -25,7 +25,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # before Ray starts: not
 
 def test_combined_stats_name_each_adapter_running_or_waiting_on_any_replica():
     """What /metrics' lora_requests_info shows for several replicas: every adapter once, in name order."""
-    from pagedllm.engine.data_parallel import combine_stats
+    from pagedllm.engine.stats import combine_stats
 
     kv = KVCacheUsage(**{field.name: 0 for field in dataclasses.fields(KVCacheUsage)})
     idle = EngineStats(kv_cache=kv, num_running=0, num_waiting=0, num_preemptions=0, last_step=None, max_lora=4)
@@ -59,7 +59,7 @@ def test_serve_with_two_replicas_loads_lora_modules_on_both(ray_module, model_di
     cluster is the server's own, started before the module's replicas.)"""
     import psutil
 
-    from pagedllm.bench.reliability.server import ServerProcess
+    from pagedllm.bench.server_process import ServerProcess
 
     monkeypatch.setenv("RAY_ADDRESS", "local")   # the server starts a Ray cluster of its own
     server = ServerProcess(tmp_path / "server.log", str(model_dir), "--dtype", "float32", "--kv-cache-memory", "16MiB",

@@ -17,10 +17,11 @@ import jsonschema
 import openai
 import pytest
 
-from pagedllm.bench.reliability.faults import PREFILL_WORDS, WORDS, held_prefill
-from pagedllm.bench.reliability.fuzz import run_schemathesis
-from pagedllm.bench.reliability.server import ServerProcess, metric, poll
-from pagedllm.bench.reliability.suite import FUZZ_SERVER_FLAGS
+from benchmarks.reliability.fault_markers import FAULT_INJECTION_LAUNCHER
+from benchmarks.reliability.faults import PREFILL_WORDS, WORDS, held_prefill
+from benchmarks.reliability.fuzz import run_schemathesis
+from benchmarks.reliability.suite import FUZZ_SERVER_FLAGS
+from pagedllm.bench.server_process import ServerProcess, metric, poll
 
 MODEL = "smollm2"
 ADMIN_KEY, ALICE_KEY, BOB_KEY = "admin-key", "alice-key", "bob-key"
@@ -54,7 +55,7 @@ def server(tmp_path_factory):
     keys.write_text(f"{ALICE_KEY}: alice\n{BOB_KEY}: bob\n")
     template = resources.files("pagedllm.entrypoints.openai") / "chat_templates" / "chatml_hermes_tools.jinja"
     process = ServerProcess(folder / "server.log", *FLAGS, "--chat-template", str(template),
-                            "--api-keys-file", str(keys), api_key=ADMIN_KEY, fault_injection=True)
+                            "--api-keys-file", str(keys), api_key=ADMIN_KEY, launcher=FAULT_INJECTION_LAUNCHER)
     yield process
     process.stop()
 

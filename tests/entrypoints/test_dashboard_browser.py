@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedllm.bench.reliability import faults
-from pagedllm.bench.reliability.server import ServerProcess, poll
+from benchmarks.reliability import faults
+from benchmarks.reliability.fault_markers import FAULT_INJECTION_LAUNCHER
+from pagedllm.bench.server_process import ServerProcess, poll
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (scripts/setup.sh --tests installs it)")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -40,7 +41,7 @@ STEP_TOKENS = 64   # the engine's token budget per step: a longer prompt's prefi
 def server(tmp_path_factory):
     process = ServerProcess(tmp_path_factory.mktemp("dashboard") / "server.log", "--kv-cache-memory", "128MiB",
                             "--max-model-len", "2048", "--max-num-batched-tokens", str(STEP_TOKENS),
-                            "--served-model-name", "smollm2", api_key=API_KEY, fault_injection=True)
+                            "--served-model-name", "smollm2", api_key=API_KEY, launcher=FAULT_INJECTION_LAUNCHER)
     yield process
     process.stop()
 

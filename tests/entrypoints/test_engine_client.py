@@ -14,7 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.input_processor import CheckedPrompt
 from pagedllm.engine.protocol import EngineClient, EngineDeadError
 from pagedllm.engine.stats import EngineStats
-from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.api_server import build_app
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.lora.request import LoRARequest

@@ -17,11 +17,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
+from benchmarks.reliability.fault_markers import FAULT_INJECTION_LAUNCHER, HOLD_FAULT, RELEASE_ROUTE
+from benchmarks.reliability.faults import hold_counts
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.lora_adapters import make_random_adapters
-from pagedllm.bench.reliability.fault_injection import HOLD_FAULT, RELEASE_ROUTE
-from pagedllm.bench.reliability.faults import hold_counts
-from pagedllm.bench.reliability.server import ServerProcess, poll
+from pagedllm.bench.server_process import ServerProcess, poll
 from pagedllm.entrypoints.cli import parse_args
 from pagedllm.lora.request import LoRARequest
 
@@ -62,7 +62,7 @@ def server(model_dir, adapters, tmp_path_factory):
         process = ServerProcess(tmp_path_factory.mktemp("lora-server-log") / "server.log", str(model_dir),
                                 *ENGINE_FLAGS, "--served-model-name", BASE,
                                 "--lora-modules", f"static={adapters[0]}", json_form,
-                                api_key=API_KEY, fault_injection=True)
+                                api_key=API_KEY, launcher=FAULT_INJECTION_LAUNCHER)
     yield process   # conftest's client and http fixtures drive it
     process.stop()
 

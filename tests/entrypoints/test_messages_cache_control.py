@@ -16,8 +16,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from pagedllm.bench.reliability.faults import unique_prompt
-from pagedllm.bench.reliability.server import ServerProcess, metric
+from benchmarks.reliability.faults import unique_prompt
+from pagedllm.bench.server_process import ServerProcess, metric
 
 MODEL = "smollm2"
 BLOCK_SIZE = 16   # the server's default block size

@@ -11,7 +11,7 @@ import pytest
 from pooling_checkpoints import DOCUMENTS, QUERY, cross_encoder_folder, qwen3_model_folder, save_sentence_transformer
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
-from pagedllm.bench.reliability.server import ServerProcess
+from pagedllm.bench.server_process import ServerProcess
 
 TOLERANCE = 1e-5   # as tests/model/test_pooling.py: float32 on both sides
 FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--served-model-name", "tiny")

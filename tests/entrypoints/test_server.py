@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.bench.reliability.server import metric, poll
+from pagedllm.bench.server_process import metric, poll
 
 API_KEY = "test-key"
 MODEL = "smollm2"

@@ -14,9 +14,9 @@ import threading
 import httpx
 import pytest
 
-from pagedllm.bench.reliability import faults
-from pagedllm.bench.reliability.fault_injection import HOLD_FAULT, HOLD_TIMEOUT
-from pagedllm.bench.reliability.server import poll
+from benchmarks.reliability import faults
+from benchmarks.reliability.fault_markers import HOLD_FAULT, HOLD_TIMEOUT
+from pagedllm.bench.server_process import poll
 
 MODEL = "smollm2"
 SHUTDOWN_TIMEOUT = 1.0   # seconds the streaming request gets to finish before it is cancelled

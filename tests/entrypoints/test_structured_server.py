@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
-from pagedllm.bench.reliability.server import ServerProcess
+from pagedllm.bench.server_process import ServerProcess
 
 MODEL = "smollm2"
 FLAGS = ("--kv-cache-memory", "1GiB", "--max-model-len", "1024", "--served-model-name", MODEL)

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.reliability.server import ServerProcess, metric
+from pagedllm.bench.server_process import ServerProcess, metric
 from pagedllm.kv.disk_tier import DiskTier
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.worker.kv_disk_store import BLOCK_SUFFIX, HEADER_BYTES

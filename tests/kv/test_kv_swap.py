@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.reliability.server import metric
+from pagedllm.bench.server_process import metric
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.openai.kv_map import capture, kv_map_snapshot
 from pagedllm.engine.preemption import PreemptionPolicy

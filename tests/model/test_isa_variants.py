@@ -18,10 +18,12 @@ SUBPROCESS_TIMEOUT = 1800   # seconds: a hung child fails the test instead of ha
 KERNEL_TESTS = ["tests/model/test_layer_ops.py", "tests/model/test_attention.py",
                 "tests/model/test_cascade_attention.py",
                 "tests/worker/test_sampling.py::test_logits_summary_kernel_matches_logsumexp_and_argmax",
+                "tests/worker/test_token_bitmask.py",
                 "tests/model/test_quantization.py::test_repack_is_exact_against_gguf",
                 "tests/model/test_quantization.py::test_quantized_linear_against_float_reference",
                 "tests/model/test_quantization.py::test_quantized_linear_in_bfloat16",
-                "tests/model/test_quantization.py::test_batch_invariant_rows_do_not_depend_on_the_batch_they_share"]
+                "tests/model/test_quantization.py::test_batch_invariant_rows_do_not_depend_on_the_batch_they_share",
+                "tests/lora/test_punica.py"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,9 +32,21 @@ def test_the_best_variant_the_cpu_supports_is_chosen():
     assert "generic" in supported
     if not os.environ.get(kernels.FORCE_VARIABLE):
         assert kernels.variant == supported[0]
-    features = set(kernels.load("generic").cpu_features())
+    features = kernels.cpu_features()
     for variant in supported:
         assert kernels.VARIANTS[variant] <= features
+
+
+def test_the_cpu_features_are_those_linux_reports():
+    """The probe (pagedllm._C_cpu_features, what variants are chosen by) against the kernel's view of the CPU:
+    /proc/cpuinfo's flags, among those some variant needs."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo (not Linux)")
+    flags_line = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags"))
+    reported = {flag.replace("_", "") for flag in flags_line.split(":", 1)[1].split()}
+    needed = set().union(*kernels.VARIANTS.values())
+    assert kernels.cpu_features() == needed & reported
 
 
 def test_forcing_a_variant_the_cpu_lacks_or_that_does_not_exist_is_refused():

@@ -5,8 +5,9 @@ import logging
 
 import pytest
 
-from pagedllm.bench.reliability.server import ServerProcess
-from pagedllm.bench.reliability.suite import MAIN_SERVER_FLAGS, QUICK, STORM_SERVER_FLAGS
+from benchmarks.reliability.fault_markers import FAULT_INJECTION_LAUNCHER
+from benchmarks.reliability.suite import MAIN_SERVER_FLAGS, QUICK, STORM_SERVER_FLAGS
+from pagedllm.bench.server_process import ServerProcess
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,7 +19,8 @@ def quiet_httpx():
 def main_server(tmp_path_factory):
     """The suite's main server: fault-injection hooks, an API key, a small KV cache so blocks get reused."""
     server = ServerProcess(tmp_path_factory.mktemp("main") / "server.log", "--kv-cache-memory",
-                           QUICK.kv_cache_memory, *MAIN_SERVER_FLAGS, api_key="reliability-key", fault_injection=True)
+                           QUICK.kv_cache_memory, *MAIN_SERVER_FLAGS, api_key="reliability-key",
+                           launcher=FAULT_INJECTION_LAUNCHER)
     yield server
     server.stop()
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from pagedllm.bench.reliability import faults
-from pagedllm.bench.reliability.suite import MODEL, QUICK, SIGTERM_SERVER_FLAGS
+from benchmarks.reliability import faults
+from benchmarks.reliability.suite import MODEL, QUICK, SIGTERM_SERVER_FLAGS
 
 CLIENT_FAULTS = (faults.disconnect_mid_stream, faults.disconnect_before_first_token,
                  faults.disconnect_during_prefill)

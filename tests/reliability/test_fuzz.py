@@ -2,7 +2,7 @@
 shape or a 4xx with OpenAI's error body, never a 5xx, a hang or a crash; afterwards the server still
 serves the same greedy answer and its KV pool is whole.
 
-The fuzzers live in pagedllm.bench.reliability.fuzz, which the reliability suite runs too. Their
+The fuzzers live in benchmarks.reliability.fuzz, which the reliability suite runs too. Their
 checks are first run against a stub server that misbehaves on purpose, one way at a time, so that a
 clean run against the real server means something. Then SamplingParams is fuzzed directly, and one
 real server (the suite's fuzzing flags: a 128-token context keeps every answer short) is fuzzed by
@@ -21,11 +21,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.reliability.fuzz import FuzzResult, run_fuzz, run_schemathesis
+from benchmarks.reliability.fuzz_requests import COMPLETION_FIELDS, HUGE_INTS, ODD_FLOATS, WRONG_TYPE
+from benchmarks.reliability.suite import FUZZ_SERVER_FLAGS, MODEL
 from pagedllm import SamplingParams
-from pagedllm.bench.reliability.fuzz import (COMPLETION_FIELDS, HUGE_INTS, ODD_FLOATS, WRONG_TYPE, FuzzResult,
-                                             run_fuzz, run_schemathesis)
-from pagedllm.bench.reliability.server import ServerProcess, free_port
-from pagedllm.bench.reliability.suite import FUZZ_SERVER_FLAGS, MODEL
+from pagedllm.bench.server_process import ServerProcess, free_port
 from pagedllm.sampling_params import INT64_MAX, INT64_MIN, MAX_SAMPLES, RequestOutputKind
 
 SEED = 0

@@ -2,9 +2,9 @@
 no memory growth, the same greedy answer before and after."""
 from __future__ import annotations
 
-from pagedllm.bench.reliability.load import run_load
-from pagedllm.bench.reliability.soak import run_soak
-from pagedllm.bench.reliability.suite import MAX_RSS_GROWTH, MODEL, QUICK
+from benchmarks.reliability.load import run_load
+from benchmarks.reliability.soak import run_soak
+from benchmarks.reliability.suite import MAX_RSS_GROWTH, MODEL, QUICK
 
 
 def test_load_completes_every_request_and_frees_every_block(main_server):

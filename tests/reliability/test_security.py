@@ -1,7 +1,7 @@
 """Security basics (reliability issue 7), each shown on the real thing: loopback binding, the API key on
 every route but /health, sandboxed chat templates, no code from model folders, no secrets in logs.
 
-The checks live in pagedllm.bench.reliability.security, which the reliability suite runs too; these
+The checks live in benchmarks.reliability.security, which the reliability suite runs too; these
 tests call them and add what is finer-grained. Two servers are shared by the module: one with the
 bundled model and an API key (default host), and one over a tiny model folder whose chat template is
 hostile, listening on 0.0.0.0.
@@ -15,9 +15,10 @@ import httpx
 import jinja2
 import pytest
 
+from benchmarks.reliability import security, security_model_files
+from benchmarks.reliability.security_check import SecurityCheckFailed
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.reliability import security
-from pagedllm.bench.reliability.server import ServerProcess
+from pagedllm.bench.server_process import ServerProcess
 from pagedllm.entrypoints.cli import parse_args
 from pagedllm.entrypoints.openai import auth
 from pagedllm.entrypoints.openai.server_config import ServerConfig
@@ -34,7 +35,7 @@ def keyed_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    return security.tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+    return security_model_files.tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def sentinel(tmp_path_factory):
 def hostile_model(tiny_model, sentinel, tmp_path_factory):
     folder = tmp_path_factory.mktemp("hostile") / "model"
     shutil.copytree(tiny_model, folder)
-    security.write_hostile_chat_template(folder, sentinel)
+    security_model_files.write_hostile_chat_template(folder, sentinel)
     return folder
 
 
@@ -89,7 +90,7 @@ def test_api_key_is_compared_with_compare_digest():
 def test_constant_time_check_catches_a_plain_comparison(monkeypatch):
     """The check above must fail when the key is compared some other way, or it shows nothing."""
     monkeypatch.setattr(auth, "hmac", SimpleNamespace(compare_digest=lambda given, expected: given == expected))
-    with pytest.raises(security.SecurityCheckFailed, match="not compared with compare_digest"):
+    with pytest.raises(SecurityCheckFailed, match="not compared with compare_digest"):
         security.api_key_compared_in_constant_time()
 
 
@@ -103,7 +104,7 @@ def test_constant_time_check_catches_a_search_that_stops_at_the_first_match(monk
         return False, None
 
     monkeypatch.setattr(auth.APIKeyMiddleware, "_match", first_match)
-    with pytest.raises(security.SecurityCheckFailed, match="not compared with compare_digest against every key"):
+    with pytest.raises(SecurityCheckFailed, match="not compared with compare_digest against every key"):
         security.api_key_compared_in_constant_time()
 
 
@@ -120,14 +121,14 @@ def hostile_tokenizer(hostile_model):
     return load_tokenizer_from_folder(hostile_model)
 
 
-@pytest.mark.parametrize("attack", security.RAISING_ATTACKS)
+@pytest.mark.parametrize("attack", security_model_files.RAISING_ATTACKS)
 def test_template_reaching_for_internals_raises_security_error(hostile_tokenizer, sentinel, attack):
     with pytest.raises(jinja2.exceptions.SecurityError):
         hostile_tokenizer.apply_chat_template([{"role": "user", "content": attack}])
     assert not sentinel.exists()
 
 
-@pytest.mark.parametrize("attack", security.SILENT_ATTACKS)
+@pytest.mark.parametrize("attack", security_model_files.SILENT_ATTACKS)
 def test_template_naming_an_internal_renders_nothing(hostile_tokenizer, attack):
     rendered = hostile_tokenizer.apply_chat_template_text([{"role": "user", "content": attack}])
     assert rendered == "[]"
@@ -140,7 +141,7 @@ def test_a_broken_template_is_a_clear_error_not_a_crash(hostile_tokenizer, templ
 
 
 def test_hostile_template_gets_400_and_the_server_carries_on(template_server, sentinel):
-    security.chat_templates_sandboxed(template_server, sentinel)
+    security_model_files.chat_templates_sandboxed(template_server, sentinel)
 
 
 def test_offline_chat_with_hostile_template_raises_clearly(hostile_model, sentinel):
@@ -156,14 +157,14 @@ def test_offline_chat_with_hostile_template_raises_clearly(hostile_model, sentin
 # ---- remote code ----
 
 def test_code_shipped_in_a_model_folder_is_never_run(tiny_model, tmp_path):
-    security.no_remote_code(tiny_model, tmp_path)
+    security_model_files.no_remote_code(tiny_model, tmp_path)
     assert not (tmp_path / "remote-code-ran").exists()
 
 
 def test_refused_model_code_is_named_in_the_error(tiny_model, tmp_path):
     folder = shutil.copytree(tiny_model, tmp_path / "model")
-    security.with_remote_model_code(folder, tmp_path / "ran", "EvilForCausalLM")
-    message = security.load_error(folder)
+    security_model_files.with_remote_model_code(folder, tmp_path / "ran", "EvilForCausalLM")
+    message = security_model_files.load_error(folder)
     assert "EvilForCausalLM" in message and "never runs" in message
 
 

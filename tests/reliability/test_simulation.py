@@ -1,14 +1,15 @@
-"""The model-free days-of-traffic simulation (`pagedllm bench reliability --simulate N`) at CI size, and
-proof that each of its checks fails when the fault it looks for is planted."""
+"""The model-free days-of-traffic simulation (`python -m benchmarks.reliability.suite --simulate N`) at CI size,
+and proof that each of its checks fails when the fault it looks for is planted."""
 from __future__ import annotations
 
 import pytest
 
-from pagedllm.bench.reliability import simulation
-from pagedllm.bench.reliability.simulation import PHASES, SimulationSettings, check_idle, check_mid_run, run_simulation
+from benchmarks.reliability import simulation_report, suite
+from benchmarks.reliability.simulation import run_simulation
+from benchmarks.reliability.simulation_checks import check_idle, check_mid_run
+from benchmarks.reliability.simulation_report import PHASES, SimulationSettings
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
-from pagedllm.entrypoints import cli
 from pagedllm.kv.invariants import check_cached_blocks, check_free_queue
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.sampling_params import SamplingParams
@@ -38,9 +39,9 @@ def test_memory_is_flat_from_the_first_tenth_to_the_last(quick_report):
     baseline, last = quick_report.memory_window()
     assert baseline.requests_done == 300 and last.requests_done == 3000
     assert last.request_objects == 0 and last.block_objects == baseline.block_objects
-    assert last.gc_objects - baseline.gc_objects <= simulation.MAX_OBJECT_GROWTH
-    assert last.heap_blocks - baseline.heap_blocks <= simulation.MAX_BLOCK_GROWTH
-    assert all(w.retained_bytes <= simulation.MAX_HEAP_RETAINED for w in quick_report.heap_windows)
+    assert last.gc_objects - baseline.gc_objects <= simulation_report.MAX_OBJECT_GROWTH
+    assert last.heap_blocks - baseline.heap_blocks <= simulation_report.MAX_BLOCK_GROWTH
+    assert all(w.retained_bytes <= simulation_report.MAX_HEAP_RETAINED for w in quick_report.heap_windows)
 
 
 def test_beam_search_never_stalls_in_a_full_pool():
@@ -210,9 +211,8 @@ def test_cli_runs_only_the_simulation_and_exits_with_its_verdict(capsys):
     # requests: the memory baseline is taken after every phase has run (smaller runs compare against a
     # baseline taken too early, and report growth that is only warm-up).
     requests = 10 * len(PHASES) * 20
-    args = cli.parse_args(["bench", "reliability", "--simulate", str(requests)])
     with pytest.raises(SystemExit) as exit_info:
-        args.handler(args)
+        suite.main(["--simulate", str(requests)])
     out = capsys.readouterr().out
     assert f"| requests | {requests:,} " in out and "| idle points checked |" in out
     assert "PROBLEM:" not in out and exit_info.value.code == 0   # a healthy engine: nothing found, exit 0

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from pagedllm.bench.reliability import faults
-from pagedllm.bench.reliability.fault_injection import HOLD_FAULT
-from pagedllm.bench.reliability.server import ServerProcess, metric, poll
+from benchmarks.reliability import faults
+from benchmarks.reliability.fault_markers import FAULT_INJECTION_LAUNCHER, HOLD_FAULT
+from pagedllm.bench.server_process import ServerProcess, metric, poll
 from pagedllm.entrypoints.cli import parse_args
 
 MODEL = "smollm2"
@@ -39,7 +39,7 @@ def server(tmp_path_factory):
                             "--max-waiting-requests", str(MAX_WAITING), "--max-model-len", "2048",
                             "--kv-cache-memory", "128MiB", "--block-size", str(BLOCK_SIZE),
                             "--max-num-batched-tokens", str(STEP_TOKENS), "--served-model-name", MODEL,
-                            api_key=ADMIN_KEY, fault_injection=True)
+                            api_key=ADMIN_KEY, launcher=FAULT_INJECTION_LAUNCHER)
     yield process
     process.stop()
 

@@ -17,7 +17,6 @@ from pagedllm.entrypoints.openai.errors import APIError, api_error_for, sampling
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import ChatMessage
 from pagedllm.entrypoints.openai.response_protocol import PromptTokensDetails, UsageInfo
-from pagedllm.entrypoints.openai.responses.store import ResponseStore
 from pagedllm.entrypoints.openai.serving_models import ServedAdapters
 from pagedllm.entrypoints.openai.streams import merge_streams
 from pagedllm.entrypoints.openai.tool_requests import ChatCompletionTool
@@ -44,7 +43,6 @@ class ServerState:
     tool_call_parser: str | None = None       # --tool-call-parser
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None       # --reasoning-parser
-    response_store: ResponseStore | None = None   # /v1/responses with store: true
     adapters: ServedAdapters | None = None        # LoRA adapters served by name (with enable_lora)
 
     @property

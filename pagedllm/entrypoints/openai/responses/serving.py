@@ -14,6 +14,7 @@ from pagedllm.entrypoints.openai.request_fields import check_undeclared_fields
 from pagedllm.entrypoints.openai.responses.events import ResponseBuilder
 from pagedllm.entrypoints.openai.responses.protocol import (DeletedResponse, OutputFunctionCall, OutputMessage,
                                                             ResponseObject, ResponsesRequest)
+from pagedllm.entrypoints.openai.responses.store import ResponseStore
 from pagedllm.entrypoints.openai.responses.translate import (RESPONSES_NAMES, chat_request, check_refused,
                                                              input_messages)
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, start_chat
@@ -30,6 +31,11 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+def _store(request: Request) -> ResponseStore:
+    """The app's store of responses (build_app makes it, beside the ServerState every endpoint shares)."""
+    return request.app.state.response_store
+
+
 def _tenant(request: Request) -> str | None:
     return getattr(request.state, "tenant", None)
 
@@ -41,7 +47,7 @@ async def create_response(body: ResponsesRequest, raw_request: Request):
     check_refused(body)
     history: list[dict] = []
     if body.previous_response_id is not None:
-        previous = state.response_store.get(body.previous_response_id, _tenant(raw_request))
+        previous = _store(raw_request).get(body.previous_response_id, _tenant(raw_request))
         if previous is None:
             raise APIError(404, f"no stored response {body.previous_response_id!r} (it was never stored, was "
                                 "deleted, or has expired)", param="previous_response_id", code="response_not_found")
@@ -54,12 +60,12 @@ async def create_response(body: ResponsesRequest, raw_request: Request):
         raise renamed(error, RESPONSES_NAMES) from error
     builder = ResponseBuilder(_echo(body, request_id, run.model_name), lambda text: len(state.tokenizer.encode(text)))
     if body.stream:
-        return sse_response(_stream(body, run, builder, conversation, raw_request, state))
+        return sse_response(_stream(body, run, builder, conversation, raw_request))
     answer = await whole_answer(raw_request, run.merged, run.new_parser())
     if answer is None:
         return Response(status_code=499)   # the client left; nobody reads this
     builder.take(answer, len(run.prompt_ids))
-    _keep(body, builder.response, conversation, raw_request, state)
+    _keep(body, builder.response, conversation, raw_request)
     return builder.response
 
 
@@ -78,7 +84,7 @@ def _echo(body: ResponsesRequest, response_id: str, model_name: str) -> Response
 
 
 async def _stream(body: ResponsesRequest, run: ChatRun, builder: ResponseBuilder, conversation: list[dict],
-                  raw_request: Request, state: ServerState) -> AsyncIterator[str]:
+                  raw_request: Request) -> AsyncIterator[str]:
     for event in builder.start():
         yield sse_typed_event(event)
     try:
@@ -89,14 +95,13 @@ async def _stream(body: ResponsesRequest, run: ChatRun, builder: ResponseBuilder
         for event in builder.fail(error.code or "server_error", error.message):
             yield sse_typed_event(event)
         return
-    _keep(body, builder.response, conversation, raw_request, state)
+    _keep(body, builder.response, conversation, raw_request)
 
 
-def _keep(body: ResponsesRequest, response: ResponseObject, conversation: list[dict], raw_request: Request,
-          state: ServerState) -> None:
+def _keep(body: ResponsesRequest, response: ResponseObject, conversation: list[dict], raw_request: Request) -> None:
     """store: the response, and the conversation a later previous_response_id continues."""
     if body.store:
-        state.response_store.put(response, conversation + [_answer_message(response)], _tenant(raw_request))
+        _store(raw_request).put(response, conversation + [_answer_message(response)], _tenant(raw_request))
 
 
 def _answer_message(response: ResponseObject) -> dict:
@@ -109,7 +114,7 @@ def _answer_message(response: ResponseObject) -> dict:
 
 
 def _stored(request: Request, response_id: str):
-    entry = _state(request).response_store.get(response_id, _tenant(request))
+    entry = _store(request).get(response_id, _tenant(request))
     if entry is None:
         raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="response_not_found")
     return entry
@@ -123,7 +128,7 @@ async def retrieve_response(response_id: str, request: Request) -> ResponseObjec
 @router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
 async def delete_response(response_id: str, request: Request) -> DeletedResponse:
     _stored(request, response_id)
-    _state(request).response_store.delete(response_id, _tenant(request))
+    _store(request).delete(response_id, _tenant(request))
     return DeletedResponse(id=response_id)
 
 

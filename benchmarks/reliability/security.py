@@ -9,25 +9,26 @@ serving, the real middleware and loader for the rest.
 - neither the API key nor a wrong one shows up in the server's log.
 
 Each check function returns a line of detail when the property holds and raises SecurityCheckFailed
-when it does not; run_security_checks turns them into table rows, the tests call them directly.
+when it does not (security_check.py); run_security_checks turns them into table rows, the tests call them
+directly. The checks on model folders (templates, shipped code) are in security_model_files.py.
 """
 from __future__ import annotations
 
 import hmac
 import json
 import secrets
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
 import httpx
 import psutil
-import torch
 
-from pagedllm.bench.reliability.server import ServerProcess
+from benchmarks.reliability.security_check import ERROR_FIELDS, SecurityCheck, require, run_check
+from benchmarks.reliability.security_model_files import (chat_templates_sandboxed, no_remote_code, tiny_model_dir,
+                                                         write_hostile_chat_template)
+from pagedllm.bench.server_process import ServerProcess
 from pagedllm.entrypoints.openai import auth
 
 MODEL_NAME = "smollm2"
@@ -42,49 +43,6 @@ GUARDED_ROUTES = (
     ("GET", "/no-such-route"),
 )
 OPEN_ROUTE = ("GET", "/health")
-ERROR_FIELDS = {"message", "type", "param", "code"}
-
-# Chat-template attacks, chosen by the user message's content. SENTINEL is replaced by a file path:
-# the file exists only if an attack ran a shell command.
-RAISING_ATTACKS = {
-    "mro-subclasses": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "cycler-globals-os-system": "{{ cycler.__init__.__globals__.os.system('touch SENTINEL') }}",
-    "lipsum-globals-popen": "{{ lipsum.__globals__['os'].popen('touch SENTINEL').read() }}",
-    "self-builtins-import": "{{ self.__init__.__globals__.__builtins__.__import__('os').system('touch SENTINEL') }}",
-    "format-string-attributes": "{{ '{0.__class__.__mro__}'.format('') }}",
-    "attr-filter": "{{ (''|attr('__class__')).__mro__ }}",
-    "subscript-dunder": "{{ ''['__class__']['__mro__'] }}",
-    "namespace-dunder": "{% set ns = namespace() %}{% set ns.__class__ = none %}",
-    "mutate-messages": "{{ messages.append(messages) }}",
-}
-# A lone unsafe attribute is jinja's "undefined": it renders as nothing, and fails on any use (above).
-SILENT_ATTACKS = {
-    "function-globals": "[{{ raise_exception.__globals__ }}]",
-    "format-map-attributes": "[{{ '{x.__class__}'.format_map({'x': ''}) }}]",
-}
-_PLAIN_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# Imported, it leaves proof behind.
-_EVIL_MODULE = "import pathlib\npathlib.Path({sentinel!r}).touch()\n"
-
-
-@dataclass
-class SecurityCheck:
-    """One row of the suite's table."""
-    name: str
-    passed: bool
-    detail: str
-
-
-class SecurityCheckFailed(Exception):
-    """A security property does not hold; the message says where."""
-
-
-def require(condition: bool, message: str) -> None:
-    """Not `assert`: the checks must also run under python -O."""
-    if not condition:
-        raise SecurityCheckFailed(message)
-
 
 def run_security_checks(workdir: Path) -> list[SecurityCheck]:
     """Every check, as rows; servers are shared between the checks that need the same one."""
@@ -113,15 +71,6 @@ def run_security_checks(workdir: Path) -> list[SecurityCheck]:
     finally:
         hostile.stop()
     return checks
-
-
-def run_check(name: str, check: Callable[..., str], *args) -> SecurityCheck:
-    """A row: passed with the check's detail, or failed with what broke (an unexpected error included)."""
-    try:
-        return SecurityCheck(name, True, check(*args))
-    except Exception as exc:   # a broken check is a failed row, not a crashed suite
-        detail = str(exc) if isinstance(exc, SecurityCheckFailed) else f"{type(exc).__name__}: {exc}"
-        return SecurityCheck(name, False, detail)
 
 
 # ---- binding ----
@@ -230,9 +179,8 @@ def api_key_compared_in_constant_time() -> str:
 
     app = Starlette(routes=[Route("/v1/models", lambda request: PlainTextResponse("ok"))])
     client = TestClient(auth.APIKeyMiddleware(app, keys=keys))
-    owners = [hmac, secrets, *([auth] if hasattr(auth, "compare_digest") else [])]
-    with ExitStack() as patches:
-        for owner in owners:
+    with ExitStack() as patches:   # the standard library's functions: pagedllm itself is never patched
+        for owner in (hmac, secrets):
             patches.enter_context(mock.patch.object(owner, "compare_digest", spy))
         for sent, status in [(key, 200) for key in keys] + [(new_api_key(), 401)]:
             calls.clear()
@@ -266,133 +214,6 @@ def chunks(data: bytes, size: int) -> Iterator[bytes]:
     """A generator body: httpx sends it chunked, without a Content-Length."""
     for start in range(0, len(data), size):
         yield data[start:start + size]
-
-
-# ---- chat templates ----
-
-def hostile_chat_template(sentinel: Path) -> str:
-    """One template holding every attack, chosen by the last message's content; any other content
-    gets a plain ChatML rendering, so the same server shows it still answers."""
-    attacks = {name: body.replace("SENTINEL", str(sentinel))
-               for name, body in {**RAISING_ATTACKS, **SILENT_ATTACKS}.items()}
-    branches = "".join(f"{{% {'elif' if index else 'if'} attack == {name!r} %}}{body}"
-                       for index, (name, body) in enumerate(attacks.items()))
-    return f"{{% set attack = messages[-1]['content'] %}}{branches}{{% else %}}{_PLAIN_CHATML}{{% endif %}}"
-
-
-def write_hostile_chat_template(model_dir: Path, sentinel: Path) -> None:
-    """Into tokenizer_config.json, where most Hub models keep theirs (a chat_template.jinja would win)."""
-    (model_dir / "chat_template.jinja").unlink(missing_ok=True)
-    config_path = model_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = hostile_chat_template(sentinel)
-    config_path.write_text(json.dumps(config, indent=2))
-
-
-def chat_templates_sandboxed(server: ServerProcess, sentinel: Path) -> str:
-    """Raising attacks get an OpenAI 400 (chat and /tokenize), silent ones render nothing, no command
-    runs, a client cannot send its own template, and the server still answers a plain chat."""
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as client:
-        for attack in RAISING_ATTACKS:
-            messages = [{"role": "user", "content": attack}]
-            for path, body in (("/v1/chat/completions", {"messages": messages, "max_tokens": 1}),
-                               ("/tokenize", {"messages": messages})):
-                response = client.post(path, json=body)
-                error = response.json().get("error", {}) if response.status_code == 400 else {}
-                require(set(error) == ERROR_FIELDS and error["type"] == "invalid_request_error",
-                        f"attack {attack!r} on {path}: {response.status_code} {response.text[:200]}")
-        for attack in SILENT_ATTACKS:
-            rendered = rendered_chat(client, [{"role": "user", "content": attack}])
-            require(rendered == "[]", f"attack {attack!r} rendered {rendered[:200]!r}, expected '[]'")
-        require(not sentinel.exists(), f"a template attack ran a command: {sentinel} exists")
-        plain = [{"role": "user", "content": "hello"}]
-        injected = client.post("/tokenize", json={"messages": plain, "chat_template": "INJECTED"}).json()
-        require(injected["tokens"] == client.post("/tokenize", json={"messages": plain}).json()["tokens"],
-                "a chat_template sent by the client changed the rendering")
-        answer = client.post("/v1/chat/completions", json={"messages": plain, "max_tokens": 2})
-        require(answer.status_code == 200, f"a plain chat after the attacks: {answer.status_code} {answer.text[:200]}")
-    return (f"{len(RAISING_ATTACKS)} attacks refused with 400, {len(SILENT_ATTACKS)} rendered empty, "
-            "nothing ran, the server still answers")
-
-
-def rendered_chat(client: httpx.Client, messages: list[dict]) -> str:
-    """The server's rendering of a conversation, read back through /tokenize and /detokenize."""
-    tokens = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False})
-    require(tokens.status_code == 200, f"/tokenize: {tokens.status_code} {tokens.text[:200]}")
-    return client.post("/detokenize", json={"tokens": tokens.json()["tokens"]}).json()["prompt"]
-
-
-# ---- remote code ----
-
-def tiny_model_dir(folder: Path) -> Path:
-    """A seeded two-layer Llama with random weights and the bundled tokenizer: a real model folder,
-    made in seconds, whose files the checks can then tamper with."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from pagedllm.model.loader import bundled_model_path
-    from pagedllm.tokenizer import load_tokenizer_from_gguf
-
-    tokenizer = load_tokenizer_from_gguf(bundled_model_path()).hf
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def with_remote_model_code(model_dir: Path, sentinel: Path, architecture: str) -> Path:
-    """config.json points auto_map at modeling_evil.py, which touches sentinel when imported."""
-    (model_dir / "modeling_evil.py").write_text(_EVIL_MODULE.format(sentinel=str(sentinel)))
-    config_path = model_dir / "config.json"
-    config = json.loads(config_path.read_text())
-    config["architectures"] = [architecture]
-    config["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilModel"}
-    config_path.write_text(json.dumps(config, indent=2))
-    return model_dir
-
-
-def with_remote_tokenizer_code(model_dir: Path, sentinel: Path) -> Path:
-    """tokenizer_config.json names a tokenizer class that only tokenization_evil.py defines."""
-    (model_dir / "tokenization_evil.py").write_text(_EVIL_MODULE.format(sentinel=str(sentinel)))
-    config_path = model_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "EvilTokenizer"
-    config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", "tokenization_evil.EvilTokenizer"]}
-    config_path.write_text(json.dumps(config, indent=2))
-    return model_dir
-
-
-def load_error(model_dir: Path) -> str | None:
-    """Why loading the folder failed, or None if it loaded."""
-    from pagedllm.model.loader import load_checkpoint
-
-    try:
-        load_checkpoint(str(model_dir))
-    except (ValueError, OSError) as exc:
-        return str(exc)
-    return None
-
-
-def no_remote_code(model_dir: Path, workdir: Path) -> str:
-    """Model code in an unsupported architecture's auto_map is refused, a supported architecture loads
-    without its auto_map, custom tokenizer code is refused, and none of the shipped code is imported."""
-    sentinel = workdir / "remote-code-ran"
-
-    def variant(name: str) -> Path:
-        return shutil.copytree(model_dir, workdir / name, dirs_exist_ok=True)
-
-    unsupported = load_error(with_remote_model_code(variant("unsupported"), sentinel, "EvilForCausalLM"))
-    require(unsupported is not None and "auto_map" in unsupported,
-            f"a model whose code ships in its folder: {unsupported or 'it loaded'}")
-    supported = load_error(with_remote_model_code(variant("supported"), sentinel, "LlamaForCausalLM"))
-    require(supported is None, f"a Llama with an auto_map did not load: {supported}")
-    tokenizer = load_error(with_remote_tokenizer_code(variant("tokenizer"), sentinel))
-    require(tokenizer is not None and "custom code" in tokenizer,
-            f"a tokenizer whose code ships in its folder: {tokenizer or 'it loaded'}")
-    require(not sentinel.exists(), "code shipped in a model folder was imported")
-    return "shipped model and tokenizer code is refused, never imported"
 
 
 # ---- logs ----

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import openai
 
-from pagedllm.bench.reliability.clients import RequestSpec, async_client, send
-from pagedllm.bench.reliability.fault_injection import HOLD_FAULT, HOLDS_ROUTE, REQUEST_FAULT, STEP_FAULT
-from pagedllm.bench.reliability.server import ServerProcess, metric, poll
+from benchmarks.reliability.clients import RequestSpec, async_client, send
+from benchmarks.reliability.fault_markers import HOLD_FAULT, HOLDS_ROUTE, REQUEST_FAULT, STEP_FAULT
+from pagedllm.bench.server_process import ServerProcess, metric, poll
 
 RECOVERY_TIMEOUT = 30.0   # seconds the server gets to free everything after a fault
 CLIENT_TIMEOUT = 120.0    # a request still open after this long counts as hanging

@@ -1,10 +1,12 @@
-"""A `pagedllm serve` subprocess on a free loopback port, and what the suite reads from it.
+"""A `pagedllm serve` subprocess on a free loopback port, and what benchmarks and tests read from it.
 
-The suite and the tests drive servers through this one class, so a server is started,
-probed (health, /metrics, RSS) and stopped the same way everywhere.
+The reliability suite, the server benchmarks and the tests drive servers through this one class, so a
+server is started, probed (health, /metrics, RSS) and stopped the same way everywhere.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 import socket
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import openai
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+SERVE_MODULE = "pagedllm.entrypoints.cli"
 STARTUP_TIMEOUT = 180   # seconds: loading the model on a busy 2-core machine
 POLL_INTERVAL = 0.1     # seconds between two looks at a server's state
 T = TypeVar("T")
@@ -26,23 +29,22 @@ T = TypeVar("T")
 class ServerProcess:
     """`pagedllm serve` with the given flags, its output in log_path.
 
-    With fault_injection, the server starts through pagedllm.bench.reliability.fault_injection,
-    whose hooks make marked requests fail inside the engine or hold it at a known point; production
-    code knows nothing of it.
+    launcher: the module run as `python -m LAUNCHER serve ...`; the reliability suite's fault-injection
+    launcher (benchmarks/reliability/fault_injection.py) is found where this process finds it, even when
+    that is a source tree outside the installed package.
     """
 
-    def __init__(self, log_path: Path, *flags: str, api_key: str | None = None, fault_injection: bool = False,
+    def __init__(self, log_path: Path, *flags: str, api_key: str | None = None, launcher: str = SERVE_MODULE,
                  startup_timeout: float = STARTUP_TIMEOUT):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path
-        module = "pagedllm.bench.reliability.fault_injection" if fault_injection else "pagedllm.entrypoints.cli"
-        command = [sys.executable, "-m", module, "serve", "--port", str(self.port), *flags]
+        command = [sys.executable, "-m", launcher, "serve", "--port", str(self.port), *flags]
         if api_key is not None:
             command += ["--api-key", api_key]
         with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_env_finding(launcher))
         self._wait_until_healthy(startup_timeout)
 
     @property
@@ -137,6 +139,16 @@ def poll(read: Callable[[], T], done: Callable[[T], bool], timeout: float) -> T:
     while not done(value := read()) and time.monotonic() < deadline:
         time.sleep(POLL_INTERVAL)
     return value
+
+
+def _env_finding(module: str) -> dict[str, str]:
+    """This environment, with PYTHONPATH led by the folder this process imports module's top package from."""
+    spec = importlib.util.find_spec(module.partition(".")[0])
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"launcher must be an importable module of a package, got {module!r}")
+    root = str(Path(next(iter(spec.submodule_search_locations))).parent)
+    paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def free_port() -> int:

@@ -9,9 +9,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pagedllm.bench.reliability.clients import mixed_requests
-from pagedllm.bench.reliability.load import run_clients
-from pagedllm.bench.reliability.server import ServerProcess
+from benchmarks.reliability.clients import mixed_requests
+from benchmarks.reliability.load import run_clients
+from pagedllm.bench.server_process import ServerProcess
 
 RSS_INTERVAL = 0.25   # seconds between RSS samples
 PROBE = "In one sentence: why do computers use binary?"

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from pagedllm.bench.reliability.clients import RequestRecord, RequestSpec, async_client, mixed_requests, send
-from pagedllm.bench.reliability.server import EngineFigures, ServerProcess
+from benchmarks.reliability.clients import RequestRecord, RequestSpec, async_client, mixed_requests, send
 from pagedllm.bench.scheduling import percentile
+from pagedllm.bench.server_process import EngineFigures, ServerProcess
 
 METRICS_INTERVAL = 0.2   # seconds between /metrics scrapes while the load runs
 

@@ -1,7 +1,11 @@
-"""`pagedllm bench reliability`: load, soak, faults, fuzzing and security checks against real `pagedllm serve`
-processes (the bundled model, loopback), printed as one table. `--quick` is the variant CI runs.
-`--simulate N` runs only the model-free simulation of N requests through the real scheduler and KV
-manager (`simulation.py`): days of traffic in minutes, checked for leaks and inconsistencies.
+"""The reliability suite: load, soak, faults, fuzzing and security checks against real `pagedllm serve`
+processes (the bundled model, loopback), printed as one table. From the repository root:
+
+    python -m benchmarks.reliability.suite [--quick]      # --quick: the variant CI runs
+    python -m benchmarks.reliability.suite --simulate N   # only the model-free simulation of N requests
+
+The simulation (`simulation.py`) steps the real engine core with the model-free executor: days of traffic in
+minutes, checked for leaks and inconsistencies.
 
 Servers: a main one started through the fault-injection hook (load, soak, client and engine faults), one
 with a small float32 KV cache (preemption storm), one that is sent SIGTERM under load, one with a short
@@ -20,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:   # the suite's modules load at run time: `pagedllm serve` must not pay for them
-    from pagedllm.bench.reliability.faults import FaultResult
-    from pagedllm.bench.reliability.fuzz import FuzzResult
-    from pagedllm.bench.reliability.load import LoadResult
-    from pagedllm.bench.reliability.security import SecurityCheck
-    from pagedllm.bench.reliability.soak import SoakResult
+if TYPE_CHECKING:   # the suite's modules load at run time: --simulate needs none of them
+    from benchmarks.reliability.faults import FaultResult
+    from benchmarks.reliability.fuzz import FuzzResult
+    from benchmarks.reliability.load import LoadResult
+    from benchmarks.reliability.security_check import SecurityCheck
+    from benchmarks.reliability.soak import SoakResult
 
 MODEL = "smollm2"
 MAX_RSS_GROWTH = 0.05
@@ -118,16 +122,17 @@ def _yes(flag: bool) -> str:
 
 
 def run_suite(settings: SuiteSettings, workdir: Path) -> SuiteReport:
-    from pagedllm.bench.reliability import faults
-    from pagedllm.bench.reliability.fuzz import run_fuzz, run_schemathesis
-    from pagedllm.bench.reliability.load import run_load
-    from pagedllm.bench.reliability.security import run_security_checks
-    from pagedllm.bench.reliability.server import ServerProcess
-    from pagedllm.bench.reliability.soak import run_soak
+    from benchmarks.reliability import faults
+    from benchmarks.reliability.fault_markers import FAULT_INJECTION_LAUNCHER
+    from benchmarks.reliability.fuzz import run_fuzz, run_schemathesis
+    from benchmarks.reliability.load import run_load
+    from benchmarks.reliability.security import run_security_checks
+    from benchmarks.reliability.soak import run_soak
+    from pagedllm.bench.server_process import ServerProcess
 
     workdir.mkdir(parents=True, exist_ok=True)
     main = ServerProcess(workdir / "main.log", "--kv-cache-memory", settings.kv_cache_memory, *MAIN_SERVER_FLAGS,
-                         api_key=secrets.token_urlsafe(16), fault_injection=True)
+                         api_key=secrets.token_urlsafe(16), launcher=FAULT_INJECTION_LAUNCHER)
     try:
         load = run_load(main, MODEL, settings.clients, settings.load_requests)
         soak = run_soak(main, MODEL, settings.soak_requests, settings.soak_wave, settings.soak_concurrency)
@@ -170,8 +175,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_simulation(args: argparse.Namespace) -> None:
-    from pagedllm.bench.reliability.simulation import SimulationSettings
-    from pagedllm.bench.reliability.simulation import run_simulation as simulate
+    from benchmarks.reliability.simulation import run_simulation as simulate
+    from benchmarks.reliability.simulation_report import SimulationSettings
 
     if args.simulate < 1:
         raise SystemExit(f"--simulate needs a number of requests >= 1, got {args.simulate}")
@@ -214,3 +219,16 @@ def run(args: argparse.Namespace) -> None:
     if args.output_json:
         args.output_json.write_text(json.dumps(dataclasses.asdict(report), indent=2, default=str))
     sys.exit(1 if problems else 0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.reliability.suite", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

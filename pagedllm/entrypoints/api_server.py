@@ -1,4 +1,6 @@
-"""The FastAPI app (routes, middleware, lifespan) and `run_server`, which `pagedllm serve` calls."""
+"""The FastAPI app (routes, middleware, lifespan) and `run_server`, which `pagedllm serve` calls. It mounts the
+OpenAI routes (its own and those of openai/), the Anthropic Messages API (anthropic/) and the dashboard, so it
+sits above both API packages."""
 from __future__ import annotations
 
 import asyncio
@@ -13,10 +15,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from pagedllm.config import EngineConfig
-from pagedllm.entrypoints.anthropic.serving import router as messages_router
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.data_parallel import DPAsyncLLM
 from pagedllm.engine.protocol import EngineClient, EngineDeadError
+from pagedllm.entrypoints.anthropic.serving import router as messages_router
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
 from pagedllm.entrypoints.openai.body_limit import RequestSizeLimitMiddleware
 from pagedllm.entrypoints.openai.dashboard import install_dashboard
@@ -138,7 +140,6 @@ def build_app(llm: EngineClient, config: ServerConfig) -> FastAPI:
                         chat_template=config.chat_template_text, tool_call_parser=config.tool_call_parser,
                         enable_auto_tool_choice=config.enable_auto_tool_choice,
                         reasoning_parser=config.reasoning_parser,
-                        response_store=ResponseStore(config.responses_store_size, config.responses_store_ttl),
                         adapters=ServedAdapters(llm, model_names))
 
     @contextlib.asynccontextmanager
@@ -157,6 +158,7 @@ def build_app(llm: EngineClient, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="pagedllm", version=pagedllm_version(), lifespan=lifespan)
     app.state.server = state
+    app.state.response_store = ResponseStore(config.responses_store_size, config.responses_store_ttl)
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(responses_router)
@@ -203,7 +205,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Loads the model, then serves until SIGINT/SIGTERM: uvicorn stops accepting connections, gives
     in-flight requests shutdown_timeout seconds, cancels the rest, and the lifespan stops the engine."""
     llm = start_engine(engine_config, config.max_waiting_requests)
-    app = build_app(llm, config)
+    serve_app(build_app(llm, config), llm, config)
+
+
+def serve_app(app: FastAPI, llm: EngineClient, config: ServerConfig) -> None:
+    """Serves a built app until SIGINT/SIGTERM (run_server's second half, for launchers that build their own)."""
     logger.info("serving %s %s at http://%s:%d", app.state.server.model_name, llm.describe(), config.host,
                 config.port)
     # uvicorn re-raises the signal that stopped it once its graceful shutdown is over; by then

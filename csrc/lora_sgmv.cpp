@@ -1,0 +1,216 @@
+// One layer's LoRA update for a whole step in one call (Punica / S-LoRA's SGMV): for each segment of rows that
+// share an adapter slot, the shrink (x . A, per part of a fused layer) and the expand (. B, into that part's
+// output columns), added to out in place. Rows are reached through an index array, so rows of several adapters in
+// any order, and base rows (in no segment), need no gather or scatter. As torch ops the same update was a dtype
+// conversion and two or more small matmuls per segment and layer, each costing more in dispatch than in arithmetic.
+#include "ops.h"
+#include "vectors.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+using namespace pagedllm;
+
+constexpr int64_t kTileRows = 4;         // rows of one slot sharing each weight vector loaded
+constexpr int64_t kColumnBlock = 512;    // output columns per expand task
+constexpr int64_t kTaskMacs = 1 << 17;   // multiply-adds per task that outweigh waking a thread
+
+struct Tile {
+  int64_t slot, begin, end;   // positions in `rows`, at most kTileRows, all of one slot
+};
+
+struct Step {
+  int64_t in, in_padded, out, parts, max_rank, x_stride, out_stride;
+  const int64_t* ranks;           // [slots, parts]
+  const int64_t* column_starts;   // [parts + 1]
+  const int64_t* rows;            // the step row at each position
+  float* h;                       // [positions, parts * max_rank]: the shrink's results
+  int64_t rank_of(int64_t slot, int64_t part) const { return ranks[slot * parts + part]; }
+};
+
+// h[t][j] = x_t . a_j for J rank rows a_j of one slot's A (rows `in` apart) and T rows x_t (float, zero-padded
+// to whole vectors, in_padded apart): T * J independent accumulators keep the FMA units busy even for one row.
+template <int T, int J, typename lora_t>
+void shrink_block(float* h, int64_t h_stride, const float* xs, const lora_t* a, const Step& s) {
+  vfloat acc[T][J] = {};
+  for (int64_t i = 0; i < s.in; i += kLanes) {
+    const int64_t width = std::min<int64_t>(kLanes, s.in - i);
+    vfloat w[J];
+    for (int j = 0; j < J; ++j) w[j] = width == kLanes ? widen(a + j * s.in + i) : widen_partial(a + j * s.in + i, width);
+    for (int t = 0; t < T; ++t) {
+      const vfloat v = widen(xs + t * s.in_padded + i);
+      for (int j = 0; j < J; ++j) acc[t][j] += v * w[j];
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < J; ++j) h[t * h_stride + j] = sum_lanes(acc[t][j]);
+}
+
+template <int T, typename lora_t>
+void shrink_tile(float* h, const float* xs, const lora_t* a_slot, int64_t slot, const Step& s) {
+  const int64_t h_stride = s.parts * s.max_rank;
+  for (int64_t p = 0; p < s.parts; ++p) {
+    const int64_t rank = s.rank_of(slot, p), first = p * s.max_rank;
+    int64_t j = 0;
+    for (; j + 4 <= rank; j += 4) shrink_block<T, 4>(h + first + j, h_stride, xs, a_slot + (first + j) * s.in, s);
+    for (; j < rank; ++j) shrink_block<T, 1>(h + first + j, h_stride, xs, a_slot + (first + j) * s.in, s);
+  }
+}
+
+// out_t[c] += sum_k h_t[k] b[k][c] over C column vectors of one part (b's rows `out` apart), for T rows;
+// kPartial: one vector of `width` < kLanes columns (a part's last columns).
+template <int T, int C, bool kPartial, typename scalar_t, typename lora_t>
+void expand_block(scalar_t* const* out_rows, const float* h, int64_t h_stride, const lora_t* b, int64_t rank,
+                  int64_t width, const Step& s) {
+  vfloat acc[T][C] = {};
+  for (int64_t k = 0; k < rank; ++k) {
+    vfloat w[C];
+    for (int c = 0; c < C; ++c) w[c] = kPartial ? widen_partial(b + k * s.out, width) : widen(b + k * s.out + c * kLanes);
+    for (int t = 0; t < T; ++t) {
+      const float weight = h[t * h_stride + k];
+      for (int c = 0; c < C; ++c) acc[t][c] += weight * w[c];
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < C; ++c) {
+      scalar_t* o = out_rows[t] + c * kLanes;
+      if constexpr (kPartial) {
+        scalar_t padded[kLanes] = {};
+        narrow(widen_partial(o, width) + acc[t][c], padded);
+        std::copy(padded, padded + width, o);
+      } else {
+        narrow(widen(o) + acc[t][c], o);
+      }
+    }
+}
+
+// The tile's update of columns [begin, end), part by part.
+template <int T, typename scalar_t, typename lora_t>
+void expand_tile(scalar_t* out, const Tile& tile, const lora_t* b_slot, int64_t begin, int64_t end, const Step& s) {
+  const int64_t h_stride = s.parts * s.max_rank;
+  for (int64_t p = 0; p < s.parts; ++p) {
+    const int64_t rank = s.rank_of(tile.slot, p);
+    const int64_t first = std::max(begin, s.column_starts[p]), last = std::min(end, s.column_starts[p + 1]);
+    if (rank == 0 || first >= last) continue;
+    const float* h = s.h + tile.begin * h_stride + p * s.max_rank;
+    scalar_t* rows[T];
+    auto at = [&](int64_t column) {
+      for (int t = 0; t < T; ++t) rows[t] = out + s.rows[tile.begin + t] * s.out_stride + column;
+      return rows;
+    };
+    int64_t c = first;
+    for (; c + 4 * kLanes <= last; c += 4 * kLanes) expand_block<T, 4, false>(at(c), h, h_stride, b_slot + c, rank, 0, s);
+    for (; c + kLanes <= last; c += kLanes) expand_block<T, 1, false>(at(c), h, h_stride, b_slot + c, rank, 0, s);
+    if (c < last) expand_block<T, 1, true>(at(c), h, h_stride, b_slot + c, rank, last - c, s);
+  }
+}
+
+// f<T>() for the tile's row count T (1..kTileRows), so the micro-kernels hold their accumulators in registers.
+template <typename F>
+void with_rows(int64_t count, F&& f) {
+  switch (count) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+template <typename scalar_t, typename lora_t>
+void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const std::vector<Tile>& tiles,
+         const Step& s) {
+  const scalar_t* x_data = x.data_ptr<scalar_t>();
+  scalar_t* out_data = out.data_ptr<scalar_t>();
+  const lora_t* a_data = a.data_ptr<lora_t>();
+  const lora_t* b_data = b.data_ptr<lora_t>();
+  const int64_t rank_rows = s.parts * s.max_rank, a_slot = rank_rows * s.in, b_slot = s.max_rank * s.out;
+  const int64_t tile_shrink_macs = kTileRows * rank_rows * s.in;
+  at::parallel_for(0, tiles.size(), std::max<int64_t>(1, kTaskMacs / std::max<int64_t>(1, tile_shrink_macs)),
+                   [&](int64_t first, int64_t last) {
+    std::vector<float> xs(kTileRows * s.in_padded, 0.f);
+    for (int64_t index = first; index < last; ++index) {
+      const Tile& tile = tiles[index];
+      for (int64_t t = 0; t < tile.end - tile.begin; ++t) {
+        const scalar_t* row = x_data + s.rows[tile.begin + t] * s.x_stride;
+        std::transform(row, row + s.in, xs.data() + t * s.in_padded, [](scalar_t v) { return static_cast<float>(v); });
+      }
+      with_rows(tile.end - tile.begin, [&](auto rows) {
+        shrink_tile<decltype(rows)::value>(s.h + tile.begin * rank_rows, xs.data(), a_data + tile.slot * a_slot, tile.slot, s);
+      });
+    }
+  });
+  const int64_t blocks = (s.out + kColumnBlock - 1) / kColumnBlock;
+  const int64_t block_macs = kTileRows * s.max_rank * std::min(s.out, kColumnBlock);
+  at::parallel_for(0, tiles.size() * blocks, std::max<int64_t>(1, kTaskMacs / std::max<int64_t>(1, block_macs)),
+                   [&](int64_t first, int64_t last) {
+    for (int64_t index = first; index < last; ++index) {
+      const Tile& tile = tiles[index / blocks];
+      const int64_t begin = index % blocks * kColumnBlock;
+      with_rows(tile.end - tile.begin, [&](auto rows) {
+        expand_tile<decltype(rows)::value>(out_data, tile, b_data + tile.slot * b_slot, begin, std::min(s.out, begin + kColumnBlock), s);
+      });
+    }
+  });
+}
+
+template <typename F>
+void with_float_type(at::ScalarType type, const char* name, F&& f) {
+  switch (type) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, "lora_sgmv: ", name, " must be float32, bfloat16 or float16, got ", type);
+  }
+}
+
+}  // namespace
+
+void lora_sgmv(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks, at::Tensor column_starts,
+               at::Tensor rows, at::Tensor segments) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "lora_sgmv: x, out must be [rows, features]");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "lora_sgmv: x, out rows must be contiguous");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && b.scalar_type() == a.scalar_type(),
+              "lora_sgmv: out must have x's dtype and b a's");
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.is_contiguous() && b.is_contiguous() && a.size(0) == b.size(0),
+              "lora_sgmv: a [slots, parts * max_rank, in] and b [slots, max_rank, out], contiguous");
+  const int64_t slots = a.size(0), max_rank = b.size(1), parts = ranks.size(1);
+  TORCH_CHECK(a.size(2) == x.size(1) && b.size(2) == out.size(1) && a.size(1) == parts * max_rank,
+              "lora_sgmv: a, b do not fit x, out and ranks");
+  for (const at::Tensor* index : {&ranks, &column_starts, &rows, &segments})
+    TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous(), "lora_sgmv: index tensors must be int64");
+  TORCH_CHECK(ranks.dim() == 2 && ranks.size(0) == slots && column_starts.numel() == parts + 1 &&
+              segments.dim() == 2 && segments.size(1) == 3, "lora_sgmv: ranks [slots, parts], column_starts "
+              "[parts + 1], segments [n, 3]");
+  const int64_t* starts = column_starts.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[parts] == out.size(1), "lora_sgmv: column_starts must span out's columns");
+  const int64_t* rank_data = ranks.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ranks.numel(); ++i)
+    TORCH_CHECK(rank_data[i] >= 0 && rank_data[i] <= max_rank, "lora_sgmv: a rank over b's max_rank");
+  const int64_t* row_data = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i)
+    TORCH_CHECK(row_data[i] >= 0 && row_data[i] < x.size(0), "lora_sgmv: row ", row_data[i], " out of range");
+
+  std::vector<Tile> tiles;
+  const int64_t* segment = segments.data_ptr<int64_t>();
+  for (int64_t i = 0; i < segments.size(0); ++i, segment += 3) {
+    const int64_t slot = segment[0], begin = segment[1], end = segment[2];
+    TORCH_CHECK(slot >= 0 && slot < slots && 0 <= begin && begin <= end && end <= rows.numel(),
+                "lora_sgmv: segment ", i, " (slot ", slot, ", ", begin, "-", end, ") out of range");
+    if (std::all_of(rank_data + slot * parts, rank_data + (slot + 1) * parts, [](int64_t r) { return r == 0; }))
+      continue;   // the adapter leaves this layer alone
+    for (int64_t first = begin; first < end; first += kTileRows) tiles.push_back({slot, first, std::min(end, first + kTileRows)});
+  }
+  if (tiles.empty()) return;
+  at::Tensor h = at::empty({rows.numel(), parts * max_rank}, x.options().dtype(at::kFloat));
+  const Step step{x.size(1), (x.size(1) + kLanes - 1) / kLanes * kLanes, out.size(1), parts, max_rank, x.stride(0),
+                  out.stride(0), rank_data, starts, row_data, h.data_ptr<float>()};
+  with_float_type(x.scalar_type(), "x", [&](auto x_type) {
+    with_float_type(a.scalar_type(), "a", [&](auto lora_type) {
+      run<decltype(x_type), decltype(lora_type)>(out, x, a, b, tiles, step);
+    });
+  });
+}

@@ -1,4 +1,0 @@
-"""The reliability suite: load, soak, faults and fuzzing against a real `pagedllm serve` process.
-
-`pagedllm bench reliability` runs it and prints a table; tests/reliability runs its quick variant.
-"""

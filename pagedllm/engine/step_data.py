@@ -1,0 +1,53 @@
+"""The scheduler's choice for a step written as the plain data the workers apply (pagedllm/step.py): a request
+they do not hold comes whole, a running one as what it gained since its last step (vLLM v1's new and cached
+request data)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pagedllm.engine.request import Request
+from pagedllm.kv.manager import KVCacheManager
+from pagedllm.step import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+def describe_scheduled(scheduled: list[tuple[Request, int]], out: SchedulerOutput, kv: KVCacheManager,
+                       on_prefill_done: Callable[[Request, int, SchedulerOutput], None] | None = None) -> None:
+    """Fills the step's requests, token counts, block copies and disk work. on_prefill_done(request, num_new,
+    out) runs for each request whose KV reaches its last token in this step, right after its own entry (the
+    scheduler forks parallel samples there, so they follow their first sample in the workers' batch)."""
+    block_table = kv.get_block_table
+    rewritten = kv.take_rewritten_entries()   # copy-on-write replaced these requests' table entries
+    cached: CachedRequestData = out.scheduled_cached_reqs
+    add_id, add_tokens = cached.request_ids.append, cached.new_token_ids.append
+    add_start, add_blocks = cached.block_table_starts.append, cached.new_block_ids.append
+    add_computed = cached.num_computed_tokens.append
+    num_scheduled = out.num_scheduled_tokens
+    for request, num_new in scheduled:   # ~0.3 us per running request
+        request_id = request.request_id
+        table = block_table(request_id)
+        tokens = request.all_token_ids
+        if request.worker_num_tokens:
+            start = request.worker_num_blocks
+            if rewritten and request_id in rewritten:
+                start = min(start, rewritten[request_id])
+            add_id(request_id)
+            add_tokens(tokens[request.worker_num_tokens:])
+            add_start(start)
+            add_blocks(table[start:])
+            add_computed(request.num_computed_tokens)
+        else:
+            out.scheduled_new_reqs.append(new_request_data(request, table))
+        request.worker_num_tokens, request.worker_num_blocks = len(tokens), len(table)
+        num_scheduled[request_id] = num_new
+        if on_prefill_done is not None and request.num_computed_tokens + num_new == len(tokens):
+            on_prefill_done(request, num_new, out)
+    out.total_num_scheduled_tokens = sum(num_scheduled.values())
+    out.block_copies = kv.take_block_copies()
+    out.disk_work = kv.take_disk_work()
+
+
+def new_request_data(request: Request, table: list[int], sample_with: str | None = None) -> NewRequestData:
+    """A request the workers do not hold, whole; sample_with: the request whose logits row it samples from."""
+    return NewRequestData(request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                          request.sampling_params, request.eos_token_ids, list(table),
+                          request.num_computed_tokens, sample_with, request.lora_request)
