@@ -2,7 +2,7 @@
 
 For each of the model's layer shapes, weight format and row count, times every compiled path this CPU
 runs (quantized_matmul.py: rows, brgemm, int8) and the float layer the model would otherwise run
-(prepacked oneDNN in bfloat16 where the CPU has it, F.linear in float32), all in the same run, and names
+(Linear: prepacked oneDNN on CPU, in bfloat16 where the CPU has it fast), all in the same run, and names
 the path the engine chose for that row count (PAGEDLLM_MATMUL_PATH, if set, forces it). The header says which oneDNN ISA brgemm and the float
 layer run on: oneDNN's own start-up line (ONEDNN_VERBOSE, read from a child process) and the ISA
 pagedllm derived from the CPU's features.

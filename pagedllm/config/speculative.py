@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")   # the draft's, as EngineConfig.quantization
+# disable_by_batch_size when unset: the largest batch where speculation was measured not to lose, idle, on the
+# default engine and in float32 (docs/speculative-decoding.md, issue 27). ngram lost from 8 running requests in
+# float32 (-19% on random prompts); a draft model from 4 (its k passes are not batched away).
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 4, "draft_model": 2}
 
 
 @dataclass(frozen=True)
@@ -18,7 +22,8 @@ class SpeculativeConfig:
     quantization: str = "auto"             # draft_model: how the draft's weights run
     # No speculation in a step that starts with more running requests than this: verifying k extra rows
     # stops paying once the batch already keeps the CPU's arithmetic busy (bench latency measures where).
-    disable_by_batch_size: int | None = None
+    # "auto": DEFAULT_DISABLE_BY_BATCH_SIZE for the method; None (JSON null): speculate at every batch size.
+    disable_by_batch_size: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -47,8 +52,13 @@ class SpeculativeConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"speculative_config.quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
-        if self.disable_by_batch_size is not None:
-            _check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
+        if self.disable_by_batch_size == "auto":
+            object.__setattr__(self, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE[self.method])
+        elif self.disable_by_batch_size is not None:
+            value = self.disable_by_batch_size
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError('speculative_config.disable_by_batch_size must be an integer >= 1, "auto" or null '
+                                 f"(speculate at every batch size), got {value!r}")
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict) -> SpeculativeConfig:

@@ -159,7 +159,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-config", type=json_mapping, default=_UNSET, metavar="JSON",
                        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
-                            '"model": PATH, "num_speculative_tokens": 4}\'; optional "disable_by_batch_size": N, and '
+                            '"model": PATH, "num_speculative_tokens": 4}\'; optional "disable_by_batch_size": N (default auto: 4 '
+                            'for ngram, 2 for a draft model; null: never), and '
                             'for a draft model "quantization" (default: off)')
     group.add_argument("--runner", choices=RUNNERS, default=_UNSET,
                        help="generate text or pool (embeddings, scores); auto: pooling for encoder, bare-model and "

@@ -1,8 +1,11 @@
 """Linear layers and the token embedding, over float or group-quantized weights.
 
-Float: on CPUs with fast bfloat16, oneDNN matmuls against a pre-reordered (blocked) weight run
-1.2-2x faster for the small batches of decode steps than F.linear, which reorders the
-weight on every call; results are bitwise the same. Elsewhere (float32, CUDA) F.linear.
+Float: on CPU, oneDNN matmuls against a pre-reordered (blocked) weight. In bfloat16 (where the CPU has it
+fast) they run 1.2-2x faster for the small batches of decode steps than F.linear, which reorders the weight
+on every call; results are bitwise the same. In float32 F.linear (MKL) takes its matrix-vector path for one
+row and a GEMM that packs the whole weight on every call for 2-9 rows: the LM head of a 135M model took
+11.8 ms for 1 row and 20-27 ms for 2-9, prepacked oneDNN 3.5-5.8 ms for any of them (docs/performance.md),
+so a speculative verification of 1 + k rows costs what one decode row does. Elsewhere (CUDA) F.linear.
 
 Quantized (quantization.py): the compiled kernel that quantized_matmul.py chose for the activation dtype
 and row count (few rows: weights dequantized in registers; many: dequantized tiles through oneDNN's brgemm;
@@ -34,8 +37,9 @@ def padded_rows(num_rows: int) -> int:
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear(nn.Module):

@@ -31,7 +31,9 @@ from pagedllm.spec_decode.planner import SpeculationPlanner
 from pagedllm.worker.rejection_sampler import accept
 from pagedllm.step import ModelRunnerOutput
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# disable_by_batch_size None: exactness is checked with speculation in every step, whatever the batch.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": None}
 # Prompts that repeat themselves, so n-gram lookup finds proposals (and a random model's loops do too).
 REPEATING_PROMPTS = [
     [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
@@ -42,7 +44,7 @@ REPEATING_PROMPTS = [
 
 
 def _draft_config(path) -> dict:
-    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3, "disable_by_batch_size": None}
 
 
 def _outputs(llm: LLM, prompts, params) -> list[list[int]]:
@@ -129,6 +131,8 @@ def test_ngram_proposes_what_followed_the_first_longest_match():
     ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model must name the draft"),
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown speculative_config key\\(s\\): k"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "many"},
+     'disable_by_batch_size must be an integer >= 1, "auto" or null'),
 ])
 def test_bad_speculative_config_names_the_field(value, message):
     with pytest.raises(ValueError, match=message):
@@ -149,7 +153,7 @@ def test_speculative_config_from_flag_and_yaml(tmp_path):
 
 # ---- scheduling and KV bookkeeping, without a model ----
 
-def _decoding_scheduler(num_spec: int, disable_by_batch_size: int | None = None,
+def _decoding_scheduler(num_spec: int, disable_by_batch_size: int | str | None = None,
                         num_requests: int = 1, block_size: int = 4):
     """A scheduler whose requests finished their prefill (one token sampled each) and now decode."""
     config = SpeculativeConfig("ngram", num_spec, prompt_lookup_max=2, prompt_lookup_min=1,
@@ -202,6 +206,19 @@ def test_budget_cuts_proposals_and_max_tokens_bounds_them():
 def test_speculation_is_off_in_steps_above_disable_by_batch_size():
     assert _decoding_scheduler(num_spec=2, disable_by_batch_size=3, num_requests=3).schedule().num_spec_tokens
     assert not _decoding_scheduler(num_spec=2, disable_by_batch_size=2, num_requests=3).schedule().num_spec_tokens
+
+
+def test_unset_disable_by_batch_size_stops_where_speculation_was_measured_to_lose():
+    """Idle bench latency (docs/speculative-decoding.md): ngram gained up to 4 running requests and lost at 8 in
+    float32; a draft model gained up to 2 and lost at 4. null keeps vLLM's meaning: every batch size."""
+    assert SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 4}).disable_by_batch_size == 4
+    assert SpeculativeConfig.from_value({"method": "draft_model", "model": "d.gguf",
+                                         "num_speculative_tokens": 4}).disable_by_batch_size == 2
+    assert SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 4,
+                                         "disable_by_batch_size": None}).disable_by_batch_size is None
+    assert _decoding_scheduler(num_spec=2, disable_by_batch_size="auto", num_requests=4).schedule().num_spec_tokens
+    assert not _decoding_scheduler(num_spec=2, disable_by_batch_size="auto", num_requests=5).schedule().num_spec_tokens
+    assert _decoding_scheduler(num_spec=2, disable_by_batch_size=None, num_requests=5).schedule().num_spec_tokens
 
 
 def test_a_stop_token_among_accepted_proposals_ends_the_request_and_frees_everything():
@@ -347,8 +364,10 @@ def test_sampling_with_speculation_keeps_the_targets_distribution(make_tiny_mode
     num_samples = 3000
     # Four tokens: after the first (from the prefill), one step verifies two proposals, giving tokens 2 and 3.
     params = [SamplingParams(temperature=1.0, max_tokens=4, seed=seed, ignore_eos=True) for seed in range(num_samples)]
-    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
-    draft_model = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1,
+             "disable_by_batch_size": None}
+    draft_model = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2,
+                   "disable_by_batch_size": None}
     for speculative_config in (ngram, draft_model):
         llm = LLM(str(target), dtype="float32", kv_cache_memory="64MiB", max_num_seqs=256,
                   speculative_config=speculative_config)
@@ -382,7 +401,8 @@ def test_bundled_model_float32_greedy_is_token_identical(bundled_gguf_path):
 
     reference = run(LLM(**common))
     for speculative_config in (NGRAM, {"method": "draft_model", "model": str(bundled_gguf_path),
-                                       "num_speculative_tokens": 4, "quantization": "auto"}):
+                                       "num_speculative_tokens": 4, "quantization": "auto",
+                                       "disable_by_batch_size": None}):
         llm = LLM(speculative_config=speculative_config, **common)
         assert run(llm) == reference
         assert llm.stats().spec_decoding.num_accepted_tokens > 0
