@@ -10,13 +10,16 @@ request_id to its caller's asyncio.Queue; it sleeps while the engine is idle.
 One AsyncLLM belongs to one event loop (its queues and event bind to it).
 
 With max_waiting_requests, a new request is refused at once (EngineOverloadedError)
-while that many wait: those being added plus the scheduler's waiting queue. The check
-and the count run on the event loop with no await between them, so the bound is strict.
+while that many wait: those handed to the engine thread plus the scheduler's waiting queue.
+A request passes from the first count to the second under a lock, so it is never counted
+twice or not at all; the check and the count run on the event loop with no await between
+them, so the bound is strict.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -52,7 +55,10 @@ class AsyncLLM(EngineClient, LocalEngine):
         self.config, self.tokenizer, self.model_config = engine.config, engine.tokenizer, engine.model_config
         self.max_model_len, self.pooling = engine.max_model_len, engine.pooling
         self.max_waiting_requests = max_waiting_requests
-        self._num_adding = 0   # requests handed to the engine thread whose add_request has not returned
+        self._num_adding = 0   # requests handed to the engine thread and not yet in the scheduler's queue
+        # Held while a request moves from _num_adding into the scheduler's queue, and while both are read.
+        # Reentrant: a request listener on the engine thread may read the count during the move.
+        self._adding_lock = threading.RLock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
         self._streams: dict[str, asyncio.Queue] = {}
         self._new_work = asyncio.Event()
@@ -69,7 +75,8 @@ class AsyncLLM(EngineClient, LocalEngine):
     def num_waiting_requests(self) -> int:
         """Requests not yet running: being added, or in the scheduler's waiting queue (a list whose
         length is safe to read from this thread while the engine thread changes it)."""
-        return self._num_adding + len(self.engine.scheduler.waiting)
+        with self._adding_lock:
+            return self._num_adding + len(self.engine.scheduler.waiting)
 
     def check_prompt(self, prompt: PromptType, params: SamplingParams) -> CheckedPrompt:
         """The engine's own check: the tokenizer and fixed limits only, safe off the engine thread."""
@@ -97,13 +104,28 @@ class AsyncLLM(EngineClient, LocalEngine):
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         done = False   # True once the engine holds nothing more of this request
-        self._num_adding += 1
+        handed_over = False   # set once, by the engine thread's add or by a caller who left before it ran
+
+        def add_on_engine_thread():
+            nonlocal handed_over
+            with self._adding_lock:
+                if handed_over:
+                    return
+                handed_over = True
+                self._num_adding -= 1
+                self.engine.add_request(request_id, prompt, sampling_params, priority=priority,
+                                        lora_request=lora_request)
+
+        with self._adding_lock:
+            self._num_adding += 1
         try:
             try:
-                await self._on_engine_thread(partial(self.engine.add_request, request_id, prompt, sampling_params,
-                                                     priority=priority, lora_request=lora_request))
+                await self._on_engine_thread(add_on_engine_thread)
             finally:
-                self._num_adding -= 1
+                with self._adding_lock:
+                    if not handed_over:
+                        handed_over = True
+                        self._num_adding -= 1
             self._new_work.set()
             while not done:
                 item = await queue.get()

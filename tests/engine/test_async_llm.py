@@ -8,6 +8,7 @@ import pytest
 from pagedllm import LLM
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError
+from pagedllm.engine.protocol import EngineOverloadedError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import RequestOutputKind
 from tests.utils import collect, greedy, random_prompts
@@ -186,6 +187,36 @@ def test_an_invalid_request_fails_alone(engine):
     bad, goods = serve(engine, scenario)
     assert isinstance(bad, ValueError) and "max_model_len" in str(bad)
     assert all(stream[-1].finished and len(stream[-1].outputs[0].token_ids) == 10 for stream in goods)
+
+
+def test_past_max_waiting_requests_a_request_is_refused_and_each_waiting_one_counts_once(engine):
+    """While no step runs, three requests fill max_waiting_requests=3 and a fourth is refused. A request listener
+    reads the count on the engine thread as each request joins the scheduler's queue: it must see 1, 2, 3. Once
+    a request was counted both as being added and as queued, and a burst was refused one request early."""
+    prompts = random_prompts(4, seed=6)
+    release = threading.Event()
+    counts_seen = []
+
+    async def scenario(llm):
+        llm.max_waiting_requests = 3
+        engine.core.request_listeners.append(lambda request, siblings: counts_seen.append(llm.num_waiting_requests))
+        engine.core.step_gates.append(lambda: release.wait(0.005))   # shut (polling) until released
+        try:
+            queued = []
+            for index, prompt in enumerate(prompts[:3]):
+                queued.append(asyncio.create_task(collect(llm, prompt, greedy(4), f"queued-{index}")))
+                await wait_until(lambda: len(engine.scheduler.waiting) == index + 1, "the request was not queued")
+            with pytest.raises(EngineOverloadedError, match="3 requests are waiting"):
+                await collect(llm, prompts[3], greedy(4), "refused")
+            release.set()
+            return await asyncio.gather(*queued)
+        finally:
+            engine.core.request_listeners.pop()
+            engine.core.step_gates.pop()
+
+    streams = serve(engine, scenario)
+    assert counts_seen == [1, 2, 3]
+    assert all(stream[-1].finished and len(stream[-1].outputs[0].token_ids) == 4 for stream in streams)
 
 
 def test_duplicate_request_id_is_refused(engine):
