@@ -20,6 +20,8 @@ import tracemalloc
 from array import array
 from typing import Callable
 
+import numpy as np
+
 from benchmarks.reliability.simulated_engine import Engine
 from benchmarks.reliability.simulation_checks import (HeapTracer, check_coverage, check_idle, check_memory,
                                                       check_mid_run, evict_all, measure_memory, release_capacity)
@@ -271,17 +273,8 @@ class Simulation:
         runner's own block table (so a wrong step delta shows), prefills that end and sequences about to
         end read back; then random tokens (a stop token where the sequence is to stop) or, for beams,
         random candidates (EOS among them now and then)."""
-        scheduler, shadow, random_ = engine.scheduler, engine.shadow, self.rng.random
-        requests = scheduler.requests
-        for row, count in zip(rows.tolist(), num_new.tolist()):
-            request_id = batch.req_ids[row]
-            request = requests[request_id]
-            start = int(batch.num_computed_tokens[row])
-            table = batch.block_table[row, :batch.num_blocks[row]].tolist()
-            tokens = batch.token_ids[row, :batch.num_tokens[row]].tolist()
-            shadow.write(table, tokens, start, count, request.cache_salt)
-            if count > 1 and start + count == len(tokens):   # a prefill just ended: prefix hits must read back
-                self.read_back(engine, request, start + count)
+        requests, random_ = engine.scheduler.requests, self.rng.random
+        self.write_shadow(engine, batch, rows, num_new)
         req_ids = [batch.req_ids[row] for row in sampling_rows.tolist()]
         token_ids, top_ids, top_values = [], [], []
         for request_id in req_ids:
@@ -302,6 +295,34 @@ class Simulation:
             if ends:
                 self.read_back(engine, request, request.num_tokens)
         return ModelRunnerOutput(req_ids, token_ids, [0.0] * len(req_ids), top_ids, top_values)
+
+    def write_shadow(self, engine: Engine, batch, rows: np.ndarray, num_new: np.ndarray) -> None:
+        """Writes the step's computed tokens to the shadow KV through the runner's own block tables, decodes
+        (one token each, first among the rows) in one gather; a prefill that ends reads back. Reads only the
+        entries written, bounded by each row's own counts as a whole-row read would be: a wrong step delta
+        (a short table, a missing token) still raises, or writes where it points."""
+        shadow, requests, size = engine.shadow, engine.scheduler.requests, engine.shadow.block_size
+        starts = batch.num_computed_tokens[rows]
+        decoding = num_new == 1
+        decode_rows, decode_starts = rows[decoding], starts[decoding]
+        block_indices = decode_starts // size
+        if not ((decode_starts < batch.num_tokens[decode_rows]).all()
+                and (block_indices < batch.num_blocks[decode_rows]).all()):
+            raise IndexError("the runner's batch lacks a decoding row's token or block-table entry")
+        block_ids = batch.block_table[decode_rows, block_indices]
+        shadow.write_decodes((block_ids * size + decode_starts % size).tolist(), block_ids.tolist(),
+                             batch.token_ids[decode_rows, decode_starts].tolist(),
+                             [requests[batch.req_ids[row]].cache_salt for row in decode_rows.tolist()])
+        prefilling = ~decoding
+        for row, start, count in zip(rows[prefilling].tolist(), starts[prefilling].tolist(),
+                                     num_new[prefilling].tolist()):
+            request = requests[batch.req_ids[row]]
+            end, first_block, num_tokens = start + count, start // size, int(batch.num_tokens[row])
+            table = batch.block_table[row, first_block:min(-(-end // size), int(batch.num_blocks[row]))].tolist()
+            shadow.write(table, first_block, batch.token_ids[row, start:min(end, num_tokens)].tolist(), start,
+                         request.cache_salt)
+            if end == num_tokens:   # a prefill just ended: prefix hits must read back
+                self.read_back(engine, request, end)
 
     def catch_up(self, sampled, forked: list[Request], beams_before: dict[Job, list[Request]]) -> None:
         """The simulation's records after update_from_output: forked siblings are live, finished sequences
@@ -324,7 +345,8 @@ class Simulation:
     def read_back(self, engine: Engine, request: Request, count: int) -> None:
         self.report.shadow_reads += 1
         block_ids = engine.kv.get_block_table(request.request_id)
-        if not engine.shadow.reads_back(block_ids, request.all_token_ids, count, request.cache_salt):
+        if not engine.shadow.reads_back(request.request_id, block_ids, request.all_token_ids, count,
+                                        request.cache_salt):
             self.fail([f"{request.request_id} reads back other tokens (or another salt's) than its own through "
                        f"its block table ({count} computed tokens, table {block_ids})"],
                       f"step {self.step} ({engine.phase.name}), shadow KV")
@@ -392,6 +414,7 @@ class Simulation:
         if self.owner or self.stop_at or self.searches:
             problems.append(f"the simulation itself still tracks {len(self.owner) + len(self.searches)} sequences")
         self.fail(problems, f"idle point after step {self.step} ({engine.phase.name})")
+        engine.shadow.forget()
 
     def end_segment(self, engine: Engine) -> None:
         """Evicts the segment's cached blocks, releases spare capacity and takes a memory sample."""
@@ -401,7 +424,7 @@ class Simulation:
         engine.shadow.clear()
         self.workload.recent.clear()
         release_capacity([self, self.workload, self.report] + [owner for e in self.engines for owner in (
-            e.kv, e.kv.pool, e.scheduler, e.core, e.runner.input_batch)])
+            e.kv, e.kv.pool, e.scheduler, e.core, e.runner.input_batch, e.shadow)])
         self.report.record_memory(measure_memory(self.report.requests))
 
 

@@ -62,7 +62,7 @@ class EngineReplica:
             kv = self.llm.engine.kv_manager
             # Past twice what the tiers can hold, a snapshot is smaller than the events.
             capacity = kv.pool.num_blocks + (kv.disk.capacity_blocks if kv.disk is not None else 0)
-            self._hash_log = kv.publish_block_hashes(max_events=2 * capacity)
+            self._hash_log = kv.tiers.publish_block_hashes(max_events=2 * capacity)
 
     def info(self) -> ReplicaInfo:
         import ray
@@ -117,7 +117,7 @@ class EngineReplica:
             events = self._hash_log.drain()
             if events is not None:
                 return BlockHashReport(events)
-            snapshot = await self.llm.call_in_engine_thread(self.llm.engine.kv_manager.block_hash_snapshot)
+            snapshot = await self.llm.call_in_engine_thread(self.llm.engine.kv_manager.tiers.block_hash_snapshot)
             return BlockHashReport(self._hash_log.drain() or [], snapshot)
 
     async def abort(self, request_id: str) -> None:

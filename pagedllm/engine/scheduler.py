@@ -196,7 +196,7 @@ class Scheduler:
                 continue
             if request.grammar is not None and not request.grammar.is_ready:
                 continue
-            if self.kv_manager.is_loading(request.request_id):
+            if self.kv_manager.tiers.is_loading(request.request_id):
                 continue
             return index
         return None
@@ -217,12 +217,12 @@ class Scheduler:
                 self.finish(request, RequestStatus.FINISHED_ERROR)
                 self.failed_requests.append(request)
                 continue
-            if kv.is_swapped(request.request_id):
-                if kv.swap_in(request.request_id, request.num_tokens) or (
+            if kv.tiers.is_swapped(request.request_id):
+                if kv.tiers.swap_in(request.request_id, request.num_tokens) or (
                         not self.running and self._make_room_when_idle(request)):
                     continue   # admitted once its blocks are copied back
                 break
-            restored = kv.restored_tokens(request.request_id)
+            restored = kv.tiers.restored_tokens(request.request_id)
             if restored is not None:   # swapped back in: its KV is in place
                 cached, num_computed = [], restored
             else:
@@ -250,7 +250,7 @@ class Scheduler:
             if restored is None:
                 kv.record_prefix_lookup(request.num_tokens, num_computed)
                 request.num_cached_tokens = num_computed
-            kv.take_restored(request.request_id)
+            kv.tiers.take_restored(request.request_id)
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._order_key)
@@ -268,10 +268,10 @@ class Scheduler:
         kv = self.kv_manager
         kv.drop_pins_for(request.num_tokens)
         for other in self.waiting:
-            if other is not request and kv.restored_tokens(other.request_id) is not None:
+            if other is not request and kv.tiers.restored_tokens(other.request_id) is not None:
                 kv.free(other.request_id)
                 other.num_computed_tokens = 0
-        return kv.swap_in(request.request_id, request.num_tokens)
+        return kv.tiers.swap_in(request.request_id, request.num_tokens)
 
     def _preempt_until_fits(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Preempts the least important running requests until `request` gets its blocks;

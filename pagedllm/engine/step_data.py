@@ -43,7 +43,7 @@ def describe_scheduled(scheduled: list[tuple[Request, int]], out: SchedulerOutpu
             on_prefill_done(request, num_new, out)
     out.total_num_scheduled_tokens = sum(num_scheduled.values())
     out.block_copies = kv.take_block_copies()
-    out.disk_work = kv.take_disk_work()
+    out.disk_work = kv.tiers.take_work()
 
 
 def new_request_data(request: Request, table: list[int], sample_with: str | None = None) -> NewRequestData:

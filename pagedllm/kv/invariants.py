@@ -96,7 +96,7 @@ def check_kv_idle(kv: KVCacheManager) -> list[str]:
     if pool.num_free_blocks != pool.num_blocks:
         problems.append(f"pool not whole: {pool.num_free_blocks} of {pool.num_blocks} blocks free")
     problems += check_free_queue(pool) + check_cached_blocks(pool)
-    left = per_request_state(kv) + [state for books in kv.tier_books for state in per_request_state(books)]
+    left = per_request_state(kv) + [state for books in kv.tiers.books for state in per_request_state(books)]
     if left:
         problems.append(f"the KV manager holds per-request state at an idle point: {', '.join(left)}")
     return problems

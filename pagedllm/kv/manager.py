@@ -22,11 +22,12 @@ shortened to what fits); deadlines are read from an injectable clock.
 With a disk tier (kv/disk_tier.py) cached blocks evicted from the pool are spilled to disk, and a waiting
 request whose prefix continues on disk has those blocks loaded into free blocks first (load_from_disk, the
 blocks kept by kv/disk_loads.py; read ahead while they are not free yet): they are held for it, cached once
-loaded, and taken as prefix hits when it is admitted. The manager only decides; take_disk_work() hands the step's spills, loads and deletes to the
-workers, and complete_disk_loads() applies what they could not read (those tokens are recomputed).
+loaded, and taken as prefix hits when it is admitted. The manager only decides; `tiers` (kv/tiers.py) says who
+waits for blocks and hands the step's spills, loads and deletes to the workers, and complete_disk_loads()
+applies what they could not read (those tokens are recomputed).
 
 With a swap space (kv/swap.py) a preempted request may be swapped out instead of recomputed (the records in
-kv/swapped_requests.py): its computed blocks are copied out and freed; when it is admitted again, swap_in
+kv/swapped_requests.py): its computed blocks are copied out and freed; when it is admitted again, tiers.swap_in
 queues their copies back for one step, after which its table and computed tokens are back as they were
 (shortened at the first block that could not be read).
 """
@@ -37,11 +38,10 @@ from collections.abc import Callable
 
 from pagedllm.kv.block_pool import (PROCESS_ROOT_HASH, BlockHash, BlockKey, BlockPool, KVBlock, block_key,
                                     blocks_needed, extend_block_hashes)
-from pagedllm.kv.disk_loads import DiskLoads, DiskWork
 from pagedllm.kv.disk_tier import DiskTier, key_digest
-from pagedllm.kv.hash_log import DISK, RAM, BlockHashLog, short_hash
 from pagedllm.kv.swap import SwapSpace
-from pagedllm.kv.swapped_requests import SwappedRequest, SwappedRequests, copied_on_swap
+from pagedllm.kv.swapped_requests import SwappedRequest, copied_on_swap
+from pagedllm.kv.tiers import KVTiers
 from pagedllm.kv.usage import KVCacheUsage, measure_usage
 
 
@@ -72,9 +72,8 @@ class KVCacheManager:
         self.disk = disk_tier
         self.root_hash = PROCESS_ROOT_HASH if root_hash is None else root_hash
         self.pool = BlockPool(num_blocks, record_evictions=disk_tier is not None)
-        self._disk_loads = DiskLoads(self.pool, disk_tier) if disk_tier is not None else None
         self.swap = swap_space
-        self._swapped = SwappedRequests(self.pool, swap_space, block_size) if swap_space is not None else None
+        self.tiers = KVTiers(self.pool, block_size, disk_tier, swap_space)   # what waits, and the step's work
         self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
         self.clock = clock
         self.block_tables: dict[str, list[KVBlock]] = {}
@@ -128,40 +127,11 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def publish_block_hashes(self, max_events: int) -> BlockHashLog:
-        """From now on the tiers record the hashes they gain and lose in the returned log (a data-parallel
-        replica reports them to its router); its first report is a snapshot (block_hash_snapshot)."""
-        log = BlockHashLog(max_events)
-        self.pool.hash_log = log
-        if self.disk is not None:
-            self.disk.hash_log = log
-        return log
-
-    def block_hash_snapshot(self) -> dict[int, int]:
-        """Short hash -> tier bits of every block the prefix cache and the disk tier hold now; restarts the log,
-        whose events from here on follow this snapshot. On the engine thread."""
-        held = {short_hash(block_hash): RAM for block_hash in self.pool.cached_blocks}
-        for block_hash in self.disk.entries if self.disk is not None else ():
-            key = short_hash(block_hash)
-            held[key] = held.get(key, 0) | DISK
-        self.pool.hash_log.restart()
-        return held
-
-    @property
-    def tier_books(self) -> list[DiskLoads | SwappedRequests]:
-        """The disk loads' and the swapped requests' books, where the tiers keep their per-request state."""
-        return [books for books in (self._disk_loads, self._swapped) if books is not None]
-
-    def is_loading(self, request_id: str) -> bool:
-        """Whether the request waits for blocks being read back (disk hits or a swap-in) in the current step."""
-        return ((self._disk_loads is not None and request_id in self._disk_loads)
-                or (self._swapped is not None and self._swapped.is_swapping_in(request_id)))
-
     def load_from_disk(self, request_id: str, token_ids: list[int], ram_hits: list[KVBlock]) -> bool:
         """After get_computed_blocks: if the request's prefix continues on disk and all its blocks are free, takes
         free blocks for those disk blocks, queues their loads for this step and holds the RAM hits too, so
         nothing of the prefix is evicted meanwhile. True when loads were queued: the request waits a step."""
-        if self.disk is None or request_id in self._disk_loads:
+        if self.disk is None or request_id in self.tiers.disk_loads:
             return False
         hashes = self._block_hashes.get(request_id, [])
         found = []
@@ -177,9 +147,9 @@ class KVCacheManager:
         # admitted would otherwise starve each other, with nothing running to free any.
         if blocks_needed(len(token_ids), self.block_size) - len(ram_hits) > self.pool.num_free_blocks:
             self.pool.free(ram_hits)
-            self._disk_loads.read_ahead(request_id, found)   # while the running requests free blocks
+            self.tiers.disk_loads.read_ahead(request_id, found)   # while the running requests free blocks
             return False
-        self._disk_loads.start(request_id, ram_hits, found)
+        self.tiers.disk_loads.start(request_id, ram_hits, found)
         return True
 
     def complete_disk_loads(self, failed_block_ids: list[int]) -> None:
@@ -187,27 +157,10 @@ class KVCacheManager:
         blocks the workers could not read are freed and forgotten on disk, so their tokens are recomputed;
         swapped-in requests get their tables back."""
         failed = set(failed_block_ids)
-        if self._disk_loads is not None:
-            self._disk_loads.complete(failed)
-        for request_id, record, table, num_tokens in self._swapped.complete(failed) if self._swapped else ():
+        if self.tiers.disk_loads is not None:
+            self.tiers.disk_loads.complete(failed)
+        for request_id, record, table, num_tokens in self.tiers.swapped.complete(failed) if self.tiers.swapped else ():
             self._install_swapped_in(request_id, record, table, num_tokens)
-
-    def take_disk_work(self) -> DiskWork | None:
-        """The step's tier work, once every allocation of the step is made (None without a disk tier or a
-        swap space)."""
-        if self.disk is None and self.swap is None:
-            return None
-        work = DiskWork([], [], [])
-        if self._disk_loads is not None:
-            work = DiskWork(self._disk_loads.take_spills(), self._disk_loads.take_loads(), self.disk.take_deletes(),
-                            read_ahead=self._disk_loads.take_read_ahead())
-        if self._swapped is not None:
-            work.swap_outs, work.swap_ins, work.swap_drops = self._swapped.take_work()
-        return work
-
-    def is_swapped(self, request_id: str) -> bool:
-        """Whether the request's KV waits in the swap space (swapped out, not yet swapped in)."""
-        return self._swapped is not None and self._swapped.is_swapped(request_id)
 
     def num_blocks_to_swap(self, request_id: str, num_computed_tokens: int) -> int:
         """How many blocks swap_out would copy: the computed ones but the shared prefix-cache blocks."""
@@ -223,23 +176,17 @@ class KVCacheManager:
         when there is no swap space, nothing computed, or too little room: the caller then frees it to
         recompute."""
         kept = self._kept_blocks(request_id, num_computed_tokens)
-        if self._swapped is None or not kept:
+        if self.tiers.swapped is None or not kept:
             return False
-        entries = self._swapped.copy_out(kept)
+        entries = self.tiers.swapped.copy_out(kept)
         if entries is None:
             return False
         record = SwappedRequest(num_computed_tokens, self.num_released_blocks(request_id), entries,
                                 list(self._block_hashes.get(request_id, [])), self._num_cached_blocks[request_id],
                                 self._cache_salts.get(request_id), request_id in self._forked)
         self.free(request_id)
-        self._swapped.park(request_id, record)
+        self.tiers.swapped.park(request_id, record)
         return True
-
-    def swap_in(self, request_id: str, num_tokens: int) -> bool:
-        """Starts bringing a swapped-out request of num_tokens tokens back: its copies are read back in this
-        step (the request waits: is_loading). Only when every block the request needs is free now (as
-        load_from_disk); False, with nothing changed, otherwise."""
-        return self._swapped is not None and self._swapped.swap_in(request_id, num_tokens)
 
     def _install_swapped_in(self, request_id: str, record: SwappedRequest, table: list[KVBlock],
                             num_tokens: int) -> None:
@@ -256,15 +203,6 @@ class KVCacheManager:
             self._cache_salts[request_id] = record.cache_salt
         if record.forked:
             self._forked.add(request_id)
-
-    def restored_tokens(self, request_id: str) -> int | None:
-        """The computed tokens of a request swapped back in and not yet admitted (its table is in place)."""
-        return self._swapped.restored_tokens(request_id) if self._swapped is not None else None
-
-    def take_restored(self, request_id: str) -> None:
-        """The swapped-in request is admitted: from now on it is an ordinary running request."""
-        if self._swapped is not None:
-            self._swapped.take_restored(request_id)
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts one scheduled lookup, for the hit rate (only lookups that led to a run count)."""
@@ -311,8 +249,8 @@ class KVCacheManager:
             table.extend(new_blocks)
             block_ids.extend(block.block_id for block in new_blocks)
         self.block_tables[request_id] = table
-        if self._disk_loads is not None:
-            self._disk_loads.release(request_id)   # its table holds them now
+        if self.tiers.disk_loads is not None:
+            self.tiers.disk_loads.release(request_id)   # its table holds them now
         self._num_cached_blocks.setdefault(request_id, len(cached_blocks))
         self.num_tokens[request_id] = max(num_total_tokens, self.num_tokens.get(request_id, 0))
         return True
@@ -420,12 +358,12 @@ class KVCacheManager:
         self._forked.discard(request_id)
         self._rewritten.pop(request_id, None)
         released = self._num_released.pop(request_id, 0)
-        if self._disk_loads is not None:
-            self._disk_loads.forget(request_id)
+        if self.tiers.disk_loads is not None:
+            self.tiers.disk_loads.forget(request_id)
         if table:
             self.pool.free(table[released:][::-1])
-        if self._swapped is not None:
-            self._swapped.forget(request_id)
+        if self.tiers.swapped is not None:
+            self.tiers.swapped.forget(request_id)
 
     def usage(self) -> KVCacheUsage:
         """The figures now; pins whose time is up are dropped first (an idle engine runs no step to do it)."""

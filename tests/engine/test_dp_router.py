@@ -22,7 +22,7 @@ class FakeReplica:
     def __init__(self, num_blocks: int = 64, disk_blocks: int | None = None):
         disk = DiskTier(disk_blocks) if disk_blocks is not None else None
         self.kv = KVCacheManager(num_blocks, BLOCK_SIZE, disk_tier=disk)
-        self.log = self.kv.publish_block_hashes(max_events=1000)
+        self.log = self.kv.tiers.publish_block_hashes(max_events=1000)
         self.mirror = CachedBlocksMirror()
         self.num_requests = 0
 
@@ -39,7 +39,7 @@ class FakeReplica:
         """What EngineReplica.block_hash_report sends, applied as the front applies it."""
         events = self.log.drain()
         self.mirror.apply(BlockHashReport(events) if events is not None
-                          else BlockHashReport([], self.kv.block_hash_snapshot()))
+                          else BlockHashReport([], self.kv.tiers.block_hash_snapshot()))
 
     def cached_blocks_for(self, token_ids: list[int], salt: str | None = None) -> int:
         return self.mirror.num_leading_held(prompt_block_hashes(token_ids, salt, BLOCK_SIZE, self.kv.root_hash))
@@ -114,7 +114,7 @@ def test_the_mirror_keeps_a_block_held_on_disk_after_ram_evicts_it():
     first, second = list(range(300, 309)), list(range(400, 409))
     replica.serve(first)
     replica.serve(second)
-    replica.kv.take_disk_work()   # what the step does: evicted blocks spill
+    replica.kv.tiers.take_work()   # what the step does: evicted blocks spill
     replica.report()
     bits = [replica.mirror.held.get(key) for key in prompt_block_hashes(first, None, BLOCK_SIZE, replica.kv.root_hash)]
     assert all(b is not None and b & DISK for b in bits), bits

@@ -76,16 +76,16 @@ def test_a_waiting_request_that_cannot_load_yet_has_its_disk_blocks_read_ahead_o
     kv.cache_full_blocks("a", prompt, 13)
     kv.free("a")
     assert kv.allocate_slots("b", 16, 0)   # takes all 4 blocks: a's 3 cached blocks spill
-    spilled = [(block_hash, digest) for _, block_hash, digest in kv.take_disk_work().spills]
+    spilled = [(block_hash, digest) for _, block_hash, digest in kv.tiers.take_work().spills]
     assert len(spilled) == 3
     for _ in range(2):   # b holds every block: a2 cannot load, and its blocks are named once
         hits = kv.get_computed_blocks("a2", prompt)
         assert not kv.load_from_disk("a2", prompt, hits)
-    work = kv.take_disk_work()
+    work = kv.tiers.take_work()
     assert sorted(work.read_ahead) == sorted(spilled) and work.loads == []   # named in prefix order
     kv.free("b")
     assert kv.load_from_disk("a2", prompt, kv.get_computed_blocks("a2", prompt))
-    assert [block_hash for _, block_hash, _ in kv.take_disk_work().loads] == [h for h, _ in work.read_ahead]
+    assert [block_hash for _, block_hash, _ in kv.tiers.take_work().loads] == [h for h, _ in work.read_ahead]
     kv.complete_disk_loads([])
     problems = check_kv_idle(kv)   # a2 never ended: the idle check sees what the tier's books hold for it
     assert "_read_ahead_for (1)" in problems[-1] and "_staged (1)" in problems[-1]

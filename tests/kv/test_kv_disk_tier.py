@@ -163,18 +163,18 @@ def test_the_manager_spills_evicted_blocks_and_loads_a_disk_prefix_into_held_blo
     """Bookkeeping alone, block counts by hand: 4 blocks, a 3-block prefix evicted, then found on disk."""
     kv = KVCacheManager(4, 4, disk_tier=DiskTier(capacity_blocks=8))
     prompt = list(range(13))   # 3 full blocks of 4 + 1
-    assert kv.allocate_slots("a", 13, 0) and kv.take_disk_work().spills == []
+    assert kv.allocate_slots("a", 13, 0) and kv.tiers.take_work().spills == []
     kv.cache_full_blocks("a", prompt, 13)
     kv.free("a")
     assert kv.allocate_slots("b", 16, 0)   # takes all 4: evicts a's 3 cached blocks
-    work = kv.take_disk_work()
+    work = kv.tiers.take_work()
     assert len(work.spills) == 3 and len(kv.disk) == 3
     kv.free("b")
     hits = kv.get_computed_blocks("a2", prompt)
     assert hits == [] and kv.load_from_disk("a2", prompt, hits)
-    loads = kv.take_disk_work().loads
+    loads = kv.tiers.take_work().loads
     assert [block_hash for _, block_hash, _ in loads] == kv._block_hashes["a2"]
-    assert kv.pool.num_free_blocks == 1 and kv.is_loading("a2")
+    assert kv.pool.num_free_blocks == 1 and kv.tiers.is_loading("a2")
     kv.complete_disk_loads(failed_block_ids=[loads[2][0]])   # the third could not be read
     assert (kv.disk.counters.hits, kv.disk.counters.read_failures, len(kv.disk)) == (2, 1, 2)
     hits = kv.get_computed_blocks("a2", prompt)

@@ -453,7 +453,7 @@ class DiskKVManagerMachine(KVManagerMachine):
         manager, name, tokens = self.manager, self._name(), prefix + tail
         hits = manager.get_computed_blocks(name, tokens)
         if manager.load_from_disk(name, tokens, hits):
-            work = manager.take_disk_work()
+            work = manager.tiers.take_work()
             for _, block_hash, digest in work.loads:   # found in the index before this step's spills
                 assert self.files[block_hash] == digest
             self._apply(work)
@@ -474,7 +474,7 @@ class DiskKVManagerMachine(KVManagerMachine):
     @invariant()
     def disk_books_balance(self):
         """Both tiers: the index is exactly the files, within the quota, and lists no block twice."""
-        self._apply(self.manager.take_disk_work())
+        self._apply(self.manager.tiers.take_work())
         disk = self.manager.disk
         assert dict(disk.entries) == self.files
         assert len(disk) <= self.DISK_BLOCKS
@@ -502,7 +502,7 @@ class SwapMoves:
         return SwapSpace(self.SWAP_BLOCKS, disk)
 
     def _take_work(self):
-        work = self.manager.take_disk_work()
+        work = self.manager.tiers.take_work()
         self._apply(work)
         for key in work.swap_drops:
             del self.copies[key]
@@ -523,7 +523,7 @@ class SwapMoves:
         assert len(work.swap_outs) == to_copy <= room
         for block_id, key in work.swap_outs:
             self.copies[key] = (name, entry_of[block_id])
-        assert name not in manager.block_tables and manager.is_swapped(name)
+        assert name not in manager.block_tables and manager.tiers.is_swapped(name)
         self.swapped[name] = self.tokens.pop(name)
         self.growth_when_swapped[name] = self.computed_at_growth.pop(name, None)
 
@@ -534,10 +534,10 @@ class SwapMoves:
         table up to the first failed entry, and is admitted with those tokens computed."""
         manager, name = self.manager, data.draw(st.sampled_from(sorted(self.swapped)))
         tokens = self.swapped[name]
-        if not manager.swap_in(name, len(tokens)):
-            assert manager.is_swapped(name) and not manager.is_loading(name)
+        if not manager.tiers.swap_in(name, len(tokens)):
+            assert manager.tiers.is_swapped(name) and not manager.tiers.is_loading(name)
             return
-        assert manager.is_loading(name)
+        assert manager.tiers.is_loading(name)
         work = self._take_work()
         landing = {}
         for block_id, key in work.swap_ins:
@@ -546,7 +546,7 @@ class SwapMoves:
         failed = [block_id for (block_id, _), fail in zip(work.swap_ins, fails) if fail]
         manager.complete_disk_loads(failed)
         del self.swapped[name]
-        restored = manager.restored_tokens(name)
+        restored = manager.tiers.restored_tokens(name)
         if restored is None:   # a copy of the first entry failed (or a shared block is gone): it recomputes
             assert name not in manager.block_tables
             return
@@ -558,7 +558,7 @@ class SwapMoves:
         assert restored == min(len(tokens), len(table) * self.BLOCK_SIZE)
         if not failed:
             assert restored == len(tokens) or len(table) < math.ceil(len(tokens) / self.BLOCK_SIZE)
-        manager.take_restored(name)
+        manager.tiers.take_restored(name)
         self.tokens[name] = tokens[:restored]
         growth = self.growth_when_swapped.pop(name)
         if growth is not None:   # released entries stay released: as at its last growth
@@ -581,7 +581,7 @@ class SwapMoves:
         swap = self.manager.swap
         assert len(self.copies) == swap.num_blocks <= swap.capacity_blocks
         assert {owner for owner, _ in self.copies.values()} <= set(self.swapped)
-        assert all(self.manager.is_swapped(name) for name in self.swapped)
+        assert all(self.manager.tiers.is_swapped(name) for name in self.swapped)
         if swap.disk is not None:
             assert len(swap.disk) + swap.num_blocks <= swap.disk.capacity_blocks
 

@@ -182,8 +182,8 @@ def test_the_kv_map_shows_swapped_out_requests_and_blocks_below_the_pool(tiny_di
         assert (figures["num_disk_blocks"], figures["disk_capacity_blocks"]) == (len(kv.disk), kv.disk.capacity_blocks)
         assert (figures["num_swapped_blocks"], figures["swap_tier"]) == (kv.swap.num_blocks, "disk")
         swapped = [row["request_id"] for row in snapshot["requests"] if row["phase"] == "swapped out"]
-        assert swapped == [request_id for request_id in engine.scheduler.requests if kv.is_swapped(request_id)
-                           or kv.restored_tokens(request_id) is not None or kv.is_loading(request_id)]
+        assert swapped == [request_id for request_id in engine.scheduler.requests if kv.tiers.is_swapped(request_id)
+                           or kv.tiers.restored_tokens(request_id) is not None or kv.tiers.is_loading(request_id)]
         if kv.swap.num_blocks:
             seen_swapped = True
             assert swapped == ["r1"] and capture(engine).counters["num_swapped_blocks"] == 3
