@@ -2,10 +2,13 @@
 
 The logit controls change only the sampling step, so that step is timed alone: a decode batch's
 SamplingBatch.build + sample on random logits of the bundled model's vocabulary, with no row using
-the controls, one row using all three, and every row using them. Prompt logprobs add logits rows to
-the forward pass, so they are timed end to end: the same prompts prefilled (one token generated) with
-and without prompt_logprobs. Variants alternate so slow drift of the machine falls on all alike; each
-figure is a median, in CPU seconds of this process (a shared machine disturbs them less than wall time).
+the controls, one row using all three, and every row using them. The issue's figure is the whole decode
+step, so that is timed too: the same batch of requests decoding on the model, greedy and sampled, plain and
+every row with the controls, in alternating rounds (wall time of the steps in which every request decodes).
+Prompt logprobs add logits rows to the forward pass, so they are timed end to end: the same prompts
+prefilled (one token generated) with and without prompt_logprobs. Variants alternate so slow drift of the
+machine falls on all alike; each figure is a median, in CPU seconds of this process (a shared machine
+disturbs them less than wall time) except the decode steps' wall time.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import numpy as np
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.decode_steps import cpu_name, decode_step_seconds
+from pagedllm.bench.workload import random_workload
 from pagedllm.worker.input_batch import SamplingColumns
 from pagedllm.worker.sampler import SamplingBatch, sample
 
@@ -30,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampler-rounds", type=int, default=200, help="sampling steps per variant (default: 200)")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default: 64)")
     parser.add_argument("--rounds", type=int, default=3, help="prefill rounds per variant (default: 3)")
+    parser.add_argument("--decode-steps", type=int, default=20, help="decode steps timed per variant and round")
+    parser.add_argument("--decode-rounds", type=int, default=2)
+    parser.add_argument("--parts", default="sampler,decode,prefill",
+                        help="comma-separated: sampler, decode, prefill (default: all three)")
     parser.add_argument("--dtype", default="auto")
 
 
@@ -63,9 +72,47 @@ def _report(title: str, medians: dict[str, float], unit: str, scale: float) -> N
         print(f"  {name:36s} {median * scale:9.3f} {unit}   {100 * (median / baseline - 1):+7.1f}%")
 
 
+def _decode_steps(args: argparse.Namespace) -> None:
+    """Whole decode steps on the model, greedy and sampled (temperature 0.8, top-p 0.9), each plain against
+    every row with the controls (the pairs are reported apart: top-p's sort dominates a sampled step)."""
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.batch_size, kv_cache_memory="1GiB",
+              max_model_len=32 + args.decode_steps + 16)
+    engine = llm.llm_engine
+    prompts = [item.prompt_token_ids for item in random_workload(num=args.batch_size, in_min=32, in_max=32,
+                                                                   vocab=engine.model_config.vocab_size)]
+    length = dict(max_tokens=args.decode_steps + 8, ignore_eos=True)
+    pairs = {kind: {"no row with controls": SamplingParams(**sampling, **length),
+                    "every row with controls": SamplingParams(**sampling, **length, **CONTROLS)}
+             for kind, sampling in (("greedy", dict(temperature=0)), ("sampled", dict(temperature=0.8, top_p=0.9)))}
+    decode_step_seconds(engine, prompts, [pairs["greedy"]["every row with controls"]] * args.batch_size, "warm-up")
+    seconds = {(kind, name): [] for kind, variants in pairs.items() for name in variants}
+    for round_index in range(args.decode_rounds):
+        order = list(seconds) if round_index % 2 == 0 else list(seconds)[::-1]
+        for kind, name in order:
+            steps = decode_step_seconds(engine, prompts, [pairs[kind][name]] * args.batch_size,
+                                        f"{kind}-{name}-{round_index}")
+            seconds[(kind, name)] += [wall for wall, _, _ in steps]
+    for kind, variants in pairs.items():
+        _report(f"decode step on the model, {kind}, batch {args.batch_size}, {cpu_name()}, wall time "
+                f"(median of {len(seconds[(kind, 'no row with controls')])}):",
+                {name: statistics.median(seconds[(kind, name)]) for name in variants}, "ms", 1e3)
+
+
 def run(args: argparse.Namespace) -> None:
     plain = SamplingParams(temperature=0.8, top_p=0.9)
     controlled = SamplingParams(temperature=0.8, top_p=0.9, **CONTROLS)
+    parts = set(args.parts.split(","))
+    if parts - {"sampler", "decode", "prefill"}:
+        raise ValueError(f"--parts: unknown part(s) {sorted(parts - {'sampler', 'decode', 'prefill'})}")
+    if "decode" in parts:
+        _decode_steps(args)
+    if "sampler" in parts:
+        _sampler_steps(args, plain, controlled)
+    if "prefill" in parts:
+        _prefill_steps(args)
+
+
+def _sampler_steps(args: argparse.Namespace, plain: SamplingParams, controlled: SamplingParams) -> None:
     samplers = {"no row with controls": [plain] * args.batch_size,
                 "1 row with controls": [controlled] + [plain] * (args.batch_size - 1),
                 "every row with controls": [controlled] * args.batch_size}
@@ -77,6 +124,8 @@ def run(args: argparse.Namespace) -> None:
     _report(f"sampling step, batch {args.batch_size}, vocabulary {VOCAB_SIZE} (median of {args.sampler_rounds}):",
             {name: statistics.median(values) for name, values in seconds.items()}, "ms", 1e3)
 
+
+def _prefill_steps(args: argparse.Namespace) -> None:
     llm = LLM(dtype=args.dtype, max_num_seqs=args.batch_size, enable_prefix_caching=False,
               max_model_len=args.prompt_len + 8)
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 4000 + 200 for j in range(args.prompt_len)]}

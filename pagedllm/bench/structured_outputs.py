@@ -14,6 +14,7 @@ import os
 import statistics
 import time
 
+from pagedllm.bench.decode_steps import cpu_name, decode_step_seconds
 from pagedllm.bench.scheduling import percentile
 from pagedllm.bench.workload import random_workload
 
@@ -34,33 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
-
-
-def _decode_step_seconds(engine, prompts: list[list[int]], params_list: list, tag: str
-                         ) -> list[tuple[float, float]]:
-    """Runs the requests to their end; for each step in which all of them decoded, its wall time, the part
-    outside the model (the scheduler's share holds the bitmask fill and the matchers' advance) and the
-    process's CPU time (steadier than wall time on a machine that other jobs share)."""
-    batch = len(prompts)
-    for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-        engine.add_request(f"{tag}-{index}", {"prompt_token_ids": prompt}, params)
-    seconds = []
-    while engine.has_unfinished_requests():
-        started, cpu_started = time.perf_counter(), time.process_time()
-        engine.step()
-        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-        stats = engine.last_step_stats
-        if stats is not None and stats.num_seqs == batch and stats.num_tokens == batch:
-            seconds.append((elapsed, stats.scheduling_seconds + stats.prepare_seconds, cpu))
-    return seconds
-
-
 def run(args: argparse.Namespace) -> None:
     from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 
@@ -79,12 +53,12 @@ def run(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     engine.structured_output.request_grammar(structured.structured_outputs).compiled.result()
     compile_seconds = time.perf_counter() - started
-    _decode_step_seconds(engine, prompts, params["mixed"], "warm-up")   # discarded: first runs are slower
+    decode_step_seconds(engine, prompts, params["mixed"], "warm-up")   # discarded: first runs are slower
     times: dict[str, list[tuple[float, float, float]]] = {mode: [] for mode in MODES}
     for round_index in range(args.rounds):
         order = MODES if round_index % 2 == 0 else MODES[::-1]
         for mode in order:
-            times[mode] += _decode_step_seconds(engine, prompts, params[mode], f"{mode}-{round_index}")
+            times[mode] += decode_step_seconds(engine, prompts, params[mode], f"{mode}-{round_index}")
     load_after = os.getloadavg()
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; load average {load_before[0]:.2f} before, "
           f"{load_after[0]:.2f} after; batch {args.batch}, {len(times['plain'])} decode steps per mode, "

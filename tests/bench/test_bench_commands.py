@@ -100,6 +100,22 @@ def test_structured_prints_a_row_per_mode(tiny_dir, capsys):
                                                            "1 plain + 1 under the schema"]
 
 
+def test_logit_controls_prints_its_decode_steps_greedy_and_sampled(capsys):
+    out = run_bench(capsys, "logit-controls", "--parts", "decode", "--batch-size", "2", "--decode-steps", "2",
+                    "--decode-rounds", "1", "--dtype", "float32")
+    lines = out.splitlines()
+    for kind in ("greedy", "sampled"):
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"decode step on the model, {kind}, batch 2"))
+        assert [line.split("  ")[1].strip() for line in lines[start + 1:start + 3]] == [
+            "no row with controls", "every row with controls"]
+    assert "sampling step" not in out and "prefill" not in out   # only the part asked for
+
+
+def test_logit_controls_refuses_an_unknown_part(capsys):
+    with pytest.raises(ValueError, match="--parts"):
+        run_bench(capsys, "logit-controls", "--parts", "decode,forward")
+
+
 def test_accuracy_prints_its_agreement_table(tiny_dir, capsys):
     out = run_bench(capsys, "accuracy", tiny_dir, "--num-prompts", "2", "--max-tokens", "4", "--no-chat")
     assert len(table_rows(out, "| identical sequences | mean common prefix | same token at a position |")) == 1
