@@ -11,6 +11,8 @@
 #include "ops.h"
 #include "attention_tiles.h"
 
+#include <ATen/record_function.h>
+
 namespace {
 
 using namespace pagedllm;
@@ -141,6 +143,7 @@ void cascade_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Ten
                        OptionalTensor v_scales, at::Tensor block_tables, at::Tensor query_starts,
                        at::Tensor context_lens, at::Tensor group_seqs, at::Tensor group_starts,
                        at::Tensor shared_lens, double scale, double logit_softcap) {
+  RECORD_FUNCTION("pagedllm::cascade_attention", std::vector<c10::IValue>({out}));   // torch.profiler names it
   check_caches(k_cache, v_cache, k_scales, v_scales, "cascade_attention");
   for (const at::Tensor& t : {block_tables, query_starts, context_lens, group_seqs, group_starts, shared_lens})
     TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kLong,

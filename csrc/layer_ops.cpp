@@ -7,6 +7,7 @@
 #include "vectors.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -111,6 +112,7 @@ void write_rows(const at::Tensor& k_cache, const at::Tensor& v_cache, const Opti
 }  // namespace
 
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+  RECORD_FUNCTION("pagedllm::rms_norm", std::vector<c10::IValue>({out}));   // torch.profiler names it
   check_norm(out, x, weight);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), nullptr, x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
@@ -119,6 +121,7 @@ void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
 }
 
 void add_rms_norm(at::Tensor out, at::Tensor residual, at::Tensor x, at::Tensor weight, double eps) {
+  RECORD_FUNCTION("pagedllm::add_rms_norm", std::vector<c10::IValue>({out}));   // torch.profiler names it
   check_norm(out, x, weight);
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "add_rms_norm: residual must match x");
@@ -129,6 +132,7 @@ void add_rms_norm(at::Tensor out, at::Tensor residual, at::Tensor x, at::Tensor 
 }
 
 void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos_sin) {
+  RECORD_FUNCTION("pagedllm::rotary_embedding", std::vector<c10::IValue>({x}));   // torch.profiler names it
   const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
   TORCH_CHECK(x.stride(2) == 1 && half % kLanes == 0, "rotary_embedding: head_dim must be a multiple of 32, rows dense");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "rotary_embedding: int64 positions");
@@ -157,6 +161,7 @@ void rotary_embedding(at::Tensor x, at::Tensor positions, at::Tensor cos_sin) {
 }
 
 void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
+  RECORD_FUNCTION("pagedllm::silu_and_mul", std::vector<c10::IValue>({out}));   // torch.profiler names it
   const int64_t size = out.size(-1), rows = out.numel() / size;
   TORCH_CHECK(out.is_contiguous() && gate_up.is_contiguous() && gate_up.size(-1) == 2 * size && size % kLanes == 0,
               "silu_and_mul: contiguous [rows, 2 * size] -> [rows, size], size a multiple of 16");
@@ -182,6 +187,7 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
 
 void write_kv(at::Tensor k_cache, at::Tensor v_cache, OptionalTensor k_scales, OptionalTensor v_scales, at::Tensor k,
               at::Tensor v, at::Tensor slot_mapping) {
+  RECORD_FUNCTION("pagedllm::write_kv", std::vector<c10::IValue>({k_cache}));   // torch.profiler names it
   check_caches(k_cache, v_cache, k_scales, v_scales, "write_kv");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.scalar_type() == v.scalar_type(),
               "write_kv: K and V rows dense, of one dtype");

@@ -7,6 +7,7 @@
 #include "vectors.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <vector>
@@ -171,6 +172,7 @@ void with_float_type(at::ScalarType type, const char* name, F&& f) {
 
 void lora_sgmv(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks, at::Tensor column_starts,
                at::Tensor rows, at::Tensor segments) {
+  RECORD_FUNCTION("pagedllm::lora_sgmv", std::vector<c10::IValue>({out}));   // torch.profiler names it
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "lora_sgmv: x, out must be [rows, features]");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "lora_sgmv: x, out rows must be contiguous");
   TORCH_CHECK(out.scalar_type() == x.scalar_type() && b.scalar_type() == a.scalar_type(),

@@ -13,6 +13,7 @@
 #include "vectors.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -244,6 +245,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, OptionalTensor k_scales,
                      OptionalTensor v_scales, at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens,
                      double scale, int64_t sliding_window, double logit_softcap) {
+  RECORD_FUNCTION("pagedllm::paged_attention", std::vector<c10::IValue>({out}));   // torch.profiler names it
   check_caches(k_cache, v_cache, k_scales, v_scales, "paged_attention");
   TORCH_CHECK(out.is_contiguous() && block_tables.is_contiguous(), "paged_attention: tensors must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: each token's heads must be dense");

@@ -12,6 +12,8 @@
 #include "ops.h"
 #include "attention_tiles.h"
 
+#include <ATen/record_function.h>
+
 namespace {
 
 using namespace pagedllm;
@@ -46,6 +48,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
 void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, OptionalTensor k_scales,
                        OptionalTensor v_scales, at::Tensor block_tables, at::Tensor query_starts,
                        at::Tensor context_lens, double scale, int64_t sliding_window, double logit_softcap) {
+  RECORD_FUNCTION("pagedllm::prefill_attention", std::vector<c10::IValue>({out}));   // torch.profiler names it
   check_caches(k_cache, v_cache, k_scales, v_scales, "prefill_attention");
   TORCH_CHECK(out.is_contiguous() && block_tables.is_contiguous() && query_starts.is_contiguous() &&
               context_lens.is_contiguous(), "prefill_attention: tensors must be contiguous");

@@ -284,6 +284,7 @@ void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
 
 void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,
                 int64_t bits, int64_t group) {
+  RECORD_FUNCTION("pagedllm::dequantize", std::vector<c10::IValue>({out}));   // torch.profiler names it
   const int64_t tiles = qweight.size(0), cols = out.size(1);
   check_format(qweight, scales, mins, bits, group, cols);
   TORCH_CHECK(out.is_contiguous() && out.size(0) == tiles * kTileRows, "dequantize: out must be contiguous [tiles * 16, cols]");

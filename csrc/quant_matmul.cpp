@@ -48,6 +48,7 @@ constexpr int kLanes = 8;
 #endif
 constexpr int kParts = kTileRows / kLanes;
 constexpr int kRowBlock = 8;   // activation rows that meet a tile's dequantized weights together
+constexpr int64_t kChunkTiles = 4;   // tiles met by every row block in turn
 typedef float wfloat __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint32_t wuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 typedef int32_t wint __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -131,18 +132,26 @@ void rows_times_tiles(float* out, int64_t ld_out, const float* x, const Weights&
 }
 
 // `rows` (<= kRowBlock) activation rows against `tiles` tiles: the tiles in groups as wide as the
-// registers allow for that many rows (one row alone would leave the FMA units waiting on one chain).
-template <int bits, typename scale_t, int kRows>
-void row_block(float* out, int64_t ld_out, const float* x, const Weights& weights, const scale_t* scales,
-               const scale_t* mins, int64_t first_tile, int64_t tiles) {
-  constexpr int kTiles = kRows >= 4 ? 1 : (kRows == 1 && kLanes == 16) ? 4 : 2;
+// registers allow for that many rows (one row alone would leave the FMA units waiting on one chain), the
+// tiles left over in groups half as wide, and so on.
+template <int bits, typename scale_t, int kRows, int kTiles>
+void tiles_in_groups(float* out, int64_t ld_out, const float* x, const Weights& weights, const scale_t* scales,
+                     const scale_t* mins, int64_t first_tile, int64_t tiles) {
   int64_t t = 0;
   for (; t + kTiles <= tiles; t += kTiles) {
     rows_times_tiles<bits, scale_t, kRows, kTiles>(out + t * kTileRows, ld_out, x, weights, scales, mins, first_tile + t);
   }
-  for (; t < tiles; ++t) {
-    rows_times_tiles<bits, scale_t, kRows, 1>(out + t * kTileRows, ld_out, x, weights, scales, mins, first_tile + t);
+  if constexpr (kTiles > 1) {
+    tiles_in_groups<bits, scale_t, kRows, kTiles / 2>(out + t * kTileRows, ld_out, x, weights, scales, mins,
+                                                      first_tile + t, tiles - t);
   }
+}
+
+template <int bits, typename scale_t, int kRows>
+void row_block(float* out, int64_t ld_out, const float* x, const Weights& weights, const scale_t* scales,
+               const scale_t* mins, int64_t first_tile, int64_t tiles) {
+  constexpr int kTiles = kRows >= 4 ? 1 : (kRows == 1 && kLanes == 16) ? 4 : 2;
+  tiles_in_groups<bits, scale_t, kRows, kTiles>(out, ld_out, x, weights, scales, mins, first_tile, tiles);
 }
 
 template <int bits, typename scale_t, int... kRows>
@@ -165,14 +174,19 @@ void store(scalar_t* out, int64_t ld_out, const float* block, int64_t ld_block, 
   }
 }
 
-// x as floats (a copy unless it is float already).
+// x as floats (a copy unless it is float already). Widened here rather than by x.to(kFloat): a decode step
+// makes ~120 of these 1-row calls, and ATen's copy (dispatch, allocation) cost more than the widening itself.
 template <typename scalar_t>
-const float* as_floats(const at::Tensor& x, at::Tensor& holder) {
+const float* as_floats(const at::Tensor& x, std::vector<float>& holder) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return x.data_ptr<float>();
   } else {
-    holder = x.to(at::kFloat);
-    return holder.data_ptr<float>();
+    const scalar_t* values = x.data_ptr<scalar_t>();
+    holder.resize(x.numel());
+    at::parallel_for(0, x.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) holder[i] = static_cast<float>(values[i]);
+    });
+    return holder.data();
   }
 }
 
@@ -232,21 +246,21 @@ void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
   check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_rows");
   const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
   const Weights weights = weights_of(qweight, scales, cols, group);
-  // Tiles per task: up to 4, fewer where that would leave threads without work.
-  const int64_t chunk = std::clamp<int64_t>(tiles / (4 * at::get_num_threads()), 1, 4);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_rows", [&] {
-    at::Tensor holder;
+    std::vector<float> holder;
     const float* activations = as_floats<scalar_t>(x, holder);
     scalar_t* result = out.data_ptr<scalar_t>();
     const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
     dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       constexpr int kBits = decltype(bits_constant)::value;
       using scale_t = scale_type_of<decltype(all_scales)>;
-      at::parallel_for(0, (tiles + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> block(kRowBlock * chunk * kTileRows);
-        const int64_t ld_block = chunk * kTileRows;
-        for (int64_t c = begin; c < end; ++c) {
-          const int64_t first_tile = c * chunk, num_tiles = std::min(chunk, tiles - first_tile);
+      // Each thread an equal run of tiles (a decode step's 36-tile layers split 18/18, not 20/16 as chunks of
+      // 4 did), walked kChunkTiles at a time: a chunk's weights stay in cache while every row block meets them.
+      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> block(kRowBlock * kChunkTiles * kTileRows);
+        const int64_t ld_block = kChunkTiles * kTileRows;
+        for (int64_t first_tile = begin; first_tile < end; first_tile += kChunkTiles) {
+          const int64_t num_tiles = std::min(kChunkTiles, end - first_tile);
           const int64_t first_out = first_tile * kTileRows;
           const int64_t valid = std::min(num_tiles * kTileRows, out_features - first_out);
           for (int64_t r = 0; r < rows; r += kRowBlock) {

@@ -4,11 +4,13 @@
 #include "vectors.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <cmath>
 #include <limits>
 
 void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logits) {
+  RECORD_FUNCTION("pagedllm::logits_summary", std::vector<c10::IValue>({log_normaliser}));   // torch.profiler names it
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
               "logits_summary: logits must be contiguous float32 [rows, vocab]");
   TORCH_CHECK(log_normaliser.scalar_type() == at::kFloat && best.scalar_type() == at::kLong,
@@ -58,6 +60,7 @@ void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logit
 // that allow everything are skipped and words that allow nothing are filled (a grammar usually allows
 // few tokens, so most words are zero).
 void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor logits_rows) {
+  RECORD_FUNCTION("pagedllm::apply_token_bitmask", std::vector<c10::IValue>({logits}));   // torch.profiler names it
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
               "apply_token_bitmask: logits must be contiguous float32 [rows, vocab]");
   TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous(),
