@@ -3,11 +3,17 @@
 // output columns), added to out in place. Rows are reached through an index array, so rows of several adapters in
 // any order, and base rows (in no segment), need no gather or scatter. As torch ops the same update was a dtype
 // conversion and two or more small matmuls per segment and layer, each costing more in dispatch than in arithmetic.
+// A decode step's one row is bound by reading the adapter from memory: the shrink is split by rank rows and the
+// expand by column blocks, so every core reads its share of even a one-row update.
 #include "ops.h"
 #include "vectors.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <algorithm>
 #include <vector>
@@ -17,11 +23,20 @@ namespace {
 using namespace pagedllm;
 
 constexpr int64_t kTileRows = 4;         // rows of one slot sharing each weight vector loaded
-constexpr int64_t kColumnBlock = 512;    // output columns per expand task
-constexpr int64_t kTaskMacs = 1 << 17;   // multiply-adds per task that outweigh waking a thread
+constexpr int64_t kRankChunk = 8;        // rank rows of one part per shrink task
+constexpr int64_t kColumnBlock = 128;    // output columns per expand task
+// Work per task that outweighs waking a thread, in multiply-adds; each weight element read counts kReadWork more,
+// as a decode step's few rows are bound by reading the adapter from memory, not by arithmetic: split that way,
+// one row's update of one layer runs on every core.
+constexpr int64_t kTaskWork = 1 << 15;
+constexpr int64_t kReadWork = 4;
 
 struct Tile {
   int64_t slot, begin, end;   // positions in `rows`, at most kTileRows, all of one slot
+};
+
+struct ShrinkTask {
+  int64_t tile, part, first, last;   // rank rows [first, last) of the part, for the tile's rows
 };
 
 struct Step {
@@ -51,15 +66,13 @@ void shrink_block(float* h, int64_t h_stride, const float* xs, const lora_t* a, 
     for (int j = 0; j < J; ++j) h[t * h_stride + j] = sum_lanes(acc[t][j]);
 }
 
+// The task's rank rows of h for its tile's rows (xs: those rows in float).
 template <int T, typename lora_t>
-void shrink_tile(float* h, const float* xs, const lora_t* a_slot, int64_t slot, const Step& s) {
-  const int64_t h_stride = s.parts * s.max_rank;
-  for (int64_t p = 0; p < s.parts; ++p) {
-    const int64_t rank = s.rank_of(slot, p), first = p * s.max_rank;
-    int64_t j = 0;
-    for (; j + 4 <= rank; j += 4) shrink_block<T, 4>(h + first + j, h_stride, xs, a_slot + (first + j) * s.in, s);
-    for (; j < rank; ++j) shrink_block<T, 1>(h + first + j, h_stride, xs, a_slot + (first + j) * s.in, s);
-  }
+void shrink_task(float* h, const float* xs, const lora_t* a_slot, const ShrinkTask& task, const Step& s) {
+  const int64_t h_stride = s.parts * s.max_rank, base = task.part * s.max_rank;
+  int64_t j = task.first;
+  for (; j + 4 <= task.last; j += 4) shrink_block<T, 4>(h + base + j, h_stride, xs, a_slot + (base + j) * s.in, s);
+  for (; j < task.last; ++j) shrink_block<T, 1>(h + base + j, h_stride, xs, a_slot + (base + j) * s.in, s);
 }
 
 // out_t[c] += sum_k h_t[k] b[k][c] over C column vectors of one part (b's rows `out` apart), for T rows;
@@ -121,6 +134,11 @@ void with_rows(int64_t count, F&& f) {
   }
 }
 
+// Tasks [first, last) of `count`, split evenly among `threads`, for thread `thread`.
+std::pair<int64_t, int64_t> share(int64_t count, int64_t thread, int64_t threads) {
+  return {count * thread / threads, count * (thread + 1) / threads};
+}
+
 template <typename scalar_t, typename lora_t>
 void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const std::vector<Tile>& tiles,
          const Step& s) {
@@ -129,25 +147,34 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Te
   const lora_t* a_data = a.data_ptr<lora_t>();
   const lora_t* b_data = b.data_ptr<lora_t>();
   const int64_t rank_rows = s.parts * s.max_rank, a_slot = rank_rows * s.in, b_slot = s.max_rank * s.out;
-  const int64_t tile_shrink_macs = kTileRows * rank_rows * s.in;
-  at::parallel_for(0, tiles.size(), std::max<int64_t>(1, kTaskMacs / std::max<int64_t>(1, tile_shrink_macs)),
-                   [&](int64_t first, int64_t last) {
+  const int64_t tile_rows = std::min<int64_t>(kTileRows, tiles.front().end - tiles.front().begin);
+  std::vector<ShrinkTask> shrinks;
+  for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t)
+    for (int64_t p = 0; p < s.parts; ++p)
+      for (int64_t j = 0, rank = s.rank_of(tiles[t].slot, p); j < rank; j += kRankChunk)
+        shrinks.push_back({t, p, j, std::min(rank, j + kRankChunk)});
+  const int64_t blocks = (s.out + kColumnBlock - 1) / kColumnBlock, expands = tiles.size() * blocks;
+  const int64_t shrink_work = static_cast<int64_t>(shrinks.size()) * kRankChunk * s.in * (tile_rows + kReadWork);
+  const int64_t expand_work = expands * s.max_rank * kColumnBlock * (tile_rows + kReadWork);
+  auto shrink = [&](int64_t first, int64_t last) {
     std::vector<float> xs(kTileRows * s.in_padded, 0.f);
+    int64_t widened = -1;   // the tile whose rows xs holds: consecutive tasks mostly share one
     for (int64_t index = first; index < last; ++index) {
-      const Tile& tile = tiles[index];
-      for (int64_t t = 0; t < tile.end - tile.begin; ++t) {
-        const scalar_t* row = x_data + s.rows[tile.begin + t] * s.x_stride;
-        std::transform(row, row + s.in, xs.data() + t * s.in_padded, [](scalar_t v) { return static_cast<float>(v); });
+      const ShrinkTask& task = shrinks[index];
+      const Tile& tile = tiles[task.tile];
+      if (task.tile != widened) {
+        for (int64_t t = 0; t < tile.end - tile.begin; ++t) {
+          const scalar_t* row = x_data + s.rows[tile.begin + t] * s.x_stride;
+          std::transform(row, row + s.in, xs.data() + t * s.in_padded, [](scalar_t v) { return static_cast<float>(v); });
+        }
+        widened = task.tile;
       }
       with_rows(tile.end - tile.begin, [&](auto rows) {
-        shrink_tile<decltype(rows)::value>(s.h + tile.begin * rank_rows, xs.data(), a_data + tile.slot * a_slot, tile.slot, s);
+        shrink_task<decltype(rows)::value>(s.h + tile.begin * rank_rows, xs.data(), a_data + tile.slot * a_slot, task, s);
       });
     }
-  });
-  const int64_t blocks = (s.out + kColumnBlock - 1) / kColumnBlock;
-  const int64_t block_macs = kTileRows * s.max_rank * std::min(s.out, kColumnBlock);
-  at::parallel_for(0, tiles.size() * blocks, std::max<int64_t>(1, kTaskMacs / std::max<int64_t>(1, block_macs)),
-                   [&](int64_t first, int64_t last) {
+  };
+  auto expand = [&](int64_t first, int64_t last) {
     for (int64_t index = first; index < last; ++index) {
       const Tile& tile = tiles[index / blocks];
       const int64_t begin = index % blocks * kColumnBlock;
@@ -155,7 +182,27 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Te
         expand_tile<decltype(rows)::value>(out_data, tile, b_data + tile.slot * b_slot, begin, std::min(s.out, begin + kColumnBlock), s);
       });
     }
-  });
+  };
+  // One parallel region for both halves (a barrier between them, not a second fork): a decode step makes 4 calls
+  // per layer, each a few microseconds of work. Threads: as many as have kTaskWork each, at most torch's.
+  const int64_t threads = std::min<int64_t>({at::get_num_threads(), (shrink_work + expand_work) / kTaskWork,
+                                             static_cast<int64_t>(shrinks.size()), expands});
+#ifdef _OPENMP
+  if (threads > 1 && !at::in_parallel_region()) {
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t thread = omp_get_thread_num(), count = omp_get_num_threads();
+      const auto [shrink_first, shrink_last] = share(shrinks.size(), thread, count);
+      shrink(shrink_first, shrink_last);
+#pragma omp barrier
+      const auto [expand_first, expand_last] = share(expands, thread, count);
+      expand(expand_first, expand_last);
+    }
+    return;
+  }
+#endif
+  shrink(0, shrinks.size());
+  expand(0, expands);
 }
 
 template <typename F>

@@ -31,6 +31,9 @@ class LoRAWorkerManager:
         self.slot_adapters: list[int | None] = [None] * lora_config.max_loras
         self.slot_last_used = [0] * lora_config.max_loras
         self.num_steps = 0
+        # The last step's token adapter ids and the slots and adapters it used: a step with the same ids (every
+        # decode step of an unchanged batch) keeps the model's row grouping as it is.
+        self.last_step: tuple[bytes, list[int], list[int]] | None = None
 
     def add(self, lora_request: LoRARequest) -> bool:
         """Loads the adapter (ValueError naming the reason if it cannot serve this base); False if it was loaded."""
@@ -66,6 +69,7 @@ class LoRAWorkerManager:
 
     def _drop(self, lora_id: int) -> None:
         del self.loaded[lora_id]
+        self.last_step = None
         if lora_id in self.slot_adapters:
             slot = self.slot_adapters.index(lora_id)
             self.slot_adapters[slot] = None
@@ -74,6 +78,14 @@ class LoRAWorkerManager:
     def prepare_step(self, token_lora_ids: np.ndarray) -> None:
         """Makes the step's adapters resident and groups its token rows by slot for every LoRA layer."""
         self.num_steps += 1
+        key = token_lora_ids.tobytes()
+        if self.last_step is not None and self.last_step[0] == key:
+            _, needed, slots = self.last_step
+            for lora_id in needed:
+                self.loaded.move_to_end(lora_id)
+            for slot in slots:
+                self.slot_last_used[slot] = self.num_steps
+            return
         needed = [int(lora_id) for lora_id in np.unique(token_lora_ids) if lora_id]
         if len(needed) > len(self.slot_adapters):
             raise RuntimeError(f"a step with {len(needed)} adapters, over max_loras {len(self.slot_adapters)}")
@@ -99,6 +111,7 @@ class LoRAWorkerManager:
         for lora_id, slot in slot_of.items():
             lookup[lora_id] = slot
         self.lora_model.set_step(LoRASegments.of(lookup[token_lora_ids], self.lora_model.device))
+        self.last_step = (key, needed, list(slot_of.values()))
 
     def _free_slot(self, taken: set[int]) -> int:
         """An empty slot, else the least recently used one this step does not need."""

@@ -46,6 +46,25 @@ def test_lru_of_max_cpu_loras_evicts_the_least_recently_used(llm, adapters):
     assert llm.list_loras() == {11, 12}
 
 
+def test_an_adapter_evicted_between_two_steps_of_the_same_rows_is_loaded_again(llm, adapters):
+    """A step whose rows name the same adapters as the last step's keeps its row grouping, unless an adapter was
+    dropped in between: here the adapter's last step and the next one are both one row of it, and it is evicted
+    (its slot emptied) in between."""
+    for lora_id in list(llm.list_loras()):
+        llm.remove_lora(lora_id)
+    first, second, third = (LoRARequest(f"e{i}", 40 + i, str(path)) for i, path in enumerate(adapters))
+    one_token = {"prompt_token_ids": [7]}
+    base = llm.generate(one_token, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    alone = llm.generate(one_token, GREEDY, use_tqdm=False, lora_request=first)[0].outputs[0].token_ids
+    assert alone != base
+    assert llm.add_lora(second) and llm.add_lora(third)
+    assert 40 not in llm.list_loras()
+    again = llm.generate(one_token, GREEDY, use_tqdm=False, lora_request=first)[0].outputs[0].token_ids
+    assert again == alone
+    for lora_id in list(llm.list_loras()):
+        llm.remove_lora(lora_id)
+
+
 def test_remove_lora_refuses_while_in_use_and_reports_unknown(llm, adapters):
     engine = llm.llm_engine
     lora = LoRARequest("busy", 20, str(adapters[0]))
