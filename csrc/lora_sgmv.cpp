@@ -11,10 +11,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include <algorithm>
 #include <vector>
 
@@ -134,10 +130,8 @@ void with_rows(int64_t count, F&& f) {
   }
 }
 
-// Tasks [first, last) of `count`, split evenly among `threads`, for thread `thread`.
-std::pair<int64_t, int64_t> share(int64_t count, int64_t thread, int64_t threads) {
-  return {count * thread / threads, count * (thread + 1) / threads};
-}
+// Grain of a parallel_for over tasks of `work` each (see kTaskWork).
+int64_t grain(int64_t work) { return std::max<int64_t>(1, kTaskWork / std::max<int64_t>(1, work)); }
 
 template <typename scalar_t, typename lora_t>
 void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const std::vector<Tile>& tiles,
@@ -153,10 +147,7 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Te
     for (int64_t p = 0; p < s.parts; ++p)
       for (int64_t j = 0, rank = s.rank_of(tiles[t].slot, p); j < rank; j += kRankChunk)
         shrinks.push_back({t, p, j, std::min(rank, j + kRankChunk)});
-  const int64_t blocks = (s.out + kColumnBlock - 1) / kColumnBlock, expands = tiles.size() * blocks;
-  const int64_t shrink_work = static_cast<int64_t>(shrinks.size()) * kRankChunk * s.in * (tile_rows + kReadWork);
-  const int64_t expand_work = expands * s.max_rank * kColumnBlock * (tile_rows + kReadWork);
-  auto shrink = [&](int64_t first, int64_t last) {
+  at::parallel_for(0, shrinks.size(), grain(kRankChunk * s.in * (tile_rows + kReadWork)), [&](int64_t first, int64_t last) {
     std::vector<float> xs(kTileRows * s.in_padded, 0.f);
     int64_t widened = -1;   // the tile whose rows xs holds: consecutive tasks mostly share one
     for (int64_t index = first; index < last; ++index) {
@@ -173,8 +164,10 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Te
         shrink_task<decltype(rows)::value>(s.h + tile.begin * rank_rows, xs.data(), a_data + tile.slot * a_slot, task, s);
       });
     }
-  };
-  auto expand = [&](int64_t first, int64_t last) {
+  });
+  const int64_t blocks = (s.out + kColumnBlock - 1) / kColumnBlock;
+  at::parallel_for(0, tiles.size() * blocks, grain(s.max_rank * kColumnBlock * (tile_rows + kReadWork)),
+                   [&](int64_t first, int64_t last) {
     for (int64_t index = first; index < last; ++index) {
       const Tile& tile = tiles[index / blocks];
       const int64_t begin = index % blocks * kColumnBlock;
@@ -182,27 +175,7 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Te
         expand_tile<decltype(rows)::value>(out_data, tile, b_data + tile.slot * b_slot, begin, std::min(s.out, begin + kColumnBlock), s);
       });
     }
-  };
-  // One parallel region for both halves (a barrier between them, not a second fork): a decode step makes 4 calls
-  // per layer, each a few microseconds of work. Threads: as many as have kTaskWork each, at most torch's.
-  const int64_t threads = std::min<int64_t>({at::get_num_threads(), (shrink_work + expand_work) / kTaskWork,
-                                             static_cast<int64_t>(shrinks.size()), expands});
-#ifdef _OPENMP
-  if (threads > 1 && !at::in_parallel_region()) {
-#pragma omp parallel num_threads(threads)
-    {
-      const int64_t thread = omp_get_thread_num(), count = omp_get_num_threads();
-      const auto [shrink_first, shrink_last] = share(shrinks.size(), thread, count);
-      shrink(shrink_first, shrink_last);
-#pragma omp barrier
-      const auto [expand_first, expand_last] = share(expands, thread, count);
-      expand(expand_first, expand_last);
-    }
-    return;
-  }
-#endif
-  shrink(0, shrinks.size());
-  expand(0, expands);
+  });
 }
 
 template <typename F>
