@@ -2,11 +2,14 @@
 // dequantized on the fly (W4A16 / W8A16), so only the weights' own rounding separates them from the float
 // path. int8 activations (quant_linear.cpp) are an opt-in speed mode: their rounding flipped answers.
 //
-// quantized_linear_rows, for few rows (decode): a tile's q values are widened to floats in registers
-// (each 32-bit lane of a slot is one weight row, so 16 rows x 4 columns come out per load with shifts,
-// no shuffles), dequantized once (scale * q + min) and met by up to 8 activation rows. Each output is one
-// chain of fused multiply-adds over the columns in order, whatever the rows or tiles it was computed with:
-// a row's result does not depend on the batch it shares.
+// quantized_linear_rows, for few rows (decode): llama.cpp's order. Per group (32 columns; 16 for Q6_K) the raw q
+// values times x are summed (each 32-bit lane of a slot is one weight row, so 16 rows come out per load with shifts,
+// no shuffles), then scale * sum + min * sum(x) is added once per group and output, each row's sum(x) per group
+// computed once per call: one multiply-add per weight instead of two. With 16 lanes a nibble becomes its float
+// by a table lookup (vpermps); with AVX512-BF16 and bfloat16 activations, 4-bit q values (exact in bfloat16)
+// meet pairs of activations in vdpbf16ps, two weights per lane and instruction. Up to 8 activation rows meet
+// a tile's q values together. Each output's sums run in one order over the columns, whatever the rows or
+// tiles it was computed with: a row's result does not depend on the batch it shares.
 //
 // quantized_linear_brgemm, for many rows (prefill, large batches): blocks of 32 weight rows are
 // dequantized into a bfloat16 (VNNI pairs) or float buffer that stays in cache while every activation
