@@ -2,11 +2,14 @@
 // dequantized on the fly (W4A16 / W8A16), so only the weights' own rounding separates them from the float
 // path. int8 activations (quant_linear.cpp) are an opt-in speed mode: their rounding flipped answers.
 //
-// quantized_linear_rows, for few rows (decode): a tile's q values are widened to floats in registers
-// (each 32-bit lane of a slot is one weight row, so 16 rows x 4 columns come out per load with shifts,
-// no shuffles), dequantized once (scale * q + min) and met by up to 8 activation rows. Each output is one
-// chain of fused multiply-adds over the columns in order, whatever the rows or tiles it was computed with:
-// a row's result does not depend on the batch it shares.
+// quantized_linear_rows, for few rows (decode): llama.cpp's order. Per group (32 columns; 16 for Q6_K) the raw q
+// values times x are summed (each 32-bit lane of a slot is one weight row, so 16 rows come out per load with shifts,
+// no shuffles), then scale * sum + min * sum(x) is added once per group and output, each row's sum(x) per group
+// computed once per call: one multiply-add per weight instead of two. With 16 lanes a nibble becomes its float
+// by a table lookup (vpermps); with AVX512-BF16 and bfloat16 activations, 4-bit q values (exact in bfloat16)
+// meet pairs of activations in vdpbf16ps, two weights per lane and instruction. Up to 8 activation rows meet
+// a tile's q values together. Each output's sums run in one order over the columns, whatever the rows or
+// tiles it was computed with: a row's result does not depend on the batch it shares.
 //
 // quantized_linear_brgemm, for many rows (prefill, large batches): blocks of 32 weight rows are
 // dequantized into a bfloat16 (VNNI pairs) or float buffer that stays in cache while every activation
@@ -100,65 +103,171 @@ struct Weights {   // one quantized weight's tensors, as the kernels read them
   int64_t tile_bytes, params_per_tile, cols, group;
 };
 
-// out[r][t * 16 + n] = sum over columns of x[r][c] * w[t][n][c] for kRows activation rows (float, row
-// stride cols) and kTiles tiles from `first_tile`; out's row stride is ld_out.
+// What the rows kernel reads of the activations, prepared once per call: x as floats, each row's sum over
+// each group's columns (the min's factor), and, for the bfloat16 dot-product path, x as bfloat16 pairs.
+struct Activations {
+  const float* x = nullptr;          // [rows, cols], the float path's
+  const float* sums = nullptr;       // [rows, groups]: x summed over each group's columns in order
+  const uint32_t* pairs = nullptr;   // [rows, cols / 2]: the bfloat16 path's (see bf16_pairs)
+  int64_t cols = 0, groups = 0;
+};
+
+// The raw q values of 8 consecutive columns c0..c0+7 (c0 a multiple of 8) as floats, rows part * kLanes
+// onwards of the tile: q[c] lane n = q of (row, c0 + c). 4 bits: nibble k of a 32-bit lane is column
+// c0 + k / 2 + 4 (k % 2) (byte k / 2's low nibble is slot c0 / 4, its high one slot c0 / 4 + 1); with 16
+// lanes a permute looks each nibble up in a table of the floats 0..15 (vpermps reads an index's low 4 bits),
+// elsewhere it is masked and converted.
+template <int bits>
+inline void q_values_8_columns(wfloat (&q)[8], const uint8_t* tile, int64_t c0, int part) {
+  const int64_t lanes_at = part * kLanes * 4;
+  if constexpr (bits == 4) {
+    const wuint packed = load<wuint>(tile + (c0 / 8) * 64 + lanes_at);
+#if defined(__AVX512F__)
+    static_assert(kLanes == 16);
+    const __m512 floats = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i index = load<__m512i>(&packed);
+    for (int k = 0; k < 8; ++k) {
+      const __m512 values = _mm512_permutexvar_ps(_mm512_srli_epi32(index, 4 * k), floats);
+      q[k / 2 + 4 * (k % 2)] = load<wfloat>(&values);
+    }
+#else
+    for (int k = 0; k < 8; ++k) q[k / 2 + 4 * (k % 2)] = __builtin_convertvector((packed >> (4 * k)) & 0x0Fu, wfloat);
+#endif
+  } else {   // signed bytes: shifted to the top of the lane, then arithmetically back down
+    for (int half = 0; half < 2; ++half) {
+      const wint slot = load<wint>(tile + (c0 / 4 + half) * 64 + lanes_at);
+      for (int c = 0; c < 4; ++c) q[4 * half + c] = __builtin_convertvector((slot << (24 - 8 * c)) >> 24, wfloat);
+    }
+  }
+}
+
+// Partial sums per group and output: two independent chains, so one row's few outputs keep the FMA units busy.
+constexpr int kChains = 2;
+
+// acc += scale * (sum of q x over the group) + min * (sum of x over the group), once per group and output,
+// in this order for every output (whatever rows or tiles share the call: batch invariance).
+template <typename scale_t, int kRows, int kTiles>
+inline void close_group(wfloat (&acc)[kTiles][kRows], const wfloat (&sum)[kTiles][kRows][kChains],
+                        const Activations& x, const Weights& weights, const scale_t* scales, const scale_t* mins,
+                        int64_t first_tile, int64_t g, int part) {
+  for (int t = 0; t < kTiles; ++t) {
+    const int64_t at = (first_tile + t) * weights.params_per_tile + g * kTileRows + part * kLanes;
+    const wfloat scale = load_params(scales + at);
+    const wfloat min = mins != nullptr ? load_params(mins + at) : wfloat{};
+    for (int r = 0; r < kRows; ++r) {
+      if (mins != nullptr) acc[t][r] = acc[t][r] + min * x.sums[r * x.groups + g];
+      acc[t][r] = acc[t][r] + scale * (sum[t][r][0] + sum[t][r][1]);
+    }
+  }
+}
+
+template <int kRows, int kTiles>
+inline void store_accumulators(float* out, int64_t ld_out, const wfloat (&acc)[kTiles][kRows], int part) {
+  for (int t = 0; t < kTiles; ++t) {
+    for (int r = 0; r < kRows; ++r) std::memcpy(out + r * ld_out + t * kTileRows + part * kLanes, &acc[t][r], sizeof(wfloat));
+  }
+}
+
+// out[r][t * 16 + n] = sum over columns of x[r][c] * w[t][n][c] for kRows activation rows and kTiles tiles
+// from `first_tile` (out's row stride ld_out), in llama.cpp's order: per group the raw q values times x
+// summed, then scaled once (close_group). Float activations.
 template <int bits, typename scale_t, int kRows, int kTiles>
-void rows_times_tiles(float* out, int64_t ld_out, const float* x, const Weights& weights, const scale_t* scales,
+void rows_times_tiles(float* out, int64_t ld_out, const Activations& x, const Weights& weights, const scale_t* scales,
                       const scale_t* mins, int64_t first_tile) {
   const int64_t cols = weights.cols, group = weights.group;
   for (int part = 0; part < kParts; ++part) {
     wfloat acc[kTiles][kRows] = {};
     for (int64_t g = 0; g < cols / group; ++g) {
-      wfloat scale[kTiles], min[kTiles];
-      for (int t = 0; t < kTiles; ++t) {
-        const int64_t at = (first_tile + t) * weights.params_per_tile + g * kTileRows + part * kLanes;
-        scale[t] = load_params(scales + at);
-        min[t] = mins != nullptr ? load_params(mins + at) : wfloat{};
-      }
+      wfloat sum[kTiles][kRows][kChains] = {};
       for (int64_t c0 = g * group; c0 < (g + 1) * group; c0 += 8) {
         for (int t = 0; t < kTiles; ++t) {
-          wfloat w[8];
-          dequantize_8_columns<bits>(w, weights.q + (first_tile + t) * weights.tile_bytes, c0, part, scale[t], min[t]);
+          wfloat q[8];
+          q_values_8_columns<bits>(q, weights.q + (first_tile + t) * weights.tile_bytes, c0, part);
           for (int c = 0; c < 8; ++c) {
-            for (int r = 0; r < kRows; ++r) acc[t][r] += w[c] * x[r * cols + c0 + c];
+            for (int r = 0; r < kRows; ++r) sum[t][r][c % kChains] += q[c] * x.x[r * cols + c0 + c];
+          }
+        }
+      }
+      close_group(acc, sum, x, weights, scales, mins, first_tile, g, part);
+    }
+    store_accumulators(out, ld_out, acc, part);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The bfloat16 path (4 bits, bfloat16 activations, AVX512-BF16): q values 0..15 are exact in bfloat16, and
+// vdpbf16ps multiplies two of them per 32-bit lane by a pair of activations (exact products, float sums).
+// A 16-bit shift of a lane by 4 s (s = 0..3) leaves in the low bits of its two halves the nibbles of columns
+// c0 + s / 2 + 4 (s % 2) (low half) and that + 2 (high half); vpermw looks each up in a 32-entry table of
+// bfloat16 (entry i is i & 15: it reads an index's low 5 bits). bf16_pairs lays the activations out to match.
+constexpr int64_t pair_column(int64_t c0, int s) { return c0 + s / 2 + 4 * (s % 2); }
+
+template <typename scale_t, int kRows, int kTiles>
+void rows_times_tiles_bf16(float* out, int64_t ld_out, const Activations& x, const Weights& weights,
+                           const scale_t* scales, const scale_t* mins, int64_t first_tile) {
+  static_assert(kParts == 1);
+  const int64_t cols = weights.cols, group = weights.group;
+  alignas(64) uint16_t entries[32];
+  for (int i = 0; i < 32; ++i) entries[i] = static_cast<uint16_t>(c10::BFloat16(static_cast<float>(i & 15)).x);
+  const __m512i table = _mm512_load_si512(entries);
+  wfloat acc[kTiles][kRows] = {};
+  for (int64_t g = 0; g < cols / group; ++g) {
+    __m512 sum[kTiles][kRows][kChains];
+    for (auto& tile_sums : sum) for (auto& row_sums : tile_sums) for (auto& chain : row_sums) chain = _mm512_setzero_ps();
+    for (int64_t c0 = g * group; c0 < (g + 1) * group; c0 += 8) {
+      for (int t = 0; t < kTiles; ++t) {
+        const __m512i packed = _mm512_loadu_si512(weights.q + (first_tile + t) * weights.tile_bytes + (c0 / 8) * 64);
+        for (int s = 0; s < 4; ++s) {
+          const __m512bh q = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(packed, 4 * s), table);
+          for (int r = 0; r < kRows; ++r) {
+            const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(x.pairs[r * (cols / 2) + c0 / 2 + s]));
+            sum[t][r][s % kChains] = _mm512_dpbf16_ps(sum[t][r][s % kChains], q, pair);
           }
         }
       }
     }
-    for (int t = 0; t < kTiles; ++t) {
-      for (int r = 0; r < kRows; ++r) std::memcpy(out + r * ld_out + t * kTileRows + part * kLanes, &acc[t][r], sizeof(wfloat));
-    }
+    wfloat sums[kTiles][kRows][kChains];
+    std::memcpy(&sums, &sum, sizeof(sums));
+    close_group(acc, sums, x, weights, scales, mins, first_tile, g, 0);
   }
+  store_accumulators(out, ld_out, acc, 0);
 }
+#endif
 
 // `rows` (<= kRowBlock) activation rows against `tiles` tiles: the tiles in groups as wide as the
 // registers allow for that many rows (one row alone would leave the FMA units waiting on one chain), the
-// tiles left over in groups half as wide, and so on.
-template <int bits, typename scale_t, int kRows, int kTiles>
-void tiles_in_groups(float* out, int64_t ld_out, const float* x, const Weights& weights, const scale_t* scales,
+// tiles left over in groups half as wide, and so on. kBf16: the bfloat16 dot-product path.
+template <bool kBf16, int bits, typename scale_t, int kRows, int kTiles>
+void tiles_in_groups(float* out, int64_t ld_out, const Activations& x, const Weights& weights, const scale_t* scales,
                      const scale_t* mins, int64_t first_tile, int64_t tiles) {
   int64_t t = 0;
   for (; t + kTiles <= tiles; t += kTiles) {
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16) {
+      rows_times_tiles_bf16<scale_t, kRows, kTiles>(out + t * kTileRows, ld_out, x, weights, scales, mins, first_tile + t);
+      continue;
+    }
+#endif
     rows_times_tiles<bits, scale_t, kRows, kTiles>(out + t * kTileRows, ld_out, x, weights, scales, mins, first_tile + t);
   }
   if constexpr (kTiles > 1) {
-    tiles_in_groups<bits, scale_t, kRows, kTiles / 2>(out + t * kTileRows, ld_out, x, weights, scales, mins,
-                                                      first_tile + t, tiles - t);
+    tiles_in_groups<kBf16, bits, scale_t, kRows, kTiles / 2>(out + t * kTileRows, ld_out, x, weights, scales, mins,
+                                                             first_tile + t, tiles - t);
   }
 }
 
-template <int bits, typename scale_t, int kRows>
-void row_block(float* out, int64_t ld_out, const float* x, const Weights& weights, const scale_t* scales,
+template <bool kBf16, int bits, typename scale_t, int kRows>
+void row_block(float* out, int64_t ld_out, const Activations& x, const Weights& weights, const scale_t* scales,
                const scale_t* mins, int64_t first_tile, int64_t tiles) {
   constexpr int kTiles = kRows >= 4 ? 1 : (kRows == 1 && kLanes == 16) ? 4 : 2;
-  tiles_in_groups<bits, scale_t, kRows, kTiles>(out, ld_out, x, weights, scales, mins, first_tile, tiles);
+  tiles_in_groups<kBf16, bits, scale_t, kRows, kTiles>(out, ld_out, x, weights, scales, mins, first_tile, tiles);
 }
 
-template <int bits, typename scale_t, int... kRows>
-void any_row_block(int rows, float* out, int64_t ld_out, const float* x, const Weights& weights,
+template <bool kBf16, int bits, typename scale_t, int... kRows>
+void any_row_block(int rows, float* out, int64_t ld_out, const Activations& x, const Weights& weights,
                    const scale_t* scales, const scale_t* mins, int64_t first_tile, int64_t tiles,
                    std::integer_sequence<int, kRows...>) {
-  ((rows == kRows + 1 ? row_block<bits, scale_t, kRows + 1>(out, ld_out, x, weights, scales, mins, first_tile, tiles)
+  ((rows == kRows + 1 ? row_block<kBf16, bits, scale_t, kRows + 1>(out, ld_out, x, weights, scales, mins, first_tile, tiles)
                       : void()), ...);
 }
 
@@ -188,6 +297,46 @@ const float* as_floats(const at::Tensor& x, std::vector<float>& holder) {
     });
     return holder.data();
   }
+}
+
+// Each row's sum over each group's columns, in column order: [rows, cols / group] (cols a multiple of group).
+template <typename scalar_t>
+std::vector<float> group_sums(const at::Tensor& x, int64_t group) {
+  const scalar_t* values = x.data_ptr<scalar_t>();
+  std::vector<float> sums(x.numel() / group);
+  at::parallel_for(0, static_cast<int64_t>(sums.size()), 1 << 12, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float total = 0;
+      for (int64_t c = 0; c < group; ++c) total += static_cast<float>(values[i * group + c]);
+      sums[i] = total;
+    }
+  });
+  return sums;
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 activations [rows, cols] as the pairs rows_times_tiles_bf16 multiplies: per 8 columns from c0,
+// pair s holds column pair_column(c0, s) in its low half and that column + 2 in its high half.
+std::vector<uint32_t> bf16_pairs(const at::Tensor& x) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  std::vector<uint32_t> pairs(x.numel() / 2);
+  for (int64_t c0 = 0; c0 < x.numel(); c0 += 8) {   // rows are whole 8-column blocks (cols % 32 == 0)
+    for (int s = 0; s < 4; ++s) {
+      const int64_t c = pair_column(c0, s);
+      pairs[c0 / 2 + s] = bits[c] | (static_cast<uint32_t>(bits[c + 2]) << 16);
+    }
+  }
+  return pairs;
+}
+#endif
+
+// The activations from row r on.
+Activations rows_from(const Activations& x, int64_t r) {
+  Activations from = x;
+  if (x.x != nullptr) from.x += r * x.cols;
+  if (x.pairs != nullptr) from.pairs += r * x.cols / 2;
+  from.sums += r * x.groups;
+  return from;
 }
 
 Weights weights_of(const at::Tensor& qweight, const at::Tensor& scales, int64_t cols, int64_t group) {
@@ -247,13 +396,30 @@ void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
   const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
   const Weights weights = weights_of(qweight, scales, cols, group);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_rows", [&] {
-    std::vector<float> holder;
-    const float* activations = as_floats<scalar_t>(x, holder);
     scalar_t* result = out.data_ptr<scalar_t>();
     const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    const std::vector<float> sums = group_sums<scalar_t>(x, group);
     dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       constexpr int kBits = decltype(bits_constant)::value;
       using scale_t = scale_type_of<decltype(all_scales)>;
+#if defined(__AVX512BF16__)
+      constexpr bool kBf16 = kBits == 4 && std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+      constexpr bool kBf16 = false;
+#endif
+      Activations activations;
+      activations.sums = sums.data();
+      activations.cols = cols;
+      activations.groups = cols / group;
+      std::vector<float> floats;
+      std::vector<uint32_t> pairs;
+#if defined(__AVX512BF16__)
+      if constexpr (kBf16) {
+        pairs = bf16_pairs(x);
+        activations.pairs = pairs.data();
+      }
+#endif
+      if constexpr (!kBf16) activations.x = as_floats<scalar_t>(x, floats);
       // Each thread an equal run of tiles (a decode step's 36-tile layers split 18/18, not 20/16 as chunks of
       // 4 did), walked kChunkTiles at a time: a chunk's weights stay in cache while every row block meets them.
       at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -265,9 +431,9 @@ void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
           const int64_t valid = std::min(num_tiles * kTileRows, out_features - first_out);
           for (int64_t r = 0; r < rows; r += kRowBlock) {
             const int block_rows = static_cast<int>(std::min<int64_t>(kRowBlock, rows - r));
-            any_row_block<kBits, scale_t>(block_rows, block.data(), ld_block, activations + r * cols, weights,
-                                          all_scales, all_mins, first_tile, num_tiles,
-                                          std::make_integer_sequence<int, kRowBlock>{});
+            any_row_block<kBf16, kBits, scale_t>(block_rows, block.data(), ld_block, rows_from(activations, r),
+                                                 weights, all_scales, all_mins, first_tile, num_tiles,
+                                                 std::make_integer_sequence<int, kRowBlock>{});
             store(result + r * out_features + first_out, out_features, block.data(), ld_block, block_rows, valid,
                   bias_values ? bias_values + first_out : nullptr);
           }

@@ -92,24 +92,52 @@ FLOAT32_UNIT = 2.0 ** -24    # float32's unit roundoff
 BFLOAT16_UNIT = 2.0 ** -8    # bfloat16's (8 significant bits)
 
 
-def path_bound(path: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int
-               ) -> torch.Tensor:
-    """Worst-case error of a path against F.linear(x, W, bias) in float32 (W: the exact dequantized weight), per
-    output element. With S = |x| @ |W|^T + |bias|, each of the two float32 sums of K + 1 terms errs by at most
-    gamma S, gamma = (K + 1) u / (1 - (K + 1) u) (recursive summation, any order, u float32's unit roundoff).
-    brgemm in bfloat16 multiplies the weights rounded to bfloat16: + u_bf16 |x| @ |W|^T. int8 activations:
+def gamma(terms: int) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative error bound of n float32 roundings."""
+    return terms * FLOAT32_UNIT / (1 - terms * FLOAT32_UNIT)
+
+
+def scaled_terms(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """T = sum over groups g of |scale_g| sum_c |q_c| |x_c| + |min_g| sum_c |x_c|, plus |bias|: the magnitudes the
+    rows kernel adds (it sums q x per group and scales once, so scale q x and min x can cancel; the bound must be
+    on their magnitudes, not on |x| @ |W|^T)."""
+    rows, cols = weight.shape
+    groups = cols // weight.group_size
+    q = weight.values()[:rows].float().abs().view(rows, groups, weight.group_size)
+    scales = weight.group_params(weight.scales)[:rows].float().abs()
+    x_abs = x.float().abs()
+    total = x_abs @ (q * scales.unsqueeze(-1)).view(rows, cols).T
+    if weight.mins is not None:
+        group_sums = x_abs.view(x.shape[0], groups, weight.group_size).sum(-1)
+        total = total + group_sums @ weight.group_params(weight.mins)[:rows].float().abs().T
+    return total + (bias.float().abs() if bias is not None else 0)
+
+
+def path_bound(path: str, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Worst-case error of a path against F.linear(x, W, bias) in float32 (W = weight.dequantize(), each value
+    rounded from scale * q + min by up to two float32 roundings), per output element. With S = |x| @ |W|^T +
+    |bias|, the reference's sum of K + 1 terms errs by at most gamma(K + 1) S (recursive summation, any order).
+    rows: llama.cpp's order, out = sum over groups of scale * sum(q x) + min * sum(x), + bias; each term passes
+    at most group + groups + 3 roundings (its group's sum, scale and min folded in, the sum over the groups, the
+    bias), so the kernel errs from the exact scale * q + min by gamma(group + groups + 3) T (scaled_terms), and
+    W from it by 3 u T more. brgemm in float32 sums W's products as the reference does: gamma(K + 1) S; in bfloat16
+    it multiplies W rounded to bfloat16: + u_bf16 |x| @ |W|^T. int8 activations: the float sums plus
     dot_product_bound. A bfloat16 output rounds the result once: + u_bf16 |result|."""
-    terms = x.shape[1] + 1
-    gamma = terms * FLOAT32_UNIT / (1 - terms * FLOAT32_UNIT)
-    products = x.float().abs() @ weight.abs().T
+    dense = weight.dequantize()
+    cols, group_size = x.shape[1], weight.group_size
+    products = x.float().abs() @ dense.abs().T
     total = products + (bias.float().abs() if bias is not None else 0)
-    bound = 2 * gamma * total
+    reference = gamma(cols + 1) * total
+    if path == "rows":
+        bound = reference + gamma(group_size + cols // group_size + 3 + 3) * scaled_terms(x, weight, bias)
+    else:
+        bound = 2 * reference
     if path == "int8":
-        bound = bound + dot_product_bound(x, weight, group_size)
+        bound = bound + dot_product_bound(x, dense, group_size)
     if path == "brgemm" and x.dtype == torch.bfloat16:
         bound = bound + BFLOAT16_UNIT * products
     if x.dtype == torch.bfloat16:
-        exact = F.linear(x.float(), weight, None if bias is None else bias.float()).abs()
+        exact = F.linear(x.float(), dense, None if bias is None else bias.float()).abs()
         bound = bound + BFLOAT16_UNIT * (exact + bound)
     return bound
 
@@ -156,7 +184,7 @@ def test_quantized_linear_against_float_reference(num_rows, shape, monkeypatch):
             for layer_bias in (None, bias):
                 out = QuantizedLinear(weight, layer_bias, matmul)(x)
                 error = (out - F.linear(x, dense, layer_bias)).abs()
-                assert (error <= path_bound(path, x, dense, layer_bias, weight.group_size)).all(), (
+                assert (error <= path_bound(path, x, weight, layer_bias)).all(), (
                     path, weight.source, error.max())
 
 
@@ -172,7 +200,7 @@ def test_quantized_linear_in_bfloat16(num_rows, monkeypatch):
             out = QuantizedLinear(weight, bias, matmul)(x)
             assert out.dtype == torch.bfloat16
             error = (out.float() - F.linear(x.float(), dense, bias.float())).abs()
-            assert (error <= path_bound(path, x, dense, bias, weight.group_size)).all(), (path, weight.source)
+            assert (error <= path_bound(path, x, weight, bias)).all(), (path, weight.source)
 
 
 @pytest.mark.kernels
@@ -243,7 +271,8 @@ def test_projections_of_different_formats_run_side_by_side():
     dense = torch.cat([q.dequantize(), q.dequantize(), v.dequantize()])
     out = layer(x)
     assert out.shape == (3, 80)
-    assert ((out - x @ dense.T).abs() <= path_bound("rows", x, dense, None, 16)).all()
+    bound = torch.cat([path_bound("rows", x, part, None) for part in (q, q, v)], dim=1)
+    assert ((out - x @ dense.T).abs() <= bound).all()
 
 
 def test_quantization_must_be_a_known_value():
