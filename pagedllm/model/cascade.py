@@ -7,6 +7,10 @@ leading block ids mean the same keys and values in the same memory. The cascade 
 sequence's own blocks, and merges the two softmaxes; this module finds the groups from the tables the
 runner already holds, with array comparisons only.
 
+Which groups are worth it depends on the machine (the cascade's second pass and merge cost more than the reads
+it saves for small groups and short prefixes): a CascadeRule, reduced from timings of the two kernels
+(model/cascade_timing.py, at start-up), gives the least shared length per group size.
+
 The shared length of a group is exact: the leading blocks on which every member's table agrees,
 cut to the smallest cached context among the members (the keys before every member's first query
 row). Slots past that may differ between members, or be written in this very step, so the prefix
