@@ -4,8 +4,8 @@ Every request runs to exactly its max_tokens (ignore_eos), so both backends do t
 same work. `--backend hf` runs transformers' `generate` with static batches (left
 padding; only each request's own tokens are counted), in the same process, which is
 the brief's baseline; `--backend both` measures the two side by side in one run.
-`--cascade-attention off,on` runs pagedllm with shared-prefix attention off and on, side by
-side, and `--profile-attention` times the attention layers of each run with torch.profiler.
+`--cascade-attention off,auto` runs pagedllm with shared-prefix attention off and at its default (auto: the
+groups its start-up timing says pay; on: every group), side by side, and `--profile-attention` times the attention layers of each run with torch.profiler.
 `--lora` (adapter folders) or `--num-loras N --lora-rank R` (random adapters over every linear layer)
 runs pagedllm with the adapters, each request given a random one (seeded), beside the base alone.
 """
@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory", default=None)
-    parser.add_argument("--cascade-attention", default="off",
-                        help="comma-separated on/off values (e.g. off,on): pagedllm runs once per value with "
+    parser.add_argument("--cascade-attention", default="auto",
+                        help="comma-separated auto/on/off values (e.g. off,auto): pagedllm runs once per value with "
                              "enable_cascade_attention set so, side by side")
     parser.add_argument("--profile-attention", action="store_true",
                         help="run pagedllm under torch.profiler and report the time its decode and prefill "
@@ -54,13 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "as FILE.json and a PNG strip FILE.png")
 
 
-CASCADE_VALUES = {"on": True, "off": False}
+CASCADE_VALUES = {"auto": None, "on": True, "off": False}
 
 
 def _cascade_values(text: str) -> list[str]:
     values = text.split(",")
     if not values or any(value not in CASCADE_VALUES for value in values):
-        raise ValueError(f"--cascade-attention takes comma-separated on/off values, got {text!r}")
+        raise ValueError(f"--cascade-attention takes comma-separated auto/on/off values, got {text!r}")
     return values
 
 
@@ -126,7 +126,8 @@ def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantiz
                     weights_mib=round(engine.model_info().weight_bytes / 2**20, 1),
                     preemptions=stats.num_preemptions, matmul_gflops=round(rate / 1e9, 1),
                     compute_floor_s=round(floor, 2), floor_fraction=round(floor / elapsed, 3),
-                    cascade_attention=cascade, **attention_times)
+                    cascade_attention=cascade, cascade_rule=engine.model_info().cascade_attention.describe(),
+                    **attention_times)
 
 
 def run_hf(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:
@@ -198,6 +199,8 @@ def run(args: argparse.Namespace) -> None:
               f"({ours['dtype']}, measured in this run) take {ours['compute_floor_s']} s; "
               f"pagedllm's wall time is {ours['floor_fraction']:.0%} efficient against it")
     for r in results:
+        if "cascade_rule" in r:
+            print(f"{r['backend']}: cascade attention {r['cascade_rule']}")
         if "decode_attention_s" in r:
             print(f"{r['backend']}: decode attention {r['decode_attention_ms_per_step']} ms per step over "
                   f"{r['decode_steps']} steps ({r['decode_attention_s']} s), prefill attention "

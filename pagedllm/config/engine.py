@@ -83,9 +83,10 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_space: float = 4   # GiB of host RAM for swapped blocks when kv_cache_dir is not set (vLLM's old flag)
     enable_chunked_prefill: bool = True
-    # Sequences sharing leading KV blocks read them once per step (CPU kernels; model/cascade.py). Off by
-    # default until it measures faster end to end (docs/kv-cache.md, "Shared-prefix (cascade) attention").
-    enable_cascade_attention: bool = False
+    # Sequences sharing leading KV blocks read them once per step (CPU kernels; model/cascade.py). None ("auto"):
+    # for the groups where the kernels, timed at start-up on this CPU, say it pays; True: every group; False: never
+    # (docs/kv-cache.md, "Shared-prefix (cascade) attention").
+    enable_cascade_attention: bool | None = None
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1   # ranks splitting each layer; the KV cache memory is per rank
     data_parallel_size: int = 1
@@ -140,8 +141,8 @@ class EngineConfig:
                 and not isinstance(self.max_pinned_kv_cache_fraction, bool)
                 and 0 <= self.max_pinned_kv_cache_fraction <= 1):
             raise ValueError(f"max_pinned_kv_cache_fraction must be in [0, 1], got {self.max_pinned_kv_cache_fraction!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_cascade_attention", "batch_invariant",
-                     "enable_lora"):
+        self._check_cascade_attention()
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "batch_invariant", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -168,6 +169,16 @@ class EngineConfig:
             if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size 1 only, "
                                  f"got tensor_parallel_size {self.tensor_parallel_size}")
+
+    def _check_cascade_attention(self) -> None:
+        if self.enable_cascade_attention == "auto":
+            self.enable_cascade_attention = None
+        if self.enable_cascade_attention is not None and not isinstance(self.enable_cascade_attention, bool):
+            raise ValueError(f"enable_cascade_attention must be True, False or None ('auto'), "
+                             f"got {self.enable_cascade_attention!r}")
+        if self.enable_cascade_attention and self.batch_invariant is True:
+            raise ValueError("enable_cascade_attention=True does not run with batch_invariant=True: a row's attention "
+                             "would depend on the group it shares; leave it None (auto: off there) or False")
 
     def _check_preemption(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -78,6 +78,9 @@ class LLMEngine:
             num_blocks = self._kv_blocks_in(budget)
             self.executor.collective_rpc("allocate_kv_caches", num_blocks)
         self.kv_manager = self._kv_manager(num_blocks)
+        # Rank 0 times the kernels (auto) while the other ranks wait; every rank then applies its rule.
+        self.cascade = self.executor.driver_worker.choose_cascade_attention()
+        self.executor.collective_rpc("use_cascade_rule", self.cascade.rule)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)
         self.core = EngineCore(self.executor, self.kv_manager, config.max_num_seqs, token_budget,
@@ -135,7 +138,7 @@ class LLMEngine:
                     "KV cache: %s, %d blocks of %d tokens = %d tokens",
                     config.model or "bundled SmolLM2-135M-Instruct", self.model_config.architecture,
                     self.device, str(self.dtype).removeprefix("torch."), self.runner.attention_backend.name,
-                    kernels.variant or "not built", "on" if self.runner.use_cascade else "off",
+                    kernels.variant or "not built", self.cascade.describe(),
                     str(self.kv_cache_dtype).removeprefix("torch."), num_blocks, config.block_size,
                     num_blocks * config.block_size)
         logger.info("weights (quantization=%s): %s", config.quantization, model.weight_summary())
@@ -207,7 +210,7 @@ class LLMEngine:
         return ModelInfo(self.model_config.architecture, str(self.dtype).removeprefix("torch."),
                          str(self.kv_cache_dtype).removeprefix("torch."), runner.attention_backend.name,
                          runner.model.weight_bytes(), runner.model.weight_summary(), kv_pool_bytes(runner.kv_caches),
-                         kv.pool.num_blocks, kv.block_size)
+                         kv.pool.num_blocks, kv.block_size, self.cascade)
 
     @property
     def last_step_stats(self) -> StepStats | None:

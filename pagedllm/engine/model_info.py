@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.worker.cascade_choice import CascadeChoice
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -16,6 +18,7 @@ class ModelInfo:
     kv_pool_bytes: int        # every layer's K and V cache, int8 scales included
     num_kv_blocks: int
     block_size: int
+    cascade_attention: CascadeChoice   # enable_cascade_attention resolved at start-up: its rule and timings
 
 
 def kv_pool_bytes(kv_caches) -> int:

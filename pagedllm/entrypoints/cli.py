@@ -63,6 +63,14 @@ def json_mapping(text: str) -> dict:
     return value
 
 
+def cascade_setting(text: str) -> bool | None:
+    """--enable-cascade-attention's value: auto (None), on (True) or off (False)."""
+    values = {"auto": None, "on": True, "true": True, "off": False, "false": False}
+    if text.lower() not in values:
+        raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}")
+    return values[text.lower()]
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The EngineConfig flags, shared by every command that loads a model."""
     parser.add_argument("model", nargs="?", default=_UNSET,
@@ -130,10 +138,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             f"{_default(EngineConfig, 'swap_space')}")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=_UNSET,
                        help=f"split long prompts across steps {_default(EngineConfig, 'enable_chunked_prefill')}")
-    group.add_argument("--enable-cascade-attention", action=argparse.BooleanOptionalAction, default=_UNSET,
+    group.add_argument("--enable-cascade-attention", nargs="?", const=True, type=cascade_setting, default=_UNSET,
+                       metavar="{auto,on,off}",
                        help="sequences that share leading KV blocks (parallel samples, beams, prefix-cache hits) "
-                            "read them once per step; CPU kernels only "
-                            f"{_default(EngineConfig, 'enable_cascade_attention')}")
+                            "read them once per step; CPU kernels only. auto: for the groups where the kernels, timed "
+                            "at start-up on this CPU, say it pays; on (the flag alone): every group; off: never "
+                            "(default: auto)")
+    group.add_argument("--no-enable-cascade-attention", dest="enable_cascade_attention", action="store_const",
+                       const=False, default=_UNSET, help="the same as --enable-cascade-attention off")
     group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_UNSET,
                        help=f"order of the waiting queue {_default(EngineConfig, 'scheduling_policy')}")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=_UNSET,

@@ -20,7 +20,7 @@ from pagedllm.lora.worker_manager import LoRAWorkerManager
 from pagedllm.model.attention.cache import CacheTensor, has_scales, kv_cache_shapes, kv_scales_shape
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.attention.selector import select_attention_backend
-from pagedllm.model.cascade import find_shared_prefixes
+from pagedllm.model.cascade import CascadeRule, find_shared_prefixes
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.tensor_parallel import num_kv_heads_per_rank
@@ -91,7 +91,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int | None, block_size: int, kv_cache_dtype: torch.dtype,
                  device: torch.device, seed: int, max_model_len: int, max_num_seqs: int,
                  attention_backend: str = "auto", dtype: torch.dtype = torch.float32,
-                 enable_cascade_attention: bool = False, drafter=None, lora: LoRAWorkerManager | None = None):
+                 drafter=None, lora: LoRAWorkerManager | None = None):
         """num_blocks None: the caches are allocated later (allocate_kv_caches), once a profile run has
         measured what the model leaves free. attention_backend: an EngineConfig value, resolved here once.
         drafter: a DraftModelProposer (pagedllm/worker/draft_model.py) for draft-model speculation.
@@ -109,8 +109,11 @@ class ModelRunner:
             self.allocate_kv_caches(num_blocks)
         self.input_batch = InputBatch(max_model_len, block_size, device, capacity=max_num_seqs)
         self.staging = HostStaging(device)
-        # The cascade kernel is C++ only.
-        self.use_cascade = enable_cascade_attention and self.attention_backend.uses_cpu_kernels
+        self.dtype = dtype
+        # Which shared-prefix groups go to the cascade kernel (set at start-up: worker/cascade_choice.py);
+        # None: none do. cascade_parts counts the step parts (decodes, prefill chunks) it served.
+        self.cascade_rule: CascadeRule | None = None
+        self.cascade_parts = {"decode": 0, "prefill": 0}
         self.drafter = drafter
         self.lora = lora
         self.kv_disk_store: DiskKVStore | None = None   # set by Worker.open_kv_disk_tier
@@ -325,13 +328,18 @@ class ModelRunner:
                          max(tops) if tops else None)
 
     def _shared_prefixes(self, block_tables: np.ndarray, context: np.ndarray, num_decodes: int) -> dict:
-        """The cascade groups among the step's decodes and among its prefill chunks (none when switched off)."""
-        if not self.use_cascade:
+        """The cascade groups among the step's decodes and among its prefill chunks that the rule keeps (none
+        when switched off)."""
+        rule = self.cascade_rule
+        if rule is None:
             return {}
-        return {"decode_cascade": find_shared_prefixes(block_tables[:num_decodes], context[:num_decodes],
-                                                       self.block_size),
-                "prefill_cascade": find_shared_prefixes(block_tables[num_decodes:], context[num_decodes:],
-                                                        self.block_size)}
+        parts = {"decode": find_shared_prefixes(block_tables[:num_decodes], context[:num_decodes], self.block_size,
+                                                rule),
+                 "prefill": find_shared_prefixes(block_tables[num_decodes:], context[num_decodes:], self.block_size,
+                                                 rule)}
+        for part, groups in parts.items():
+            self.cascade_parts[part] += groups is not None
+        return {f"{part}_cascade": groups for part, groups in parts.items()}
 
     def _prepare(self, scheduler_output: SchedulerOutput, spec: SpecRows | None):
         """Ids, positions, slot mapping and block tables for the step's rows by array ops on the batch; the

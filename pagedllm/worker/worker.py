@@ -20,11 +20,14 @@ from pagedllm.distributed.parallel_state import (SINGLE_PROCESS, TensorParallelG
 from pagedllm.lora.layer import LoRAModel
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.worker_manager import LoRAWorkerManager
+from pagedllm.model.cascade import CascadeRule
+from pagedllm.model.cascade_timing import AttentionShape
 from pagedllm.model.llama import CausalLM
 from pagedllm.model.quantized_matmul import QuantizedMatmul
 from pagedllm.model.loader import Checkpoint, load_checkpoint
 from pagedllm.model.pooling_checkpoint import build_pooling_model
 from pagedllm.model.tensor_parallel import weight_shards
+from pagedllm.worker.cascade_choice import CascadeChoice, choose_cascade, why_not_possible
 from pagedllm.worker.draft_model import DraftModelProposer
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.kv_disk_store import DiskKVStore, open_kv_cache_dir
@@ -84,7 +87,6 @@ class Worker:
         self.model_runner = runner_class(model, args.num_blocks, config.block_size, args.kv_cache_dtype,
                                         self.device, config.seed, args.max_model_len, config.max_num_seqs,
                                         attention_backend=config.attention_backend, dtype=args.dtype,
-                                        enable_cascade_attention=config.enable_cascade_attention,
                                         drafter=self._drafter(args), **runner_kwargs)
 
     def _drafter(self, args: WorkerArgs) -> DraftModelProposer | None:
@@ -130,6 +132,21 @@ class Worker:
         """One step on this rank's runner: every rank applies the same plain step data to its own batch;
         only rank 0 samples, so only its result matters."""
         return self.model_runner.execute_model(scheduler_output)
+
+    def choose_cascade_attention(self) -> CascadeChoice:
+        """enable_cascade_attention resolved for this rank's runner (auto times the kernels here: called on rank 0
+        alone, while the other ranks wait, and its rule handed to every rank with use_cascade_rule)."""
+        runner, config = self.model_runner, self.engine_config
+        model = runner.model
+        impossible = why_not_possible(runner.attention_backend.uses_cpu_kernels, runner.attention_backend.name,
+                                      not isinstance(runner, PoolingModelRunner),
+                                      sum(layer.sliding_window is None for layer in model.attention_layers))
+        shape = AttentionShape(model.config.num_attention_heads // self.group.world_size, model.num_kv_heads,
+                               model.config.head_dim, runner.dtype, runner.kv_cache_dtype, runner.block_size)
+        return choose_cascade(config.enable_cascade_attention, config.batch_invariant, impossible, shape)
+
+    def use_cascade_rule(self, rule: CascadeRule | None) -> None:
+        self.model_runner.cascade_rule = rule
 
     def profile_run(self, num_tokens: int, num_seqs: int) -> int:
         return self.model_runner.profile_run(num_tokens, num_seqs)

@@ -194,9 +194,9 @@ def test_throughput_and_latency_with_random_loras_run_beside_the_base(tiny_dir, 
     out = run_bench(capsys, "throughput", tiny_dir, "--dataset", str(tiny_workload(tmp_path)), "--dtype", "float32",
                     "--quantization", "none", "--kv-cache-memory", "8MiB", "--num-loras", "2", "--lora-rank", "8")
     rows = table_rows(out, "| backend | dtype | wall s | req/s | output tok/s | total tok/s |")
-    assert [row.split("|")[1].strip() for row in rows] == ["pagedllm (quantization=none, cascade=off)",
-                                                          "pagedllm (quantization=none, cascade=off, 2 LoRAs)"]
-    assert "2 LoRAs) against pagedllm (quantization=none, cascade=off), output tok/s:" in out
+    assert [row.split("|")[1].strip() for row in rows] == ["pagedllm (quantization=none, cascade=auto)",
+                                                          "pagedllm (quantization=none, cascade=auto, 2 LoRAs)"]
+    assert "2 LoRAs) against pagedllm (quantization=none, cascade=auto), output tok/s:" in out
     out = run_bench(capsys, "latency", tiny_dir, "--batch-size", "1", "--input-len", "8", "--output-len", "3",
                     "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--quantization", "none",
                     "--num-loras", "1", "--lora-rank", "8")

@@ -1,17 +1,20 @@
 """Cascade attention in the engine: the same greedy tokens with the switch on and off (float32, the bundled
-model), for parallel samples, beams and a shared system prompt, and proof that the cascade kernel served."""
+model), for parallel samples, beams and a shared system prompt, and proof that the cascade kernel served; the
+default, auto, serving exactly the groups its start-up rule keeps, whichever way the timing went here."""
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.model.attention.cpu import CpuAttentionBackend
-from pagedllm.model.cascade import MIN_SHARED_TOKENS
+from pagedllm.model.cascade import ALWAYS, rule_from_timings
 
 pytestmark = pytest.mark.kernels
 
 # Two tokens whose log-probabilities are closer than this are a true near-tie: float32 sums taken in
 # another order (the cascade merges two partial softmaxes) may swap them.
 NEAR_TIE = 1e-4
+# Prompts long enough that their groups share several blocks.
+MIN_SHARED_TOKENS = 128
 SYSTEM_PROMPT = ("You are a careful assistant for a lighthouse museum. Answer in one friendly paragraph, "
                  "mention the keeper's logbook when it helps, and never invent dates. ") * 5
 
@@ -103,13 +106,73 @@ def test_switched_off_never_calls_the_cascade(engines, cascade_calls):
     prompt = {"prompt_token_ids": off.get_tokenizer().encode("Tell me about the sea. " * 20)}
     off.generate([prompt], SamplingParams(n=4, temperature=0, max_tokens=8), use_tqdm=False)
     assert cascade_calls == {"decode": 0, "prefill": 0, "largest_group": 0}
-    assert not off.llm_engine.runner.use_cascade and engines[0].llm_engine.runner.use_cascade
+    assert off.llm_engine.runner.cascade_rule is None and engines[0].llm_engine.runner.cascade_rule == ALWAYS
+    assert off.llm_engine.runner.cascade_parts == {"decode": 0, "prefill": 0}
+    info = engines[0].llm_engine.model_info().cascade_attention
+    assert (info.setting, info.rule, info.measurement) == ("on", ALWAYS, None)
 
 
-def test_enable_cascade_attention_must_be_a_bool():
+def test_auto_serves_the_groups_its_startup_rule_keeps():
+    """The default times the kernels at start-up and records the rule; whatever it says here, n samples of a
+    prompt longer than every timed shared length go to the cascade exactly when the rule keeps n sequences."""
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory="160MiB")
+    engine = llm.llm_engine
+    info = engine.model_info().cascade_attention
+    assert info.setting == "auto" and info.measurement is not None
+    assert info.rule == engine.runner.cascade_rule == rule_from_timings(list(info.measurement.timings))
+    longest = max(t.shared_len for t in info.measurement.timings)
+    prompt = {"prompt_token_ids": llm.get_tokenizer().encode("The lighthouse keeper wrote in his logbook. " * 120)}
+    assert len(prompt["prompt_token_ids"]) >= longest + 16
+    for n in (2, 8):
+        before = engine.runner.cascade_parts["decode"]
+        llm.generate([prompt], SamplingParams(n=n, temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        served = engine.runner.cascade_parts["decode"] - before
+        assert (served > 0) == (info.rule.min_shared_len(n) is not None), (n, served, info.describe())
+
+
+def test_auto_stays_off_without_timing_where_it_must(cascade_calls):
+    """batch_invariant=True (a row's result must not depend on its group) and the torch backend (no cascade
+    kernel): off, and nothing timed."""
+    for settings, reason in (({"batch_invariant": True}, "batch_invariant=True"),
+                             ({"attention_backend": "torch", "quantization": "none"}, "attention backend torch")):
+        llm = LLM(dtype="float32", kv_cache_memory="64MiB", **settings)
+        info = llm.llm_engine.model_info().cascade_attention
+        assert info.rule is None and info.measurement is None and reason in info.describe()
+        assert llm.llm_engine.runner.cascade_rule is None
+        prompt = {"prompt_token_ids": llm.get_tokenizer().encode("Tell me about the sea. " * 20)}
+        llm.generate([prompt], SamplingParams(n=4, temperature=0, max_tokens=4), use_tqdm=False)
+    assert cascade_calls["decode"] == cascade_calls["prefill"] == 0
+
+
+def test_enable_cascade_attention_takes_three_settings():
     from pagedllm.config import EngineConfig
-    with pytest.raises(ValueError, match="enable_cascade_attention must be True or False, got 'yes'"):
-        EngineConfig(enable_cascade_attention="yes")
+    assert [EngineConfig(enable_cascade_attention=value).enable_cascade_attention
+            for value in (None, "auto", True, False)] == [None, None, True, False]
+    assert EngineConfig().enable_cascade_attention is None
+    for value in ("yes", "on", 1, 0):
+        with pytest.raises(ValueError, match=f"enable_cascade_attention must be True, False or None \\('auto'\\), "
+                                             f"got {value!r}"):
+            EngineConfig(enable_cascade_attention=value)
+    with pytest.raises(ValueError, match="enable_cascade_attention=True does not run with batch_invariant=True"):
+        EngineConfig(enable_cascade_attention=True, batch_invariant=True)
+    assert EngineConfig(enable_cascade_attention=False, batch_invariant=True).batch_invariant
+
+
+def test_cascade_flag_and_config_file(tmp_path):
+    from pagedllm.entrypoints.cli import parse_args
+
+    def setting(*flags, config=None):
+        extra = ["--config", str(config)] if config else []
+        return parse_args(["generate", *extra, *flags, "--", "hi"]).engine_config.enable_cascade_attention
+    assert [setting(), setting("--enable-cascade-attention"), setting("--enable-cascade-attention", "auto"),
+            setting("--enable-cascade-attention", "off"), setting("--no-enable-cascade-attention"),
+            setting("--enable-cascade-attention", "on")] == [None, True, None, False, False, True]
+    for text, expected in (("auto", None), ("true", True), ("false", False)):
+        path = tmp_path / f"{text}.yaml"
+        path.write_text(f"enable_cascade_attention: {text}\n")
+        assert setting(config=path) is expected
+    with pytest.raises(SystemExit):
+        setting("--enable-cascade-attention", "yes")
 
 
 def test_shared_prefix_workload_and_its_flags():
@@ -129,6 +192,7 @@ def test_shared_prefix_workload_and_its_flags():
     assert all(100 <= t < 1000 for r in workload for t in r.prompt_token_ids)
     with pytest.raises(ValueError, match="--suffix-len must be >= 1, got 0"):
         workload_from_args(parser.parse_args(["--dataset", "shared-prefix", "--suffix-len", "0"]))
-    assert throughput._cascade_values("off,on") == ["off", "on"]
-    with pytest.raises(ValueError, match="--cascade-attention takes comma-separated on/off values, got 'yes'"):
+    assert throughput._cascade_values("off,on,auto") == ["off", "on", "auto"]
+    assert throughput.CASCADE_VALUES == {"auto": None, "on": True, "off": False}
+    with pytest.raises(ValueError, match="--cascade-attention takes comma-separated auto/on/off values, got 'yes'"):
         throughput._cascade_values("yes")

@@ -6,7 +6,7 @@ import torch
 
 from pagedllm.model.attention import cache as cache_layout
 from pagedllm.model.kernels import kernels as _C
-from pagedllm.model.cascade import SharedPrefixGroups, find_shared_prefixes
+from pagedllm.model.cascade import ALWAYS, CascadeRule, SharedPrefixGroups, find_shared_prefixes
 from tests.attention_reference import (DTYPE_PAIRS, caches_of, causal_reference, dequantize, noise_cache,
                                        reference_quantize, tolerance)
 
@@ -68,7 +68,8 @@ def run_both(groups, block_size, heads, kv_heads, head_dim, dtype=torch.float32,
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
     q = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)   # strided, as the model passes it
     scale = head_dim ** -0.5
-    found = find_shared_prefixes(tables.numpy(), contexts.numpy(), block_size, min_shared_tokens, min_group_size=2)
+    found = find_shared_prefixes(tables.numpy(), contexts.numpy(), block_size,
+                                 CascadeRule(((2, min_shared_tokens),)))
     if found is None:   # one sequence alone: the search makes no group of one, the kernel takes it
         (common, [(context, _)]), = groups
         found = SharedPrefixGroups(torch.tensor([0]), torch.tensor([0, 1]),
@@ -148,7 +149,7 @@ def test_forks_and_beams():
     tables[1, 6] = tables[0, 6]   # beams 0 and 1 share their 7th block too (same keys: copy them)
     keys[1][96:], values[1][96:] = keys[0][96:], values[0][96:]
     contexts = torch.tensor([98, 98, 98, 98, 60, 60, 60])
-    found = find_shared_prefixes(tables.numpy(), contexts.numpy(), block_size, 1, min_group_size=2)
+    found = find_shared_prefixes(tables.numpy(), contexts.numpy(), block_size, ALWAYS)
     assert sorted(found.shared_lens.tolist()) == [48, 96]
     q = torch.randn(7, 9, 64, generator=generator)
     out = torch.empty_like(q)
@@ -198,15 +199,18 @@ def test_kernel_refuses_groups_whose_tables_or_lengths_disagree():
 def test_search_groups_by_leading_blocks_and_cuts_at_the_shortest_context():
     tables = np.array([[7, 8, 9, 1], [7, 8, 9, 2], [3, 4, 0, 0], [7, 8, 5, 6], [3, 4, 0, 0], [11, 0, 0, 0]])
     contexts = np.array([60, 64, 20, 50, 31, 5])
-    found = find_shared_prefixes(tables, contexts, 16, min_shared_tokens=16, min_group_size=2)
+    found = find_shared_prefixes(tables, contexts, 16, CascadeRule(((2, 16),)))
     groups = [sorted(found.group_seqs[a:b].tolist())
               for a, b in zip(found.group_starts[:-1].tolist(), found.group_starts[1:].tolist())]
     assert dict(zip(map(tuple, groups), found.shared_lens.tolist())) == {(2, 4): 20, (0, 1, 3): 32}
     # the threshold leaves the short group out; nothing shared at all gives None
-    found = find_shared_prefixes(tables, contexts, 16, min_shared_tokens=21, min_group_size=2)
+    found = find_shared_prefixes(tables, contexts, 16, CascadeRule(((2, 21),)))
     assert found.shared_lens.tolist() == [32]
     # the group-size threshold leaves the pair out, then the trio too
-    assert find_shared_prefixes(tables, contexts, 16, min_shared_tokens=16, min_group_size=3).shared_lens.tolist() == [32]
-    assert find_shared_prefixes(tables, contexts, 16, min_shared_tokens=16, min_group_size=4) is None
-    assert find_shared_prefixes(tables[[0, 2, 5]], contexts[[0, 2, 5]], 16, 1, min_group_size=2) is None
-    assert find_shared_prefixes(tables[:1], contexts[:1], 16, 1, min_group_size=2) is None
+    assert find_shared_prefixes(tables, contexts, 16, CascadeRule(((3, 16),))).shared_lens.tolist() == [32]
+    assert find_shared_prefixes(tables, contexts, 16, CascadeRule(((4, 16),))) is None
+    # a pair that never pays and a trio that needs 32 keys: only the trio
+    assert find_shared_prefixes(tables, contexts, 16, CascadeRule(((2, None), (3, 32)))).shared_lens.tolist() == [32]
+    assert find_shared_prefixes(tables, contexts, 16, CascadeRule(((2, None), (3, 33)))) is None
+    assert find_shared_prefixes(tables[[0, 2, 5]], contexts[[0, 2, 5]], 16, ALWAYS) is None
+    assert find_shared_prefixes(tables[:1], contexts[:1], 16, ALWAYS) is None
