@@ -6,8 +6,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <optional>
+#include <vector>
 
 void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logits) {
   RECORD_FUNCTION("pagedllm::logits_summary", std::vector<c10::IValue>({log_normaliser}));   // torch.profiler names it
@@ -98,6 +102,167 @@ void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor logit
       }
       for (int64_t t = whole_words * 32; t < vocab; ++t)
         if (!((mask[t / 32] >> (t % 32)) & 1u)) row[t] = kMinusInf;
+    }
+  });
+}
+
+// Top-k and top-p without sorting the vocabulary. A row's kept tokens are a prefix of its tokens ordered by
+// falling logit, the lower id first among equal logits (the stable sort of the torch formula in
+// worker/sampler.py): top-k keeps the first k, top-p (on what top-k kept) each token while the probability of
+// the tokens before it is below top_p, the first token always. So each is told by the prefix's last token:
+// top-k's from std::nth_element, top-p's from a histogram of the probability mass by logit, of which only the
+// one bucket where the mass crosses top_p is sorted.
+namespace {
+
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+struct PrefixEnd {   // the last kept token
+  float value;
+  int64_t id;
+};
+
+// Every token after the prefix to -inf: a logit below the end's, or equal to it with a higher id.
+void drop_after(float* row, int64_t vocab, PrefixEnd end) {
+  using namespace pagedllm;
+  const int64_t whole = vocab / kLanes * kLanes;
+  const vfloat cut = broadcast(end.value);
+  const vint last = vint{} + static_cast<int32_t>(end.id);
+  vint index{};
+  for (int i = 0; i < kLanes; ++i) index[i] = i;
+  for (int64_t i = 0; i < whole; i += kLanes, index += kLanes) {
+    const vfloat v = widen(row + i);
+    const vint drop = (v < cut) | ((v == cut) & (index > last));
+    narrow(drop ? broadcast(kMinusInf) : v, row + i);
+  }
+  for (int64_t i = whole; i < vocab; ++i)
+    if (row[i] < end.value || (row[i] == end.value && i > end.id)) row[i] = kMinusInf;
+}
+
+// The k-th token (k < vocab): nth_element finds its logit, then the ids settle ties.
+PrefixEnd top_k_end(const float* row, int64_t vocab, int64_t k, std::vector<float>& values) {
+  values.resize(vocab);
+  for (int64_t i = 0; i < vocab; ++i) values[i] = row[i] == row[i] ? row[i] : kMinusInf;   // NaN breaks the order
+  std::nth_element(values.begin(), values.begin() + (k - 1), values.end(), std::greater<float>());
+  const float kth = values[k - 1];
+  int64_t ties = k - std::count_if(values.begin(), values.begin() + (k - 1), [&](float x) { return x > kth; });
+  for (int64_t id = 0; id < vocab; ++id)
+    if (row[id] == kth && --ties == 0) return {kth, id};
+  return {kth, vocab - 1};   // only a NaN mapped to -inf above leaves fewer ties in the row
+}
+
+// Buckets of logits below the row's peak, kBuckets slices of 1/64 each over kSpan, then one for everything lower
+// (-inf and NaN too). exp(-32) per token leaves the last bucket under 1e-9 of the mass over 49,152 tokens, so
+// top-p crosses there only for top_p within float32's last steps below 1.
+constexpr int kBuckets = 2048;
+constexpr float kSpan = 32.f;
+
+inline pagedllm::vint bucket_of(pagedllm::vfloat v, pagedllm::vfloat peak) {
+  using namespace pagedllm;
+  const vfloat slices = (peak - v) * (kBuckets / kSpan);
+  return __builtin_convertvector(slices < static_cast<float>(kBuckets) ? slices : broadcast(kBuckets), vint);
+}
+
+struct Candidate {
+  float value;
+  int32_t id;
+  float mass;   // exp(value - peak)
+};
+
+// Calls visit(v, masses, buckets, first id, lanes) for the row in vectors; the tail padded with -inf.
+template <typename Visit>
+void for_each_vector(const float* row, int64_t vocab, pagedllm::vfloat peak, Visit visit) {
+  using namespace pagedllm;
+  auto visit_vector = [&](const float* values, int64_t first, int lanes) {
+    const vfloat v = widen(values);
+    const vfloat mass = v > kMinusInf ? exp_nonpositive(v - peak) : vfloat{};
+    visit(v, mass, bucket_of(v, peak), first, lanes);
+  };
+  const int64_t whole = vocab / kLanes * kLanes;
+  for (int64_t i = 0; i < whole; i += kLanes) visit_vector(row + i, i, kLanes);
+  if (whole < vocab) {
+    float padded[kLanes];
+    std::fill(padded, padded + kLanes, kMinusInf);
+    std::copy(row + whole, row + vocab, padded);
+    visit_vector(padded, whole, static_cast<int>(vocab - whole));
+  }
+}
+
+float row_max(const float* row, int64_t vocab) {
+  using namespace pagedllm;
+  const int64_t whole = vocab / kLanes * kLanes;
+  vfloat lane_max = broadcast(kMinusInf);
+  for (int64_t i = 0; i < whole; i += kLanes) {
+    const vfloat v = widen(row + i);
+    lane_max = v > lane_max ? v : lane_max;
+  }
+  float peak = kMinusInf;
+  for (int i = 0; i < kLanes; ++i) peak = std::max(peak, lane_max[i]);
+  for (int64_t i = whole; i < vocab; ++i) peak = std::max(peak, row[i]);
+  return peak;
+}
+
+// The last token top-p keeps (top_p < 1), or none when it keeps the whole row.
+std::optional<PrefixEnd> top_p_end(const float* row, int64_t vocab, float top_p, std::vector<double>& masses,
+                                   std::vector<Candidate>& candidates) {
+  using namespace pagedllm;
+  const float peak_value = row_max(row, vocab);
+  if (!(peak_value > kMinusInf) || std::isinf(peak_value)) return std::nullopt;   // no finite logit
+  const vfloat peak = broadcast(peak_value);
+  std::fill(masses.begin(), masses.end(), 0.0);
+  for_each_vector(row, vocab, peak, [&](vfloat, vfloat mass, vint bucket, int64_t, int lanes) {
+    for (int j = 0; j < lanes; ++j) masses[bucket[j]] += mass[j];
+  });
+  double total = 0;
+  for (double mass : masses) total += mass;
+  const double target = static_cast<double>(top_p) * total;
+  double above = 0;   // the mass of the buckets before
+  int crossing = 0;
+  for (; crossing <= kBuckets && above + masses[crossing] < target; ++crossing) above += masses[crossing];
+  if (crossing > kBuckets) return std::nullopt;
+  candidates.clear();
+  for_each_vector(row, vocab, peak, [&](vfloat v, vfloat mass, vint bucket, int64_t first, int lanes) {
+    for (int j = 0; j < lanes; ++j)
+      if (bucket[j] == crossing) candidates.push_back({v[j], static_cast<int32_t>(first + j), mass[j]});
+  });
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    return a.value > b.value || (a.value == b.value && a.id < b.id);
+  });
+  std::optional<PrefixEnd> end;
+  for (size_t j = 0; j < candidates.size(); ++j) {
+    if (above >= target && end) break;   // the row's first token (the first of bucket 0) always stays
+    end = PrefixEnd{candidates[j].value, candidates[j].id};
+    above += candidates[j].mass;
+  }
+  return end;
+}
+
+}  // namespace
+
+void truncate_top_k_top_p(at::Tensor logits, std::optional<at::Tensor> top_k, std::optional<at::Tensor> top_p) {
+  RECORD_FUNCTION("pagedllm::truncate_top_k_top_p", std::vector<c10::IValue>({logits}));   // torch.profiler names it
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
+              "truncate_top_k_top_p: logits must be contiguous float32 [rows, vocab]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab < (int64_t{1} << 31), "truncate_top_k_top_p: vocab must fit int32, got ", vocab);
+  TORCH_CHECK(!top_k || (top_k->scalar_type() == at::kLong && top_k->is_contiguous() && top_k->numel() == rows),
+              "truncate_top_k_top_p: top_k must be contiguous int64 with one entry per row");
+  TORCH_CHECK(!top_p || (top_p->scalar_type() == at::kFloat && top_p->is_contiguous() && top_p->numel() == rows),
+              "truncate_top_k_top_p: top_p must be contiguous float32 with one entry per row");
+  const int64_t* ks = top_k ? top_k->data_ptr<int64_t>() : nullptr;
+  const float* ps = top_p ? top_p->data_ptr<float>() : nullptr;
+  for (int64_t r = 0; ks && r < rows; ++r)
+    TORCH_CHECK(ks[r] >= 1, "truncate_top_k_top_p: top_k must be at least 1 (the vocabulary size when off), got ",
+                ks[r], " in row ", r);
+  float* data = logits.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> values;
+    std::vector<double> masses(kBuckets + 1);
+    std::vector<Candidate> candidates;
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = data + r * vocab;
+      if (ks && ks[r] < vocab) drop_after(row, vocab, top_k_end(row, vocab, ks[r], values));
+      if (ps && ps[r] < 1.f)
+        if (const auto last = top_p_end(row, vocab, ps[r], masses, candidates)) drop_after(row, vocab, *last);
     }
   });
 }

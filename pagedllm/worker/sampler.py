@@ -131,8 +131,22 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
         logits -= batch.presence_penalties * (counts > 0)
 
 
+# csrc's truncate_top_k_top_p for CPU logits, or None (the sort below): chosen once, at start-up.
+_CPU_TRUNCATE = kernel_for("truncate_top_k_top_p", torch.device("cpu"))
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
-    """Masks to -inf what top-k and then top-p drop, with one sort shared by both."""
+    """Masks to -inf what top-k and then top-p drop. On CPU the kernel finds the same kept set without sorting
+    the vocabulary (a full sort of every row was most of a sampled step); elsewhere one sort serves both."""
+    if _CPU_TRUNCATE is not None and logits.is_cpu and logits.is_contiguous():
+        _CPU_TRUNCATE(logits, None if top_k is None else top_k.reshape(-1).contiguous(),
+                      None if top_p is None else top_p.reshape(-1).contiguous())
+    else:
+        _top_k_top_p_by_sort(logits, top_k, top_p)
+
+
+def _top_k_top_p_by_sort(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
+    """_apply_top_k_top_p's torch formula: one sort of every row, shared by both."""
     # Stable, so among equal logits the lowest id ranks first, as argmax picks it.
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
@@ -150,16 +164,19 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
 
 
 def draw(probs: torch.Tensor, seeded_rows: list[tuple[int, torch.Generator]]) -> torch.Tensor:
-    """argmax(probs / q), q ~ Exp(1): a draw from probs (normalised or not; overwritten) in which a seeded
-    row depends on its generator alone."""
-    q = torch.empty_like(probs)
+    """A draw from each row of probs (normalised or not): the first token whose cumulative mass passes a uniform
+    share of the row's total. One uniform per row, so a seeded row depends on its generator alone, and one pass
+    over the row (an exponential race would draw a noise value per token of the vocabulary)."""
+    uniforms = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
     if len(seeded_rows) < probs.shape[0]:
-        q.exponential_()
+        uniforms.uniform_()
     for row, generator in seeded_rows:
-        q[row].exponential_(generator=generator)
-    # q == 0 would turn a zero probability into 0/0 = nan, which argmax would pick.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+        uniforms[row].uniform_(generator=generator)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    chosen = torch.searchsorted(cdf, uniforms * total, right=True)
+    # u * total may round up to the total: the last token with mass is where the cdf first reaches it.
+    return torch.minimum(chosen, torch.searchsorted(cdf, total)).squeeze(1)
 
 
 def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
