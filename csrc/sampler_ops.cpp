@@ -13,6 +13,40 @@
 #include <optional>
 #include <vector>
 
+namespace {
+
+// The first position of the row's maximum (torch.argmax's choice) and the maximum: lane by lane, then the first
+// overall. vector_at(i) gives the values at [i, i + kLanes) for whole vectors, value_at(i) one value past them.
+template <typename VectorAt, typename ValueAt>
+std::pair<float, int64_t> first_maximum(int64_t vocab, VectorAt vector_at, ValueAt value_at) {
+  using namespace pagedllm;
+  const int64_t whole = vocab / kLanes * kLanes;
+  vfloat lane_max = broadcast(-std::numeric_limits<float>::infinity());
+  vint lane_best{}, index{};
+  for (int i = 0; i < kLanes; ++i) index[i] = i;
+  for (int64_t i = 0; i < whole; i += kLanes, index += kLanes) {
+    const vfloat v = vector_at(i);
+    const vint better = v > lane_max;
+    lane_max = better ? v : lane_max;
+    lane_best = better ? index : lane_best;
+  }
+  float peak = -std::numeric_limits<float>::infinity();
+  int64_t argmax = 0;
+  for (int i = 0; i < kLanes; ++i)
+    if (lane_max[i] > peak || (lane_max[i] == peak && lane_best[i] < argmax)) {
+      peak = lane_max[i];
+      argmax = lane_best[i];
+    }
+  for (int64_t i = whole; i < vocab; ++i)
+    if (value_at(i) > peak) {
+      peak = value_at(i);
+      argmax = i;
+    }
+  return {peak, argmax};
+}
+
+}  // namespace
+
 void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logits) {
   RECORD_FUNCTION("pagedllm::logits_summary", std::vector<c10::IValue>({log_normaliser}));   // torch.profiler names it
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
@@ -27,34 +61,79 @@ void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logit
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = data + r * vocab;
-      // Lane by lane, the first position of each lane's maximum; then the first overall.
-      vfloat lane_max = broadcast(-std::numeric_limits<float>::infinity());
-      vint lane_best{}, index{};
-      for (int i = 0; i < kLanes; ++i) index[i] = i;
-      for (int64_t i = 0; i < whole; i += kLanes, index += kLanes) {
-        const vfloat v = widen(row + i);
-        const vint better = v > lane_max;
-        lane_max = better ? v : lane_max;
-        lane_best = better ? index : lane_best;
-      }
-      float peak = -std::numeric_limits<float>::infinity();
-      int64_t argmax = 0;
-      for (int i = 0; i < kLanes; ++i)
-        if (lane_max[i] > peak || (lane_max[i] == peak && lane_best[i] < argmax)) {
-          peak = lane_max[i];
-          argmax = lane_best[i];
-        }
-      for (int64_t i = whole; i < vocab; ++i)
-        if (row[i] > peak) {
-          peak = row[i];
-          argmax = i;
-        }
+      const auto [peak, argmax] = first_maximum(vocab, [&](int64_t i) { return widen(row + i); },
+                                                [&](int64_t i) { return row[i]; });
       vfloat sums{};
       for (int64_t i = 0; i < whole; i += kLanes) sums += exp_nonpositive(widen(row + i) - peak);
       float total = sum_lanes(sums);
       for (int64_t i = whole; i < vocab; ++i) total += std::exp(row[i] - peak);
       normalisers[r] = peak + std::log(total);
       best_ids[r] = argmax;
+    }
+  });
+}
+
+// Greedy rows under logit controls, without a copy of the logits: per row the first position of the maximum of
+// the logits as the controls leave them. Tokens the row's bitmask disallows read as -inf; the sparse changes
+// (a bias added, -inf added for a ban) are written into the row, the argmax taken, and the raw values put back.
+void controlled_argmax(at::Tensor best, at::Tensor logits, at::Tensor bitmask, at::Tensor bitmask_index,
+                       at::Tensor change_starts, at::Tensor change_ids, at::Tensor change_values) {
+  RECORD_FUNCTION("pagedllm::controlled_argmax", std::vector<c10::IValue>({logits}));   // torch.profiler names it
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
+              "controlled_argmax: logits must be contiguous float32 [rows, vocab]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), words = bitmask.size(1);
+  TORCH_CHECK(best.scalar_type() == at::kLong && best.numel() == rows, "controlled_argmax: best must be int64 [rows]");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous() &&
+                  (bitmask.size(0) == 0 || words * 32 >= vocab),
+              "controlled_argmax: bitmask must be contiguous int32 [masks, ceil(vocab / 32)]");
+  TORCH_CHECK(bitmask_index.scalar_type() == at::kLong && bitmask_index.numel() == rows &&
+                  bitmask_index.is_contiguous(),
+              "controlled_argmax: bitmask_index must be int64 [rows] (-1: no mask)");
+  TORCH_CHECK(change_starts.scalar_type() == at::kLong && change_starts.numel() == rows + 1 &&
+                  change_starts.is_contiguous() && change_ids.scalar_type() == at::kLong &&
+                  change_ids.is_contiguous() && change_values.scalar_type() == at::kFloat &&
+                  change_values.is_contiguous() && change_values.numel() == change_ids.numel(),
+              "controlled_argmax: change_starts int64 [rows + 1], change_ids int64 and change_values float32 alike");
+  const int64_t* masks_of = bitmask_index.data_ptr<int64_t>();
+  const int64_t* starts = change_starts.data_ptr<int64_t>();
+  const int64_t* ids = change_ids.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[rows] == change_ids.numel(), "controlled_argmax: change_starts must span the changes");
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(starts[r] <= starts[r + 1] && masks_of[r] >= -1 && masks_of[r] < bitmask.size(0),
+                "controlled_argmax: row ", r, ": change_starts must not fall, bitmask_index must be -1 or a mask");
+  for (int64_t j = 0; j < change_ids.numel(); ++j)
+    TORCH_CHECK(ids[j] >= 0 && ids[j] < vocab, "controlled_argmax: token ", ids[j], " outside [0, ", vocab, ")");
+  using namespace pagedllm;
+  const float* additions = change_values.data_ptr<float>();
+  const uint32_t* masks = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  float* data = logits.data_ptr<float>();
+  int64_t* best_ids = best.data_ptr<int64_t>();
+  vuint lane_bit{};
+  for (int i = 0; i < kLanes; ++i) lane_bit[i] = 1u << i;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> raw;
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = data + r * vocab;
+      raw.clear();
+      for (int64_t j = starts[r]; j < starts[r + 1]; ++j) raw.push_back(row[ids[j]]);   // before any change
+      for (int64_t j = starts[r]; j < starts[r + 1]; ++j) row[ids[j]] += additions[j];
+      if (masks_of[r] < 0) {
+        best_ids[r] = first_maximum(vocab, [&](int64_t i) { return widen(row + i); },
+                                    [&](int64_t i) { return row[i]; }).second;
+      } else {
+        const uint32_t* mask = masks + masks_of[r] * words;
+        const vfloat minus_inf = broadcast(-std::numeric_limits<float>::infinity());
+        best_ids[r] = first_maximum(
+            vocab,
+            [&](int64_t i) {   // i is a multiple of kLanes: a word's low or high half
+              const auto allowed = ((vuint{} + ((mask[i / 32] >> (i % 32)) & 0xffffu)) & lane_bit) != 0u;
+              return allowed ? widen(row + i) : minus_inf;
+            },
+            [&](int64_t i) {
+              return (mask[i / 32] >> (i % 32)) & 1u ? row[i] : -std::numeric_limits<float>::infinity();
+            }).second;
+      }
+      for (int64_t j = starts[r]; j < starts[r + 1]; ++j) row[ids[j]] = raw[j - starts[r]];
     }
   });
 }

@@ -256,8 +256,52 @@ def choose_tokens(raw_logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch
     """One token id per row of float32 raw logits, and the rows' log normalisers (logsumexp)."""
     plain_greedy = batch.all_greedy and not changes_logits(batch)
     log_normaliser, raw_best = _normaliser_and_argmax(raw_logits, need_argmax=plain_greedy)
-    token_ids = raw_best if plain_greedy else _choose(penalised_logits(raw_logits, batch), batch)
+    if plain_greedy:
+        token_ids = raw_best
+    elif batch.all_greedy and _sparse_changes_only(batch) and _CPU_CONTROLLED_ARGMAX is not None and raw_logits.is_cpu:
+        token_ids = _controlled_argmax(raw_logits, batch)
+    else:
+        token_ids = _choose(penalised_logits(raw_logits, batch), batch)
     return token_ids, log_normaliser
+
+
+# csrc's controlled_argmax for CPU logits, or None (penalised_logits' copy): chosen once, at start-up.
+_CPU_CONTROLLED_ARGMAX = kernel_for("controlled_argmax", torch.device("cpu"))
+
+
+def _sparse_changes_only(batch: SamplingBatch) -> bool:
+    """Whether the logits change only by the logit controls and min_tokens' bans (no penalties, which change
+    every seen token)."""
+    return batch.seen_tokens is None and batch.output_counts is None
+
+
+def _controlled_argmax(raw_logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """penalised_logits(raw_logits, batch).argmax(-1) without the copy (the kernel restores what it changes),
+    for batches whose changes are only the logit controls and min_tokens' bans: the allowed-token bitmask, then
+    the bans (-inf) and biases added (vLLM's order gives the same sums: -inf plus a bias stays -inf)."""
+    num_rows, vocab_size = raw_logits.shape
+    controls = batch.logit_controls
+    changes = [] if controls is None else [(controls.banned_rows, controls.banned_ids, None),
+                                           (controls.bias_rows, controls.bias_ids, controls.bias_values)]
+    changes.append((batch.min_tokens_rows, batch.min_tokens_ids, None))
+    changes = [(rows, ids, torch.full(ids.shape, -math.inf) if values is None else values)
+               for rows, ids, values in changes if rows is not None]
+    rows = torch.cat([rows for rows, _, _ in changes]) if changes else torch.empty(0, dtype=torch.int64)
+    order = rows.argsort(stable=True)
+    ids = torch.cat([ids for _, ids, _ in changes])[order] if changes else torch.empty(0, dtype=torch.int64)
+    values = torch.cat([values for _, _, values in changes])[order] if changes else torch.empty(0)
+    starts = torch.zeros(num_rows + 1, dtype=torch.int64)
+    starts[1:] = torch.bincount(rows, minlength=num_rows).cumsum(0)
+    bitmask_index = torch.full((num_rows,), -1, dtype=torch.int64)
+    if controls is not None and controls.allowed_rows is not None:
+        bitmask = torch.from_numpy(controls.allowed_bitmask)
+        bitmask_index[controls.allowed_rows] = torch.arange(len(controls.allowed_rows))
+    else:
+        bitmask = torch.empty(0, -(-vocab_size // 32), dtype=torch.int32)
+    best = torch.empty(num_rows, dtype=torch.int64)
+    _CPU_CONTROLLED_ARGMAX(best, raw_logits.contiguous(), bitmask.contiguous(), bitmask_index, starts,
+                           ids.contiguous(), values.float().contiguous())
+    return best
 
 
 def summarise(raw_logits: torch.Tensor, token_ids: torch.Tensor, num_top_logprobs: int | None,
