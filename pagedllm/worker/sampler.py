@@ -14,6 +14,7 @@ import torch
 from pagedllm.model.kernels import kernel_for
 from pagedllm.worker.input_batch import SamplingColumns
 from pagedllm.worker.logit_controls import LogitControlsBatch
+from pagedllm.worker.token_bitmask import bitmask_words
 
 
 def _token_counts(token_ids: np.ndarray, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, vocab_size: int,
@@ -258,7 +259,8 @@ def choose_tokens(raw_logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch
     log_normaliser, raw_best = _normaliser_and_argmax(raw_logits, need_argmax=plain_greedy)
     if plain_greedy:
         token_ids = raw_best
-    elif batch.all_greedy and _sparse_changes_only(batch) and _CPU_CONTROLLED_ARGMAX is not None and raw_logits.is_cpu:
+    elif (batch.all_greedy and _sparse_changes_only(batch) and _CPU_CONTROLLED_ARGMAX is not None
+          and raw_logits.is_cpu):
         token_ids = _controlled_argmax(raw_logits, batch)
     else:
         token_ids = _choose(penalised_logits(raw_logits, batch), batch)
@@ -281,15 +283,16 @@ def _controlled_argmax(raw_logits: torch.Tensor, batch: SamplingBatch) -> torch.
     the bans (-inf) and biases added (vLLM's order gives the same sums: -inf plus a bias stays -inf)."""
     num_rows, vocab_size = raw_logits.shape
     controls = batch.logit_controls
-    changes = [] if controls is None else [(controls.banned_rows, controls.banned_ids, None),
-                                           (controls.bias_rows, controls.bias_ids, controls.bias_values)]
-    changes.append((batch.min_tokens_rows, batch.min_tokens_ids, None))
-    changes = [(rows, ids, torch.full(ids.shape, -math.inf) if values is None else values)
-               for rows, ids, values in changes if rows is not None]
-    rows = torch.cat([rows for rows, _, _ in changes]) if changes else torch.empty(0, dtype=torch.int64)
-    order = rows.argsort(stable=True)
-    ids = torch.cat([ids for _, ids, _ in changes])[order] if changes else torch.empty(0, dtype=torch.int64)
-    values = torch.cat([values for _, _, values in changes])[order] if changes else torch.empty(0)
+    bans = [(batch.min_tokens_rows, batch.min_tokens_ids)]
+    if controls is not None:
+        bans.append((controls.banned_rows, controls.banned_ids))
+    changes = [(rows, ids, torch.full(ids.shape, -math.inf)) for rows, ids in bans if rows is not None]
+    if controls is not None and controls.bias_rows is not None:
+        changes.append((controls.bias_rows, controls.bias_ids, controls.bias_values))
+    if not changes:
+        changes = [(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), torch.empty(0))]
+    rows, ids, values = (torch.cat(column) for column in zip(*changes))
+    order = rows.argsort(stable=True)   # each row's changes together, as the kernel reads them
     starts = torch.zeros(num_rows + 1, dtype=torch.int64)
     starts[1:] = torch.bincount(rows, minlength=num_rows).cumsum(0)
     bitmask_index = torch.full((num_rows,), -1, dtype=torch.int64)
@@ -297,10 +300,10 @@ def _controlled_argmax(raw_logits: torch.Tensor, batch: SamplingBatch) -> torch.
         bitmask = torch.from_numpy(controls.allowed_bitmask)
         bitmask_index[controls.allowed_rows] = torch.arange(len(controls.allowed_rows))
     else:
-        bitmask = torch.empty(0, -(-vocab_size // 32), dtype=torch.int32)
+        bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
     best = torch.empty(num_rows, dtype=torch.int64)
     _CPU_CONTROLLED_ARGMAX(best, raw_logits.contiguous(), bitmask.contiguous(), bitmask_index, starts,
-                           ids.contiguous(), values.float().contiguous())
+                           ids[order].contiguous(), values[order].float().contiguous())
     return best
 
 
