@@ -139,7 +139,7 @@ _CPU_TRUNCATE = kernel_for("truncate_top_k_top_p", torch.device("cpu"))
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
     """Masks to -inf what top-k and then top-p drop. On CPU the kernel finds the same kept set without sorting
     the vocabulary (a full sort of every row was most of a sampled step); elsewhere one sort serves both."""
-    if _CPU_TRUNCATE is not None and logits.is_cpu and logits.is_contiguous():
+    if _CPU_TRUNCATE is not None and logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous():
         _CPU_TRUNCATE(logits, None if top_k is None else top_k.reshape(-1).contiguous(),
                       None if top_p is None else top_p.reshape(-1).contiguous())
     else:
