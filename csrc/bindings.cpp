@@ -24,6 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "Group-quantized weights to floats (CPU)");
   m.def("logits_summary", &logits_summary, "Per-row logsumexp and argmax of float32 logits (CPU)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "Disallowed tokens of a packed bitmask to -inf, in place (CPU)");
+  m.def("controlled_argmax", &controlled_argmax, "Argmax of rows under logit controls, without a copy (CPU)");
+  m.def("truncate_top_k_top_p", &truncate_top_k_top_p, "Top-k then top-p to -inf, in place, without a sort (CPU)",
+        arg("logits"), arg("top_k"), arg("top_p"));
   // Quantized matmuls (quant_matmul.cpp, quant_linear.cpp).
   m.def("quantized_linear_rows", &quantized_linear_rows, "Quantized linear, float activations, few rows (CPU)");
   m.def("quantized_linear_brgemm", &quantized_linear_brgemm, "Quantized linear, dequantized tiles through oneDNN brgemm (CPU)");

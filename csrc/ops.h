@@ -68,6 +68,18 @@ void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logit
 // int32 row i disallows (bit b of word w is token 32w + b, 1 = allowed; xgrammar's layout).
 void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor logits_rows);
 
+// Per row of float32 logits [rows, vocab], into best (int64 [rows]): the argmax of the row as logit controls leave it,
+// without changing it: the tokens bitmask row bitmask_index[r] disallows read as -inf (-1: no mask), and
+// change_values[j] (a bias, or -inf for a ban) is added to token change_ids[j] for j in
+// [change_starts[r], change_starts[r + 1]). The row is restored before the call returns.
+void controlled_argmax(at::Tensor best, at::Tensor logits, at::Tensor bitmask, at::Tensor bitmask_index,
+                       at::Tensor change_starts, at::Tensor change_ids, at::Tensor change_values);
+
+// Top-k, then top-p, in place on float32 logits [rows, vocab] (temperature applied): the tokens they drop to -inf,
+// the same set the full sort in worker/sampler.py drops. top_k: int64 [rows] (vocab where off); top_p: float32
+// [rows] (1 or more where off); either may be None. Logits must not hold NaN or +inf.
+void truncate_top_k_top_p(at::Tensor logits, std::optional<at::Tensor> top_k, std::optional<at::Tensor> top_p);
+
 // Group-quantized weights (formats in quant_format.h): out [rows, out_features] = x [rows, cols] @ weight^T (+ bias).
 // _rows: float activations against weights dequantized in registers, up to 8 rows per pass over the weights
 // (few rows; each row's result independent of the others). _brgemm: blocks of weights dequantized to x's

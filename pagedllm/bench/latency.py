@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--num-iters-warmup", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's temperature (default: 0, greedy); above 0 the steps sample")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default: 1.0, off)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto",
                         help="comma-separated values (e.g. none,auto): measured side by side in this run")
@@ -60,7 +63,8 @@ def run(args: argparse.Namespace) -> None:
     if not set(datasets) <= set(DATASETS):
         raise ValueError(f"--dataset must be among {', '.join(DATASETS)}, got {args.dataset!r}")
     print(f"input {args.input_len} (random), output {args.output_len}, KV cache {args.kv_cache_dtype}, "
-          f"tensor parallel {args.tensor_parallel_size}, {args.num_iters} iterations")
+          f"tensor parallel {args.tensor_parallel_size}, {args.num_iters} iterations, "
+          f"temperature {args.temperature}, top-p {args.top_p}")
     print("| quantization | dtype | speculative | dataset | batch | prefill ms p50 | p99 | decode step ms p50 | p99 "
           "| decode tok/s | mean acceptance length | LoRA |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -103,7 +107,8 @@ def measure(llm, args: argparse.Namespace, batch_size: int, dataset: str = "rand
     from pagedllm import SamplingParams
 
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.output_len,
+                            ignore_eos=True)
     prefills, decodes, rates = [], [], []
     spec_before = None
     for iteration in range(args.num_iters_warmup + args.num_iters):

@@ -96,7 +96,7 @@ class DraftModelProposer:
         if sampling.all_greedy:
             return greedy_ids.cpu().numpy(), None
         probs = probabilities(logits.clone(), sampling)
-        sampled = draw(probs.clone(), sampling.seeded_rows)
+        sampled = draw(probs, sampling.seeded_rows)
         greedy = batch.sampling.greedy[rows]
         chosen = torch.where(torch.from_numpy(greedy).to(self.device), greedy_ids, sampled)
         return chosen.cpu().numpy(), [None if is_greedy else row for is_greedy, row in zip(greedy.tolist(), probs)]

@@ -14,6 +14,7 @@ import torch
 from pagedllm.model.kernels import kernel_for
 from pagedllm.worker.input_batch import SamplingColumns
 from pagedllm.worker.logit_controls import LogitControlsBatch
+from pagedllm.worker.token_bitmask import bitmask_words
 
 
 def _token_counts(token_ids: np.ndarray, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, vocab_size: int,
@@ -131,8 +132,22 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
         logits -= batch.presence_penalties * (counts > 0)
 
 
+# csrc's truncate_top_k_top_p for CPU logits, or None (the sort below): chosen once, at start-up.
+_CPU_TRUNCATE = kernel_for("truncate_top_k_top_p", torch.device("cpu"))
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
-    """Masks to -inf what top-k and then top-p drop, with one sort shared by both."""
+    """Masks to -inf what top-k and then top-p drop. On CPU the kernel finds the same kept set without sorting
+    the vocabulary (a full sort of every row was most of a sampled step); elsewhere one sort serves both."""
+    if _CPU_TRUNCATE is not None and logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous():
+        _CPU_TRUNCATE(logits, None if top_k is None else top_k.reshape(-1).contiguous(),
+                      None if top_p is None else top_p.reshape(-1).contiguous())
+    else:
+        _top_k_top_p_by_sort(logits, top_k, top_p)
+
+
+def _top_k_top_p_by_sort(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
+    """_apply_top_k_top_p's torch formula: one sort of every row, shared by both."""
     # Stable, so among equal logits the lowest id ranks first, as argmax picks it.
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
@@ -150,16 +165,19 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
 
 
 def draw(probs: torch.Tensor, seeded_rows: list[tuple[int, torch.Generator]]) -> torch.Tensor:
-    """argmax(probs / q), q ~ Exp(1): a draw from probs (normalised or not; overwritten) in which a seeded
-    row depends on its generator alone."""
-    q = torch.empty_like(probs)
+    """A draw from each row of probs (normalised or not): the first token whose cumulative mass passes a uniform
+    share of the row's total. One uniform per row, so a seeded row depends on its generator alone, and one pass
+    over the row (an exponential race would draw a noise value per token of the vocabulary)."""
+    uniforms = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
     if len(seeded_rows) < probs.shape[0]:
-        q.exponential_()
+        uniforms.uniform_()
     for row, generator in seeded_rows:
-        q[row].exponential_(generator=generator)
-    # q == 0 would turn a zero probability into 0/0 = nan, which argmax would pick.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+        uniforms[row].uniform_(generator=generator)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    chosen = torch.searchsorted(cdf, uniforms * total, right=True)
+    # u * total may round up to the total: the last token with mass is where the cdf first reaches it.
+    return torch.minimum(chosen, torch.searchsorted(cdf, total)).squeeze(1)
 
 
 def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -239,8 +257,54 @@ def choose_tokens(raw_logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch
     """One token id per row of float32 raw logits, and the rows' log normalisers (logsumexp)."""
     plain_greedy = batch.all_greedy and not changes_logits(batch)
     log_normaliser, raw_best = _normaliser_and_argmax(raw_logits, need_argmax=plain_greedy)
-    token_ids = raw_best if plain_greedy else _choose(penalised_logits(raw_logits, batch), batch)
+    if plain_greedy:
+        token_ids = raw_best
+    elif (batch.all_greedy and _sparse_changes_only(batch) and _CPU_CONTROLLED_ARGMAX is not None
+          and raw_logits.is_cpu):
+        token_ids = _controlled_argmax(raw_logits, batch)
+    else:
+        token_ids = _choose(penalised_logits(raw_logits, batch), batch)
     return token_ids, log_normaliser
+
+
+# csrc's controlled_argmax for CPU logits, or None (penalised_logits' copy): chosen once, at start-up.
+_CPU_CONTROLLED_ARGMAX = kernel_for("controlled_argmax", torch.device("cpu"))
+
+
+def _sparse_changes_only(batch: SamplingBatch) -> bool:
+    """Whether the logits change only by the logit controls and min_tokens' bans (no penalties, which change
+    every seen token)."""
+    return batch.seen_tokens is None and batch.output_counts is None
+
+
+def _controlled_argmax(raw_logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """penalised_logits(raw_logits, batch).argmax(-1) without the copy (the kernel restores what it changes),
+    for batches whose changes are only the logit controls and min_tokens' bans: the allowed-token bitmask, then
+    the bans (-inf) and biases added (vLLM's order gives the same sums: -inf plus a bias stays -inf)."""
+    num_rows, vocab_size = raw_logits.shape
+    controls = batch.logit_controls
+    bans = [(batch.min_tokens_rows, batch.min_tokens_ids)]
+    if controls is not None:
+        bans.append((controls.banned_rows, controls.banned_ids))
+    changes = [(rows, ids, torch.full(ids.shape, -math.inf)) for rows, ids in bans if rows is not None]
+    if controls is not None and controls.bias_rows is not None:
+        changes.append((controls.bias_rows, controls.bias_ids, controls.bias_values))
+    if not changes:
+        changes = [(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), torch.empty(0))]
+    rows, ids, values = (torch.cat(column) for column in zip(*changes))
+    order = rows.argsort(stable=True)   # each row's changes together, as the kernel reads them
+    starts = torch.zeros(num_rows + 1, dtype=torch.int64)
+    starts[1:] = torch.bincount(rows, minlength=num_rows).cumsum(0)
+    bitmask_index = torch.full((num_rows,), -1, dtype=torch.int64)
+    if controls is not None and controls.allowed_rows is not None:
+        bitmask = torch.from_numpy(controls.allowed_bitmask)
+        bitmask_index[controls.allowed_rows] = torch.arange(len(controls.allowed_rows))
+    else:
+        bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
+    best = torch.empty(num_rows, dtype=torch.int64)
+    _CPU_CONTROLLED_ARGMAX(best, raw_logits.contiguous(), bitmask.contiguous(), bitmask_index, starts,
+                           ids[order].contiguous(), values[order].float().contiguous())
+    return best
 
 
 def summarise(raw_logits: torch.Tensor, token_ids: torch.Tensor, num_top_logprobs: int | None,

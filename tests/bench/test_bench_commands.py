@@ -76,6 +76,14 @@ def test_latency_prints_a_row_per_batch_size(tiny_dir, capsys):
     assert [row.split("|")[5].strip() for row in rows] == ["1", "2"]
 
 
+def test_latency_samples_with_temperature_and_top_p(tiny_dir, capsys):
+    out = run_bench(capsys, "latency", tiny_dir, "--batch-size", "2", "--input-len", "8", "--output-len", "3",
+                    "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--quantization", "none",
+                    "--temperature", "0.7", "--top-p", "0.9")
+    assert "temperature 0.7, top-p 0.9" in out
+    assert len(table_rows(out, "| quantization | dtype | speculative | dataset | batch |")) == 1
+
+
 def test_sweep_prints_a_row_per_block_size_and_writes_its_plot(tiny_dir, capsys, tmp_path):
     plot = tmp_path / "sweep.png"
     out = run_bench(capsys, "sweep", tiny_dir, "--dataset", tiny_workload(tmp_path), "--dtype", "float32",

@@ -18,6 +18,9 @@ SUBPROCESS_TIMEOUT = 1800   # seconds: a hung child fails the test instead of ha
 KERNEL_TESTS = ["tests/model/test_layer_ops.py", "tests/model/test_attention.py",
                 "tests/model/test_cascade_attention.py",
                 "tests/worker/test_sampling.py::test_logits_summary_kernel_matches_logsumexp_and_argmax",
+                "tests/worker/test_sampling.py::test_top_k_top_p_keep_the_tokens_their_definition_keeps",
+                "tests/worker/test_logit_controls.py::"
+                "test_greedy_rows_under_controls_take_the_argmax_of_the_controlled_logits_and_leave_the_raw_ones",
                 "tests/worker/test_token_bitmask.py",
                 "tests/model/test_quantization.py::test_repack_is_exact_against_gguf",
                 "tests/model/test_quantization.py::test_quantized_linear_against_float_reference",

@@ -75,6 +75,52 @@ def test_bias_cannot_revive_a_masked_token_and_greedy_follows_the_bias():
     assert processed[0, 0] == -math.inf and processed[0, 2] == 51.0
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("vocab", [49152, 1003])
+def test_greedy_rows_under_controls_take_the_argmax_of_the_controlled_logits_and_leave_the_raw_ones(vocab):
+    """The kernel's argmax against the controls written out in the test (mask, bans, biases, min_tokens' ban of
+    the stop ids), with ties: the lowest id among equal maxima, as torch's argmax."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(12, vocab, generator=generator) * 4).round()   # many equal values
+    top = logits.argmax(-1)
+    allowed = list(range(200, 700, 3))
+    params = [SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logit_bias={int(top[1]): -100, 17: 40.0}),
+              SamplingParams(temperature=0, allowed_token_ids=allowed),
+              SamplingParams(temperature=0, allowed_token_ids=allowed, logit_bias={203: 100, 5: 100}),
+              SamplingParams(temperature=0, bad_words_token_ids=[[int(top[4])]]),
+              SamplingParams(temperature=0, bad_words_token_ids=[[int(top[5])]], logit_bias={int(top[5]): 50}),
+              SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[int(top[6])]),
+              SamplingParams(temperature=0, logit_bias={vocab - 1: 30.0, vocab - 2: 30.0}),
+              SamplingParams(temperature=0, allowed_token_ids=[vocab - 1, 0]),
+              *[SamplingParams(temperature=0, logit_bias={int(top[r]): -1.0}) for r in range(9, 12)]]
+    expected = logits.clone()
+    expected[1, top[1]] -= 100
+    expected[1, 17] += 40
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[allowed] = False
+    expected[2:4, outside] = -math.inf
+    expected[3, 203] += 100   # 5 is outside: -inf stays
+    expected[4, top[4]] = -math.inf
+    expected[5, top[5]] = -math.inf
+    expected[6, top[6]] = -math.inf
+    expected[7, [vocab - 1, vocab - 2]] += 30   # a tie past the vectors: the lower id wins
+    expected[8, 1:vocab - 1] = -math.inf
+    for r in range(9, 12):
+        expected[r, top[r]] -= 1.0   # the runner-up, often a tie among several
+    columns = SamplingColumns(len(params))
+    for row, row_params in enumerate(params):
+        columns.set_row(row, row_params, (), None)
+    token_ids = np.zeros((len(params), 4), np.int32)
+    batch = SamplingBatch.build(columns, np.arange(len(params)), token_ids, np.full(len(params), 2),
+                                np.full(len(params), 2), vocab, logits.device)
+    raw = logits.clone()
+    out = sample(raw, batch)
+    assert out.token_ids.tolist() == expected.argmax(-1).tolist()
+    assert torch.equal(raw, logits)
+    torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, -1).gather(1, out.token_ids[:, None]).squeeze(1))
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("logit_bias", {1: 100.5}, r"logit_bias values must be in \[-100, 100\]"),
     ("logit_bias", {-1: 1}, "logit_bias must be >= 0"),

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedllm.model import kernels
 from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedllm.worker import sampler
 from pagedllm.worker.input_batch import SamplingColumns
@@ -326,3 +327,126 @@ def test_logits_summary_kernel_matches_logsumexp_and_argmax(vocab):
     normaliser, best = sampler._normaliser_and_argmax(logits, need_argmax=True)
     torch.testing.assert_close(normaliser, torch.logsumexp(logits, dim=-1, keepdim=True), atol=1e-5, rtol=1e-6)
     assert best.tolist() == logits.argmax(dim=-1).tolist()
+
+
+# ---------------------------------------------------------------- top-k / top-p without a sort
+
+# Float32 arithmetic decides a token whose mass above lies this close to top_p either way: the kernel sums
+# exp(logit - peak) evaluated in float32 (relative error under 2e-6 per token: 1e-7 of the polynomial, and the
+# rounding of logit - peak, up to 32 * 2^-24 in the 32 logits it resolves), so the fraction of the mass above a
+# token errs by under twice that; the full sort's float32 softmax and cumulative sum err less.
+MASS_TOLERANCE = 1e-5
+
+
+def kept_by_definition(logits: torch.Tensor, top_k: int, top_p: float, tolerance: float = MASS_TOLERANCE
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, vocab] bool twice, written from the definition in float64: order each row by falling logit, the
+    lower id first among equal ones; keep the first top_k; of those, keep a token while the probability
+    (renormalised over them) of the tokens before it is below top_p, the first one always. Second: the tokens
+    whose mass above is within `tolerance` of top_p, which float32 may decide either way."""
+    kept = torch.zeros(logits.shape, dtype=torch.bool)
+    near_cut = torch.zeros(logits.shape, dtype=torch.bool)
+    for r, row in enumerate(logits.double().numpy()):
+        order = np.lexsort((np.arange(row.size), -row))[:top_k]
+        probs = np.exp(row[order] - row[order[0]])
+        probs /= probs.sum()
+        mass_above = np.cumsum(probs) - probs
+        keep = mass_above < top_p
+        keep[0] = True
+        kept[r, torch.from_numpy(order[keep])] = True
+        near = np.abs(mass_above - top_p) <= tolerance if top_p < 1.0 else np.zeros(len(order), bool)
+        near[0] = False
+        near_cut[r, torch.from_numpy(order[near])] = True
+    finite = torch.isfinite(logits)
+    return kept & finite, near_cut & finite
+
+
+def truncation_cases():
+    """(name, logits, top_k, top_p): random rows peaked and flat, ties at the cut, rows that are all one value (the
+    whole row is one bucket: the sort the kernel falls back to), masked tokens, a vocabulary past the vectors."""
+    generator = torch.Generator().manual_seed(27)
+    cases = []
+    for vocab in (49152, 1003):
+        for scale in (0.8, 4.0):
+            random = torch.randn(8, vocab, generator=generator) * scale
+            for top_k, top_p in ((vocab, 0.9), (vocab, 0.5), (vocab, 0.999), (vocab, 1e-30), (vocab, 0.0),
+                                 (50, 1.0), (1, 1.0), (1000, 0.9), (7, 0.6), (vocab - 1, 0.95)):
+                cases.append((f"random-{vocab}-x{scale}-k{top_k}-p{top_p}", random, top_k, top_p))
+        ties = (torch.randn(8, vocab, generator=generator) * 2).round()   # a few values, thousands of each
+        for top_k, top_p in ((vocab, 0.9), (vocab, 0.3), (100, 1.0), (100, 0.7)):
+            cases.append((f"ties-{vocab}-k{top_k}-p{top_p}", ties, top_k, top_p))
+        flat = torch.full((3, vocab), 1.5)
+        for top_k, top_p in ((vocab, 0.3), (vocab, 0.9), (10, 0.5)):   # p * vocab not near a whole number
+            cases.append((f"flat-{vocab}-k{top_k}-p{top_p}", flat, top_k, top_p))
+        masked = torch.randn(4, vocab, generator=generator) * 3
+        masked[:, ::3] = -math.inf
+        masked[1, :vocab - 5] = -math.inf   # five tokens left, fewer than top_k
+        for top_k, top_p in ((vocab, 0.9), (20, 0.8)):
+            cases.append((f"masked-{vocab}-k{top_k}-p{top_p}", masked, top_k, top_p))
+    far = torch.randn(2, 4096, generator=generator) * 40   # mass 32 logits below the peak and more
+    cases.append(("spread-p0.99999", far, 4096, 0.99999))
+    return cases
+
+
+def columns_for(logits: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The sampler's per-row columns for the whole batch: top_k (vocab when off), top_p (inf when off)."""
+    rows, vocab = logits.shape
+    return (None if top_k >= vocab else torch.full((rows, 1), top_k, dtype=torch.int64),
+            None if top_p >= 1.0 else torch.full((rows, 1), top_p, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("truncate", [pytest.param("kernel", marks=pytest.mark.kernels), "sort"])
+@pytest.mark.parametrize("name, logits, top_k, top_p", [pytest.param(*case, id=case[0]) for case in truncation_cases()])
+def test_top_k_top_p_keep_the_tokens_their_definition_keeps(truncate, name, logits, top_k, top_p):
+    truncated = logits.clone()
+    if truncate == "kernel":
+        sampler._apply_top_k_top_p(truncated, *columns_for(logits, top_k, top_p))
+    else:   # the formula other devices take, which the kernel replaced on CPU
+        sampler._top_k_top_p_by_sort(truncated, *columns_for(logits, top_k, top_p))
+    kept = torch.isfinite(truncated)
+    # The sort's float32 cumulative sum errs by up to one rounding per token summed.
+    tolerance = MASS_TOLERANCE if truncate == "kernel" else logits.shape[1] * 2.0 ** -24
+    expected, near_cut = kept_by_definition(logits, top_k, top_p, tolerance)
+    differ = kept != expected
+    assert not (differ & ~near_cut).any(), (name, (differ & ~near_cut).nonzero()[:5].tolist())
+    assert torch.equal(truncated[kept], logits[kept])   # what stays is not touched
+
+
+def test_the_kernel_runs_on_cpu_where_built():
+    assert (sampler._CPU_TRUNCATE is not None) == (kernels.kernels is not None)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_p=0.9, seed=11),
+                                    SamplingParams(temperature=1.3, top_k=40, top_p=0.95, seed=12),
+                                    SamplingParams(temperature=0.6, top_p=0.8, min_p=0.05, seed=13),
+                                    SamplingParams(temperature=1.0, top_k=3, seed=14)])
+def test_seeded_draws_from_the_kernel_s_distribution_equal_the_definition_s(params):
+    """Where the kept set is the same, the distribution is the same to the bit, so a seed draws the same token."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(16, 49152, generator=generator) * 3
+    batch = build([params] * 16, logits)
+    by_kernel = sampler.probabilities(logits.clone(), batch)
+    reference = logits / params.temperature
+    kept, _ = kept_by_definition(reference, params.top_k or 49152, params.top_p)
+    reference = reference.masked_fill(~kept, -math.inf)
+    if params.min_p:
+        reference = reference.masked_fill(reference < reference.amax(-1, keepdim=True) + math.log(params.min_p),
+                                          -math.inf)
+    reference = reference.softmax(-1)
+    same = ((by_kernel > 0) == (reference > 0)).all(-1)   # rows with a token at float32's edge may differ
+    assert same.sum() >= 12, same
+    assert torch.equal(by_kernel[same], reference[same])
+    seeded = lambda: [(row, torch.Generator().manual_seed(params.seed + row)) for row in range(16)]   # noqa: E731
+    assert torch.equal(sampler.draw(by_kernel, seeded())[same], sampler.draw(reference, seeded())[same])
+
+
+def test_a_seed_draws_the_same_tokens_and_only_tokens_with_mass():
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0, 0.0]] * 400)
+    seeded = lambda seed: [(row, torch.Generator().manual_seed(seed * 1000 + row)) for row in range(400)]  # noqa: E731
+    first = sampler.draw(probs, seeded(1))
+    assert torch.equal(first, sampler.draw(probs, seeded(1)))
+    assert not torch.equal(first, sampler.draw(probs, seeded(2)))
+    assert set(first.tolist()) == {1, 3, 4}
+    unnormalised = sampler.draw(probs * 7, seeded(1))   # the draw scales with the row's total
+    assert torch.equal(unnormalised, first)
