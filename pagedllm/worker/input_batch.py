@@ -137,6 +137,8 @@ class InputBatch:
         for request in scheduler_output.scheduled_new_reqs:
             self.add(request)
         cached = scheduler_output.scheduled_cached_reqs
+        if cached.decode_request_ids:
+            self.update_decodes(cached.decode_request_ids, cached.decode_token_ids)
         if cached.request_ids:
             self.update_running(cached.request_ids, cached.new_token_ids, cached.block_table_starts,
                                 cached.new_block_ids, cached.num_computed_tokens)
@@ -187,6 +189,15 @@ class InputBatch:
             self.sampling.move_row(last, row)
         else:
             self.sampling.generators[row] = None
+
+    def update_decodes(self, request_ids: list[str], token_ids: list[int]) -> None:
+        """Plain decodes: each row's KV now reaches the tokens it held, and it gains one token; its block
+        table is unchanged. A few array operations for the whole batch."""
+        rows = np.fromiter(map(self.row_of.__getitem__, request_ids), np.int64, len(request_ids))
+        num_tokens = self.num_tokens[rows]
+        self.num_computed_tokens[rows] = num_tokens
+        self.token_ids[rows, num_tokens] = token_ids
+        self.num_tokens[rows] = num_tokens + 1
 
     def update_running(self, request_ids: list[str], new_token_ids: list[list[int]], block_table_starts: list[int],
                        new_block_ids: list[list[int]], num_computed_tokens: list[int]) -> np.ndarray:
