@@ -228,6 +228,8 @@ class InputBatch:
         counts = scheduler_output.num_scheduled_tokens
         rows = np.fromiter(map(self.row_of.__getitem__, counts), np.int64, len(counts))
         num_new = np.fromiter(counts.values(), np.int64, len(counts))
+        if scheduler_output.total_num_scheduled_tokens == len(counts) and num_new.all():
+            return rows, num_new   # one token each: every row decodes, in the step's order
         computing = num_new > 0
         rows, num_new = rows[computing], num_new[computing]
         order = np.argsort(num_new != 1, kind="stable")
@@ -240,7 +242,10 @@ class InputBatch:
         sample forked in the step samples from its source's row."""
         row_ends = np.cumsum(num_new)
         samples = self.num_computed_tokens[rows] + num_new == self.num_tokens[rows]
-        sampling_rows, token_indices = rows[samples], row_ends[samples] - 1
+        if samples.all():   # the usual step: every row samples
+            sampling_rows, token_indices = rows, row_ends - 1
+        else:
+            sampling_rows, token_indices = rows[samples], row_ends[samples] - 1
         forked = [(request.request_id, request.sample_with) for request in scheduler_output.scheduled_new_reqs
                   if request.sample_with is not None]
         if forked:
