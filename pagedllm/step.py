@@ -34,7 +34,14 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """Requests already in the workers' batch, index for index: what changed since they last ran."""
+    """Requests already in the workers' batch: what changed since they last ran.
+
+    A plain decode (one token sampled since, its KV computed up to the tokens the workers hold, its block
+    table unchanged) travels as its id and that token only, index for index in the decode lists; the
+    workers derive the rest. Every other change (a new block, a copied entry, several tokens, a chunk) goes
+    in the general lists, index for index."""
+    decode_request_ids: list[str] = field(default_factory=list)
+    decode_token_ids: list[int] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)    # appended since: sampled, or a beam's choice
     block_table_starts: list[int] = field(default_factory=list)     # first table entry that changed

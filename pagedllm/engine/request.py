@@ -63,9 +63,15 @@ class Request:
     worker_num_tokens: int = 0
     worker_num_blocks: int = 0
     all_token_ids: list[int] = field(init=False)
+    # A sampled token can stop the request only if it is one of these ids or brings it to this length
+    # (or it has a grammar): the scheduler runs the full check_stop for those tokens only.
+    stop_check_ids: frozenset[int] = field(init=False)
+    stop_check_length: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.stop_check_ids = frozenset((*self.eos_token_ids, *self.sampling_params.stop_token_ids))
+        self.stop_check_length = len(self.prompt_token_ids) + self.max_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

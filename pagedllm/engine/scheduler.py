@@ -311,7 +311,7 @@ class Scheduler:
         cache_full_blocks, block_size = kv.cache_full_blocks, kv.block_size
         speculated = scheduler_output.num_spec_tokens
         for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
-            if request_id in speculated:   # advanced by the tokens it accepts, below
+            if speculated and request_id in speculated:   # advanced by the tokens it accepts, below
                 continue
             request = requests[request_id]
             request.num_computed_tokens = computed = request.num_computed_tokens + num_new
@@ -320,10 +320,12 @@ class Scheduler:
             if request.cache_pins and computed - num_new < request.num_prompt_tokens <= computed:
                 self._pin_prefixes(request)
         sampled = []
+        add_sampled = sampled.append
         searches = []
-        token_ids, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
-        for row, request_id in enumerate(runner_output.req_ids):
-            request = requests.get(request_id)
+        logprobs = runner_output.logprobs
+        get_request = requests.get
+        for row, (request_id, token_id) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+            request = get_request(request_id)
             if request is None:   # a token stop ended it at an earlier row of this step (speculation)
                 continue
             search = request.beam_search
@@ -332,13 +334,15 @@ class Scheduler:
                 if search not in searches:
                     searches.append(search)
                 continue
-            token_id = token_ids[row]
-            request.all_token_ids.append(token_id)
+            tokens = request.all_token_ids
+            tokens.append(token_id)
             request.cumulative_logprob += logprobs[row]
-            sampled.append((request, row))
-            status = check_stop(request, token_id)
-            if status is not None:
-                self.finish(request, status)
+            add_sampled((request, row))
+            # Most tokens can stop nothing: the full check runs only where one could (Request.stop_check_ids).
+            if token_id in request.stop_check_ids or len(tokens) >= request.stop_check_length or request.grammar is not None:
+                status = check_stop(request, token_id)
+                if status is not None:
+                    self.finish(request, status)
         for search in searches:
             search.advance_if_ready(self)
         for request_id in runner_output.pooler_output or ():   # pooled: done, and its blocks are freed now

@@ -54,4 +54,3 @@ class SpecScheduling:
             request.num_computed_tokens += 1 + num_accepted
             kv.rollback(request_id, request.num_computed_tokens)
             kv.cache_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
-            request.worker_num_blocks = min(request.worker_num_blocks, len(kv.get_block_table(request_id)))

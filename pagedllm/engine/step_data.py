@@ -16,30 +16,37 @@ def describe_scheduled(scheduled: list[tuple[Request, int]], out: SchedulerOutpu
     out) runs for each request whose KV reaches its last token in this step, right after its own entry (the
     scheduler forks parallel samples there, so they follow their first sample in the workers' batch)."""
     block_table = kv.get_block_table
-    rewritten = kv.take_rewritten_entries()   # copy-on-write replaced these requests' table entries
+    rewritten = kv.take_rewritten_entries()   # copy on write or a rollback changed these requests' tables
     cached: CachedRequestData = out.scheduled_cached_reqs
+    add_decode_id, add_decode_token = cached.decode_request_ids.append, cached.decode_token_ids.append
     add_id, add_tokens = cached.request_ids.append, cached.new_token_ids.append
     add_start, add_blocks = cached.block_table_starts.append, cached.new_block_ids.append
     add_computed = cached.num_computed_tokens.append
     num_scheduled = out.num_scheduled_tokens
-    for request, num_new in scheduled:   # ~0.3 us per running request
+    for request, num_new in scheduled:
         request_id = request.request_id
         table = block_table(request_id)
         tokens = request.all_token_ids
-        if request.worker_num_tokens:
+        num_tokens, num_blocks = len(tokens), len(table)
+        sent = request.worker_num_tokens
+        if not sent:
+            out.scheduled_new_reqs.append(new_request_data(request, table))
+        elif (sent == num_tokens - 1 == request.num_computed_tokens and num_blocks == request.worker_num_blocks
+              and not (rewritten and request_id in rewritten)):   # a plain decode: its id and its token
+            add_decode_id(request_id)
+            add_decode_token(tokens[-1])
+        else:
             start = request.worker_num_blocks
             if rewritten and request_id in rewritten:
                 start = min(start, rewritten[request_id])
             add_id(request_id)
-            add_tokens(tokens[request.worker_num_tokens:])
+            add_tokens(tokens[sent:])
             add_start(start)
             add_blocks(table[start:])
             add_computed(request.num_computed_tokens)
-        else:
-            out.scheduled_new_reqs.append(new_request_data(request, table))
-        request.worker_num_tokens, request.worker_num_blocks = len(tokens), len(table)
+        request.worker_num_tokens, request.worker_num_blocks = num_tokens, num_blocks
         num_scheduled[request_id] = num_new
-        if on_prefill_done is not None and request.num_computed_tokens + num_new == len(tokens):
+        if on_prefill_done is not None and request.num_computed_tokens + num_new == num_tokens:
             on_prefill_done(request, num_new, out)
     out.total_num_scheduled_tokens = sum(num_scheduled.values())
     out.block_copies = kv.take_block_copies()

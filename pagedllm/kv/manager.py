@@ -86,7 +86,7 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}     # leading table entries already in the cache
         self._num_released: dict[str, int] = {}          # leading table entries released (outside the window)
         self._pending_copies: list[tuple[int, int]] = []
-        self._rewritten: dict[str, int] = {}   # request id -> first table entry a copy replaced since taken
+        self._rewritten: dict[str, int] = {}   # request id -> first table entry a copy or rollback changed since taken
         # Requests that took part in a fork: only they can hold a shared block that is not yet
         # full (prefix hits are full blocks, never written again), so only their writes need the
         # copy-on-write check, which reads a block object per request per step.
@@ -318,6 +318,7 @@ class KVCacheManager:
             del table[keep:]
             del self._block_ids[request_id][keep:]
             self.pool.free(dropped[::-1])
+            self._rewritten[request_id] = min(keep, self._rewritten.get(request_id, keep))
         self.num_tokens[request_id] = min(self.num_tokens[request_id], num_tokens)
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -342,8 +343,8 @@ class KVCacheManager:
         return copies
 
     def take_rewritten_entries(self) -> dict[str, int]:
-        """Request id -> first block-table entry replaced by a copy since the last call (tables otherwise
-        only grow), so a step can send the workers just the entries that changed."""
+        """Request id -> first block-table entry replaced by a copy or dropped by a rollback since the last call
+        (tables otherwise only grow), so a step can send the workers just the entries that changed."""
         rewritten, self._rewritten = self._rewritten, {}
         return rewritten
 

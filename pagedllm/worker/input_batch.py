@@ -137,6 +137,8 @@ class InputBatch:
         for request in scheduler_output.scheduled_new_reqs:
             self.add(request)
         cached = scheduler_output.scheduled_cached_reqs
+        if cached.decode_request_ids:
+            self.update_decodes(cached.decode_request_ids, cached.decode_token_ids)
         if cached.request_ids:
             self.update_running(cached.request_ids, cached.new_token_ids, cached.block_table_starts,
                                 cached.new_block_ids, cached.num_computed_tokens)
@@ -188,6 +190,15 @@ class InputBatch:
         else:
             self.sampling.generators[row] = None
 
+    def update_decodes(self, request_ids: list[str], token_ids: list[int]) -> None:
+        """Plain decodes: each row's KV now reaches the tokens it held, and it gains one token; its block
+        table is unchanged. A few array operations for the whole batch."""
+        rows = np.fromiter(map(self.row_of.__getitem__, request_ids), np.int64, len(request_ids))
+        num_tokens = self.num_tokens[rows]
+        self.num_computed_tokens[rows] = num_tokens
+        self.token_ids[rows, num_tokens] = token_ids
+        self.num_tokens[rows] = num_tokens + 1
+
     def update_running(self, request_ids: list[str], new_token_ids: list[list[int]], block_table_starts: list[int],
                        new_block_ids: list[list[int]], num_computed_tokens: list[int]) -> np.ndarray:
         """Applies what running requests gained since their last step; returns their rows. The common case,
@@ -217,6 +228,8 @@ class InputBatch:
         counts = scheduler_output.num_scheduled_tokens
         rows = np.fromiter(map(self.row_of.__getitem__, counts), np.int64, len(counts))
         num_new = np.fromiter(counts.values(), np.int64, len(counts))
+        if scheduler_output.total_num_scheduled_tokens == len(counts) and num_new.all():
+            return rows, num_new   # one token each: every row decodes, in the step's order
         computing = num_new > 0
         rows, num_new = rows[computing], num_new[computing]
         order = np.argsort(num_new != 1, kind="stable")
@@ -229,7 +242,10 @@ class InputBatch:
         sample forked in the step samples from its source's row."""
         row_ends = np.cumsum(num_new)
         samples = self.num_computed_tokens[rows] + num_new == self.num_tokens[rows]
-        sampling_rows, token_indices = rows[samples], row_ends[samples] - 1
+        if samples.all():   # the usual step: every row samples
+            sampling_rows, token_indices = rows, row_ends - 1
+        else:
+            sampling_rows, token_indices = rows[samples], row_ends[samples] - 1
         forked = [(request.request_id, request.sample_with) for request in scheduler_output.scheduled_new_reqs
                   if request.sample_with is not None]
         if forked:

@@ -236,7 +236,7 @@ class ModelRunner:
             logits = logits[:num_token_rows]
         if not len(logits):
             return ModelRunnerOutput([], [], [], prepare_seconds=prepare_seconds, prompt_logprobs=prompt_logprobs)
-        req_ids = [batch.req_ids[row] for row in sampling_rows.tolist()]
+        req_ids = list(map(batch.req_ids.__getitem__, sampling_rows.tolist()))
         if scheduler_output.grammar_bitmask is not None:   # requests under a grammar never speculate
             logits = self._apply_grammar_bitmask(logits, req_ids, scheduler_output)
         sampling = SamplingBatch.build(batch.sampling, sampling_rows, batch.token_ids,
@@ -379,8 +379,11 @@ class ModelRunner:
         row_ends = np.cumsum(num_new)
         row_starts = row_ends - num_new
         num_tokens = int(row_ends[-1])
-        token_row = np.repeat(np.arange(len(num_new)), num_new)
-        positions = np.arange(num_tokens) - row_starts[token_row] + context[token_row]
+        if num_tokens == len(num_new):   # decodes only: token i is row i's, at the row's first uncached position
+            token_row, positions = row_starts, context
+        else:
+            token_row = np.repeat(np.arange(len(num_new)), num_new)
+            positions = np.arange(num_tokens) - row_starts[token_row] + context[token_row]
         slot_mapping = block_tables[token_row, positions // block_size] * block_size + positions % block_size
 
         num_decodes = int((num_new == 1).sum())

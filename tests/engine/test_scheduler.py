@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.step_data import describe_scheduled
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
@@ -51,9 +52,14 @@ def test_a_request_arrives_whole_then_as_deltas_with_hand_computed_blocks():
     for computed, grows in ((10, False), (11, False), (12, True)):
         plan, _ = step(scheduler, runner)
         cached = plan.scheduled_cached_reqs
-        assert plan.scheduled_new_reqs == [] and cached.request_ids == ["a"]
-        assert cached.new_token_ids == [[100 + computed]] and cached.num_computed_tokens == [computed]
-        assert cached.block_table_starts == [3] and len(cached.new_block_ids[0]) == grows
+        assert plan.scheduled_new_reqs == []
+        if grows:   # a new block: the general form, from the first entry the workers lack
+            assert cached.request_ids == ["a"] and cached.decode_request_ids == []
+            assert cached.new_token_ids == [[100 + computed]] and cached.num_computed_tokens == [computed]
+            assert cached.block_table_starts == [3] and len(cached.new_block_ids[0]) == 1
+        else:   # a plain decode: its id and its one token
+            assert cached.decode_request_ids == ["a"] and cached.decode_token_ids == [100 + computed]
+            assert cached.request_ids == []
     # that step sampled the 4th token: max_tokens reached
     assert not scheduler.has_unfinished_requests() and scheduler.kv_manager.pool.num_used_blocks == 0
     assert scheduler.schedule().finished_req_ids == ["a"]   # the workers hear of it with the next step
@@ -121,7 +127,29 @@ def test_parallel_samples_fork_in_the_step_their_prefill_ends_and_copy_on_write(
     plan, _ = step(scheduler, runner)   # each writes its 7th token into the shared, partly filled 2nd block
     assert len(plan.block_copies) == 2   # the first two writers copy; the last keeps the original
     cached = plan.scheduled_cached_reqs
-    assert sorted(cached.block_table_starts) == [1, 1, 2]   # replaced entry 1, or nothing changed (2 blocks)
+    assert cached.block_table_starts == [1, 1]   # the two that copied: entry 1 replaced
+    assert len(cached.decode_request_ids) == 1   # the last keeps its table: a plain decode
+
+
+def test_a_decode_after_a_speculative_rollback_resends_the_entries_the_rollback_dropped():
+    """A rollback gave back the block proposals had taken and the next step took another: the table is as long
+    as the workers' but its last entry differs, so the step must not travel as a plain decode."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    req = request("a", prompt_len=8)
+    assert kv.allocate_slots("a", 10, 7)   # its 8th token and two proposals: 3 blocks
+    req.num_computed_tokens, req.worker_num_tokens, req.worker_num_blocks = 7, 8, 3
+    kv.take_rewritten_entries()   # the step that sent those 3 entries
+    req.num_computed_tokens = 8   # both proposals rejected: the KV keeps the 8th token only
+    req.all_token_ids.append(50)   # the target's own token
+    kv.rollback("a", 8)   # 2 blocks cover 8 tokens: the third goes back
+    assert len(kv.get_block_table("a")) == 2
+    assert kv.allocate_slots("a", 9, 8)   # the next step's decode takes a third block again
+    out = SchedulerOutput()
+    describe_scheduled([(req, 1)], out, kv)
+    cached = out.scheduled_cached_reqs
+    assert cached.decode_request_ids == [] and cached.request_ids == ["a"]
+    assert cached.block_table_starts == [2] and cached.new_block_ids == [kv.get_block_table("a")[2:]]
+    assert cached.new_token_ids == [[50]] and cached.num_computed_tokens == [8]
 
 
 def test_token_stops_are_applied_in_update_from_output():
