@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 FORCE_VARIABLE = "PAGEDLLM_DECODE_STACK"
 
 
-def _enabled() -> bool:
+def requested() -> bool:
+    """Whether PAGEDLLM_DECODE_STACK lets the stack serve (read once per model, when it is built)."""
     value = os.environ.get(FORCE_VARIABLE, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{FORCE_VARIABLE} must be 0 (the Python layers) or 1 (the compiled stack where it serves), "
@@ -47,9 +48,9 @@ def _projection(layer: QuantizedLinear) -> tuple:
     return layer.qweight, layer.scales, layer.mins, layer.bias, layer.bits, layer.group_size
 
 
-def _misfit(layers: nn.ModuleList, rope: RotaryEmbedding, uses_local_rope: bool) -> str | None:
+def _misfit(layers: nn.ModuleList, rope: RotaryEmbedding, uses_local_rope: bool, wanted: bool) -> str | None:
     """Why the compiled stack cannot run these layers (None: it can)."""
-    if not _enabled():
+    if not wanted:
         return f"{FORCE_VARIABLE}=0"
     if kernels.kernels is None:
         return "the C++ kernels are not built"
@@ -92,9 +93,10 @@ class DecodeStack:
 
     @classmethod
     def build(cls, layers: nn.ModuleList, rope: RotaryEmbedding, matmul: QuantizedMatmul, eps: float,
-              uses_local_rope: bool) -> DecodeStack | None:
-        """The stack, or None (logged with the reason) where the Python layers must serve every step."""
-        reason = _misfit(layers, rope, uses_local_rope)
+              uses_local_rope: bool, wanted: bool) -> DecodeStack | None:
+        """The stack, or None (logged with the reason) where the Python layers must serve every step.
+        wanted: requested()'s answer when the model was built."""
+        reason = _misfit(layers, rope, uses_local_rope, wanted)
         if reason is not None:
             logger.info("decode steps run the Python layers (%s)", reason)
             return None

@@ -23,7 +23,7 @@ from pagedllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGr
 from pagedllm.model.attention.cache import CacheTensor
 from pagedllm.model.attention.metadata import AttentionMetadata, LayerAttention
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.decode_stack import DecodeStack
+from pagedllm.model.decode_stack import DecodeStack, requested as decode_stack_requested
 from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_linear, padded_rows
 from pagedllm.model.mlp import GatedMLP
 from pagedllm.model.moe import SparseMoeBlock
@@ -164,6 +164,7 @@ class CausalLM(nn.Module):
         self.has_quantized_layers = any(isinstance(module, QuantizedLinear) for module in self.modules())
         self._check_matmul_options()
         self._decode_stack: DecodeStack | None | bool = False   # False: not built yet (decode_stack())
+        self._decode_stack_wanted = decode_stack_requested()
 
     def _check_matmul_options(self) -> None:
         """activation_dtype and batch_invariant act on quantized layers: refused where there are none to act on."""
@@ -182,7 +183,7 @@ class CausalLM(nn.Module):
         if self._decode_stack is False:
             uses_local_rope = self.local_rope is not None and any(layer.local_rope for layer in self.layers)
             self._decode_stack = DecodeStack.build(self.layers, self.rope, self.matmul, self.config.rms_norm_eps,
-                                                   uses_local_rope)
+                                                   uses_local_rope, self._decode_stack_wanted)
         return self._decode_stack
 
     def weight_summary(self) -> str:
