@@ -1,5 +1,6 @@
 #include <torch/extension.h>
 
+#include "decode_layers.h"
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -34,4 +35,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // One layer's LoRA update for a whole step (lora_sgmv.cpp).
   m.def("lora_sgmv", &lora_sgmv, "One layer's LoRA update of a step, rows grouped by adapter slot (CPU)", arg("out"),
         arg("x"), arg("a"), arg("b"), arg("ranks"), arg("column_starts"), arg("rows"), arg("segments"));
+  // A decode step's decoder layers in one call (decode_layers.cpp; pagedllm/model/decode_stack.py).
+  pybind11::class_<pagedllm::DecodeStack>(m, "DecodeStack", pybind11::module_local())   // one per variant
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double>(), arg("num_heads"), arg("num_kv_heads"),
+           arg("head_dim"), arg("rotary_dim"), arg("eps"))
+      .def("add_layer", &pagedllm::DecodeStack::add_layer)
+      .def("forward", &pagedllm::DecodeStack::forward)
+      .def_property_readonly("num_layers", &pagedllm::DecodeStack::num_layers);
 }

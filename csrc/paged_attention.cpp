@@ -137,9 +137,11 @@ inline void scale_probs(float* probs, int64_t prob_stride, int64_t heads, const 
 // prompt's blocks come out of the free queue together). Measured on 64 sequences x 400
 // tokens x 30 layers: blocks in order 60 -> 28 ms against one kv head at a time, blocks in
 // random order 70 -> 80 ms; the shared workload's decode attention 15.3 -> 10.1 s.
-// Keys first, then the softmax, then the values.
+// Keys first, then the softmax, then the values. Only kv heads [kv_first, kv_end) and their query heads: a
+// step of fewer tokens than threads shares a token's kv heads out (each head's result is the same either way).
 template <typename scalar_t, typename cache_t>
-void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, Scratch& scratch) {
+void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, int64_t kv_first, int64_t kv_end,
+                  Scratch& scratch) {
   const int64_t head_dim = p.head_dim, block_size = p.block_size, group = p.group;
   const int64_t num_heads = p.num_kv_heads * group, block_elements = p.num_kv_heads * head_dim * block_size;
   // The walk starts at the block of the first key in the window (the first key without one); slots
@@ -162,19 +164,22 @@ void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, Scratch& s
   // Block i of the walk is the K of table[i] for i < num_blocks, then the V of table[i - num_blocks]
   // (with its scales, for int8).
   const int64_t scale_elements = p.num_kv_heads * block_size;
+  const int64_t part_elements = (kv_end - kv_first) * head_dim * block_size;   // these kv heads' parts of a block
   auto prefetch_block = [&](int64_t i) {
     if (i >= 2 * num_blocks) return;
     const bool keys = i < num_blocks;
     const int64_t block = table[keys ? i : i - num_blocks];
-    prefetch((keys ? p.k_cache : p.v_cache) + block * block_elements, block_elements);
+    prefetch((keys ? p.k_cache : p.v_cache) + block * block_elements + kv_first * head_dim * block_size,
+             part_elements);
     if constexpr (kScaled<cache_t>)
-      prefetch((keys ? p.k_scales : p.v_scales) + block * scale_elements, scale_elements);
+      prefetch((keys ? p.k_scales : p.v_scales) + block * scale_elements + kv_first * block_size,
+               (kv_end - kv_first) * block_size);
   };
   for (int64_t i = 0; i < kPrefetchAhead; ++i) prefetch_block(i);
 
   for (int64_t b = 0; b < num_blocks; ++b) {
     prefetch_block(b + kPrefetchAhead);
-    for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+    for (int64_t kv_head = kv_first; kv_head < kv_end; ++kv_head) {
       const cache_t* keys = p.keys(table[b], kv_head);
       const float* key_scales = kScaled<cache_t> ? p.key_scales(table[b], kv_head) : nullptr;
       for_head_tiles(group, [&](auto heads, int64_t first) {
@@ -186,7 +191,7 @@ void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, Scratch& s
     }
   }
 
-  for (int64_t h = 0; h < num_heads; ++h) {
+  for (int64_t h = kv_first * group; h < kv_end * group; ++h) {
     float* s = scores + h * padded_len;
     if (p.softcap > 0)
       for (int64_t t = skipped; t < kv_len; ++t) s[t] = p.softcap * std::tanh(s[t] / p.softcap);
@@ -202,7 +207,7 @@ void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, Scratch& s
   for (int64_t b = 0; b < num_blocks; ++b) {
     prefetch_block(num_blocks + b + kPrefetchAhead);
     const int64_t n = std::min(block_size, kv_len - b * block_size);
-    for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+    for (int64_t kv_head = kv_first; kv_head < kv_end; ++kv_head) {
       const cache_t* values = p.values(table[b], kv_head);
       if constexpr (kScaled<cache_t>)
         scale_probs(scores + kv_head * group * padded_len + b * block_size, padded_len, group,
@@ -217,7 +222,7 @@ void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, Scratch& s
   }
 
   scalar_t* out = p.out + token * num_heads * head_dim;
-  for (int64_t i = 0; i < num_heads * head_dim; i += kLanes) narrow(widen(acc + i), out + i);
+  for (int64_t i = kv_first * group * head_dim; i < kv_end * group * head_dim; i += kLanes) narrow(widen(acc + i), out + i);
 }
 
 template <typename scalar_t, typename cache_t>
@@ -231,12 +236,18 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
                                      block_tables.data_ptr<int64_t>(), token_rows.data_ptr<int64_t>(),
                                      kv_lens.data_ptr<int64_t>()};
   // Tokens are handed out one at a time: sequences differ in length, so equal shares of
-  // tokens would leave one thread idle while another finishes long ones.
-  std::atomic<int64_t> next_token{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tokens), 1, [&](int64_t, int64_t) {
+  // tokens would leave one thread idle while another finishes long ones. With fewer than two tokens per
+  // thread each kv head of a token is a task of its own (batch-1 decode ran on one thread of two).
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = num_tokens < 2 * threads ? cache.num_kv_heads : 1;   // tasks per token
+  const int64_t tasks = num_tokens * parts, heads_per_part = cache.num_kv_heads / parts;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(threads, tasks), 1, [&](int64_t, int64_t) {
     Scratch scratch;
-    for (int64_t token; (token = next_token.fetch_add(1, std::memory_order_relaxed)) < num_tokens;)
-      attend_token(p, token, scratch);
+    for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      const int64_t kv_first = task % parts * heads_per_part;
+      attend_token(p, task / parts, kv_first, kv_first + heads_per_part, scratch);
+    }
   });
 }
 

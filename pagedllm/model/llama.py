@@ -23,6 +23,7 @@ from pagedllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGr
 from pagedllm.model.attention.cache import CacheTensor
 from pagedllm.model.attention.metadata import AttentionMetadata, LayerAttention
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.decode_stack import DecodeStack, requested as decode_stack_requested
 from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_linear, padded_rows
 from pagedllm.model.mlp import GatedMLP
 from pagedllm.model.moe import SparseMoeBlock
@@ -158,9 +159,12 @@ class CausalLM(nn.Module):
                                     config.rope_scaling, device)
         self.local_rope = None if config.local_rope_theta is None else RotaryEmbedding(
             config.rotary_dim, max_positions, config.local_rope_theta, None, device)
-        self.pads_batch = any(isinstance(module, Linear) and module.prepacked for module in self.modules())
+        # (a prepacked LM head pads its own rows: only the layers' matmuls make the whole batch worth padding)
+        self.pads_batch = any(isinstance(module, Linear) and module.prepacked for module in self.layers.modules())
         self.has_quantized_layers = any(isinstance(module, QuantizedLinear) for module in self.modules())
         self._check_matmul_options()
+        self._decode_stack: DecodeStack | None | bool = False   # False: not built yet (decode_stack())
+        self._decode_stack_wanted = decode_stack_requested()
 
     def _check_matmul_options(self) -> None:
         """activation_dtype and batch_invariant act on quantized layers: refused where there are none to act on."""
@@ -172,6 +176,15 @@ class CausalLM(nn.Module):
             raise ValueError(f"batch_invariant=True covers quantized layers (one row kernel for every batch), and "
                              f"{float_layers[0]} holds float weights, whose oneDNN/BLAS matmuls round by batch shape: "
                              f"use quantization int8 or int4, or a quantized GGUF")
+
+    def decode_stack(self) -> DecodeStack | None:
+        """The layers as one compiled call for decode steps (decode_stack.py), or None. Built at the first
+        decode step, after the engine has put any wrappers (LoRA) around the layers, which it does at start-up."""
+        if self._decode_stack is False:
+            uses_local_rope = self.local_rope is not None and any(layer.local_rope for layer in self.layers)
+            self._decode_stack = DecodeStack.build(self.layers, self.rope, self.matmul, self.config.rms_norm_eps,
+                                                   uses_local_rope, self._decode_stack_wanted)
+        return self._decode_stack
 
     def weight_summary(self) -> str:
         """Each kind of layer's weight format and the bytes of weights held, for the start-up log."""
@@ -220,6 +233,11 @@ class CausalLM(nn.Module):
         if self.config.embedding_multiplier != 1.0:   # in the model dtype, as transformers rounds it
             hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
         rotation = self.rope.at(positions, rope_lengths)
+        stack = self.decode_stack() if meta.num_decode_tokens else None
+        path = None if stack is None else stack.path(meta, hidden.shape[0])
+        if path is not None:
+            hidden, residual = stack.forward(hidden, rotation, kv_caches, meta, path)
+            return self.norm(hidden[rows], residual[rows])
         local_rotation = None if self.local_rope is None else self.local_rope.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, local_rotation if layer.local_rope else rotation, kv_cache, meta)

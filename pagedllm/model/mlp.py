@@ -25,6 +25,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         gate, up = w(prefix + "gate_proj.weight"), w(prefix + "up_proj.weight")
         device = gate.qweight.device if isinstance(gate, QuantizedWeight) else gate.device
+        self.activation_name = activation
         self.activation = gated_activation(activation, device, gate.shape[0])
         self.gate_up_proj = fused_linear([gate, up], matmul=matmul)
         self.down_proj = row_parallel(fused_linear([w(prefix + "down_proj.weight")], matmul=matmul), group)

@@ -24,10 +24,14 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def row_misfit(size: int) -> str | None:
+    """Why the element-wise kernels cannot take rows of `size` (None: they can): they work in 16-lane vectors."""
+    return None if size % 16 == 0 else f"rows of {size}, not a multiple of 16"
+
+
 def rms_norm_op(device: torch.device, size: int) -> RMSNorm:
     """rms_norm_torch's contract for rows of `size` on `device`: the kernels where they serve, else torch's."""
-    misfit = None if size % 16 == 0 else f"rows of {size}, not a multiple of 16"
-    norm, add_norm = (kernel_for(op, device, misfit) for op in ("rms_norm", "add_rms_norm"))
+    norm, add_norm = (kernel_for(op, device, row_misfit(size)) for op in ("rms_norm", "add_rms_norm"))
     if norm is None:
         return rms_norm_torch
 
@@ -67,7 +71,7 @@ def gated_activation(name: str, device: torch.device, size: int) -> Callable[[to
     """act(gate) * up for gate_up rows of 2 * size on `device`: silu's kernel where it serves, else torch's."""
     if name != "silu":
         return GATED_ACTIVATIONS[name]
-    kernel = kernel_for("silu_and_mul", device, None if size % 16 == 0 else f"rows of {size}, not a multiple of 16")
+    kernel = kernel_for("silu_and_mul", device, row_misfit(size))
     if kernel is None:
         return silu_and_mul
 

@@ -115,6 +115,13 @@ class QuantizedMatmul:
         few, many, many_from = found
         return many if num_rows >= many_from else few
 
+    def path(self, dtype: torch.dtype, num_rows: int) -> str:
+        """The name of the path `kernel` takes for this many rows of dtype (one of PATHS)."""
+        route = self.routes.get(dtype)
+        if route is None:
+            return "torch"
+        return route.many if num_rows >= route.many_from else route.few
+
     def describe(self, dtype: torch.dtype) -> str:
         route = self.routes.get(dtype)
         return "torch (weights dequantized per call)" if route is None else route.describe()
