@@ -11,10 +11,15 @@
 // model's (kv_cache_dtype): its elements are widened to float as they are read, and an int8
 // cache's per-slot scales multiply the scores and the probabilities instead of each element.
 //
+// Where queries and cache are both bfloat16, the tile products may instead run as small matrix
+// multiplications through oneDNN's brgemm (BrgemmTiles, brgemm_tiles.h: AMX tiles where the CPU has
+// them), the tile's K and V packed into the layout it reads; the softmax between them is the same.
+//
 // A row may see a range of keys (a sliding-window layer: its last `window` keys) rather than all before
 // it, and scores may be soft-capped (Gemma 2: cap * tanh(score / cap)) before the softmax.
 #pragma once
 
+#include "brgemm_tiles.h"
 #include "paged_cache.h"
 #include "vectors.h"
 
@@ -28,6 +33,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace pagedllm {
@@ -118,6 +124,7 @@ struct TileScratch {
   std::vector<int64_t> token, last_key, first_key;  // [rows]
   std::vector<const void*> value_rows;              // [tile keys + 1]
   std::vector<float> value_scales;                  // [tile keys]: int8 caches only
+  std::vector<Operand> packed_keys, packed_values;  // BrgemmTiles only: the tile's K and V as brgemm reads them
 };
 
 // Attention state of rows kept outside a row set, [tokens][heads]: values accumulated against the
@@ -128,9 +135,12 @@ struct RowStates {
   int64_t at(int64_t token, int64_t head) const { return token * num_heads + head; }
 };
 
+// Pairs: how the tile products run, in registers (FloatPairs, Bf16Pairs: RowBlock rows share each load) or
+// through brgemm (BrgemmTiles: RowBlock only pads the rows, to few distinct matrix shapes).
 template <typename cache_t, typename Pairs, int RowBlock = kRowBlock>
 class TileAttention {
   using Operand = typename Pairs::Operand;
+  static constexpr bool kBrgemm = std::is_same_v<Pairs, BrgemmTiles>;
 
  public:
   // group: query heads per kv head; num_heads: all of them (out's row width, in heads); softcap: 0 for none.
@@ -139,7 +149,8 @@ class TileAttention {
       : cache_(cache), s_(s), scale_(scale), softcap_(softcap), group_(group), num_heads_(num_heads),
         head_dim_(cache.head_dim),
         tile_keys_(cache.block_size * std::max<int64_t>(1, kTileKeys / cache.block_size)),
-        score_stride_(tile_keys_ + kLanes) {}
+        // + kLanes: the softmax reads whole vectors past the last key; brgemm writes up to its aligned count
+        score_stride_((kBrgemm ? BrgemmTiles::aligned_keys(tile_keys_) : tile_keys_) + kLanes) {}
 
   // Rows: count query tokens (token_at(i) gives the i-th) times the query heads of kv_head. Row r is
   // token r / group, head kv_head * group + r % group. Rows past the last (to fill the last block of
@@ -222,9 +233,28 @@ class TileAttention {
  private:
   int64_t head_of(int64_t r) const { return kv_head_ * group_ + std::min(r, rows_ - 1) % group_; }
 
-  // scores[r][j] = q_r . k_(key0 + j), 16 keys per vector (a block's keys are stored transposed);
-  // int8 keys' scales multiply whole dot products.
+  // scores[r][j] = q_r . k_(key0 + j), unscaled.
   void score(int64_t key0, int64_t count) {
+    if constexpr (kBrgemm) {
+      BrgemmTiles::score(cache_, table_, kv_head_, key0, count, s_.queries.data(), padded_rows_, s_.scores.data(),
+                         score_stride_, s_.packed_keys);
+    } else {
+      score_in_registers(key0, count);
+    }
+  }
+
+  // acc[r] += sum_j probs[r][j] * v_(key0 + j).
+  void accumulate_values(int64_t key0, int64_t count) {
+    if constexpr (kBrgemm) {
+      BrgemmTiles::accumulate(cache_, table_, kv_head_, key0, count, s_.probs.data(), padded_rows_, score_stride_,
+                              s_.acc.data(), s_.packed_values);
+    } else {
+      accumulate_in_registers(key0, count);
+    }
+  }
+
+  // 16 keys per vector (a block's keys are stored transposed); int8 keys' scales multiply whole dot products.
+  void score_in_registers(int64_t key0, int64_t count) {
     const int64_t block_size = cache_.block_size;
     for (int64_t key = key0; key < key0 + count;) {
       const int64_t slot = key % block_size;
@@ -297,8 +327,8 @@ class TileAttention {
     }
   }
 
-  // acc[r] += sum_j probs[r][j] * v_(key0 + j), 16 dimensions per vector, keys two at a time.
-  void accumulate_values(int64_t key0, int64_t count) {
+  // 16 dimensions per vector, keys two at a time.
+  void accumulate_in_registers(int64_t key0, int64_t count) {
     static const cache_t zeros[256] = {};   // the partner of an odd last key (its probability is 0)
     const int64_t block_size = cache_.block_size;
     const cache_t** rows = reinterpret_cast<const cache_t**>(s_.value_rows.data());
@@ -357,9 +387,10 @@ struct ChunkTask {
 
 // The tasks of chunks (chunk c: query tokens [starts[c], starts[c + 1]) at positions contexts[c]
 // onwards), the costliest first: handed out one at a time, no thread is left with a long one at the end.
+// task_rows: the rows (positions x group) a task should hold.
 inline std::vector<ChunkTask> chunk_tasks(const int64_t* starts, const int64_t* contexts, int64_t num_chunks,
-                                          int64_t group, int64_t num_kv_heads) {
-  const int64_t positions_per_task = std::max<int64_t>(1, kTaskRows / group);
+                                          int64_t group, int64_t num_kv_heads, int64_t task_rows = kTaskRows) {
+  const int64_t positions_per_task = std::max<int64_t>(1, task_rows / group);
   std::vector<ChunkTask> tasks;
   for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
     const int64_t length = starts[chunk + 1] - starts[chunk];
