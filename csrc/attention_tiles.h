@@ -54,6 +54,9 @@ constexpr int kManyRowBlock = 8;
 // prompts, 48 x 64 at 140-165 (bf16, 9 heads on 3 kv heads).
 constexpr int64_t kTileKeys = 512;
 
+// The keys of a tile over blocks of block_size: whole blocks, one where blocks are bigger.
+inline int64_t tile_keys_for(int64_t block_size) { return block_size * std::max<int64_t>(1, kTileKeys / block_size); }
+
 // Generic pairs: two float vectors, two FMAs per pair of elements.
 template <typename cache_t>
 struct FloatPairs {
@@ -124,7 +127,6 @@ struct TileScratch {
   std::vector<int64_t> token, last_key, first_key;  // [rows]
   std::vector<const void*> value_rows;              // [tile keys + 1]
   std::vector<float> value_scales;                  // [tile keys]: int8 caches only
-  std::vector<Operand> packed_keys, packed_values;  // BrgemmTiles only: the tile's K and V as brgemm reads them
 };
 
 // Attention state of rows kept outside a row set, [tokens][heads]: values accumulated against the
@@ -148,7 +150,7 @@ class TileAttention {
                 TileScratch<Operand>& s, float softcap = 0)
       : cache_(cache), s_(s), scale_(scale), softcap_(softcap), group_(group), num_heads_(num_heads),
         head_dim_(cache.head_dim),
-        tile_keys_(cache.block_size * std::max<int64_t>(1, kTileKeys / cache.block_size)),
+        tile_keys_(tile_keys_for(cache.block_size)),
         // + kLanes: the softmax reads whole vectors past the last key; brgemm writes up to its aligned count
         score_stride_((kBrgemm ? BrgemmTiles::aligned_keys(tile_keys_) : tile_keys_) + kLanes) {}
 
@@ -185,13 +187,17 @@ class TileAttention {
   // Attends the rows to keys [key_begin, key_end) of table (each row up to its last_key).
   void walk(const int64_t* table, int64_t key_begin, int64_t key_end) {
     table_ = table;
-    for (int64_t key0 = key_begin; key0 < key_end; key0 += tile_keys_) {
-      const int64_t count = std::min(tile_keys_, key_end - key0);
-      score(key0, count);
-      softmax(key0, count);
-      accumulate_values(key0, count);
-    }
+    walk_tiles(key_begin, key_end);
   }
+
+  // The same over tiles BrgemmTiles::pack packed beforehand, on their grid: keys of the first tile before
+  // key_begin are masked as each row's first_key says.
+  void walk(const BrgemmTiles::Packed& packed, int64_t key_begin, int64_t key_end) {
+    static_assert(kBrgemm, "packed tiles are for the brgemm products");
+    packed_ = &packed;
+    walk_tiles(key_begin - (key_begin - packed.origin) % tile_keys_, key_end);
+  }
+
 
   // Writes each row's state to states (its token and head), to be folded into another walk's.
   void save(const RowStates& states) const {
@@ -233,11 +239,20 @@ class TileAttention {
  private:
   int64_t head_of(int64_t r) const { return kv_head_ * group_ + std::min(r, rows_ - 1) % group_; }
 
+  void walk_tiles(int64_t key_begin, int64_t key_end) {
+    for (int64_t key0 = key_begin; key0 < key_end; key0 += tile_keys_) {
+      const int64_t count = std::min(tile_keys_, key_end - key0);
+      score(key0, count);
+      softmax(key0, count);
+      accumulate_values(key0, count);
+    }
+  }
+
   // scores[r][j] = q_r . k_(key0 + j), unscaled.
   void score(int64_t key0, int64_t count) {
     if constexpr (kBrgemm) {
-      BrgemmTiles::score(cache_, table_, kv_head_, key0, count, s_.queries.data(), padded_rows_, s_.scores.data(),
-                         score_stride_, s_.packed_keys);
+      BrgemmTiles::score(packed_->keys + packed_->offset(key0), count, packed_->ld_keys, head_dim_, s_.queries.data(),
+                         padded_rows_, s_.scores.data(), score_stride_);
     } else {
       score_in_registers(key0, count);
     }
@@ -246,8 +261,8 @@ class TileAttention {
   // acc[r] += sum_j probs[r][j] * v_(key0 + j).
   void accumulate_values(int64_t key0, int64_t count) {
     if constexpr (kBrgemm) {
-      BrgemmTiles::accumulate(cache_, table_, kv_head_, key0, count, s_.probs.data(), padded_rows_, score_stride_,
-                              s_.acc.data(), s_.packed_values);
+      BrgemmTiles::accumulate(packed_->values + packed_->offset(key0), count, head_dim_, s_.probs.data(),
+                              padded_rows_, score_stride_, s_.acc.data());
     } else {
       accumulate_in_registers(key0, count);
     }
@@ -373,6 +388,7 @@ class TileAttention {
   const int64_t group_, num_heads_, head_dim_, tile_keys_, score_stride_;
   int64_t kv_head_ = 0, rows_ = 0, padded_rows_ = 0;
   const int64_t* table_ = nullptr;
+  const BrgemmTiles::Packed* packed_ = nullptr;
 };
 
 // Query positions per task of a chunk: enough rows (positions x group) to reuse each K/V load,
