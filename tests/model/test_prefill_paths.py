@@ -25,13 +25,13 @@ BRGEMM_ISA = brgemm_isa(BF16)
 NO_BRGEMM = "oneDNN's brgemm does not run bfloat16 here (it needs AVX512-BF16 or AMX and the C++ kernels)"
 PATHS = [PrefillPath("tiles"),
          pytest.param(PrefillPath("brgemm", BRGEMM_ISA), marks=pytest.mark.skipif(BRGEMM_ISA is None, reason=NO_BRGEMM))]
-UNIT_ROUNDOFF = {BF16: 2.0 ** -9, torch.float32: 2.0 ** -24}
+UNIT_ROUNDOFF = {BF16: 2.0 ** -8, torch.float32: 2.0 ** -24}   # 8 and 24 significant bits, rounded to nearest
 
 
 def dense_attention_and_bound(q, keys, values, context_len, scale, window=None, softcap=None):
     """Causal attention of q [chunk, heads, head_dim] (positions context_len..) over keys/values [keys, kv_heads,
     head_dim], in float32 from the same bfloat16 values the kernel reads, and the bound on the kernel's error
-    per element. Where the kernel rounds: its probabilities to bfloat16 before PV (each off by at most u = 2^-9 of
+    per element. Where the kernel rounds: its probabilities to bfloat16 before PV (each off by at most u = 2^-8 of
     itself; the row sum is kept in float), which moves an output by at most u * sum_j p_j |v_j|; its output to
     bfloat16, u * |o|. Its float arithmetic (products of bfloat16 are exact in float; sums of up to n terms,
     e^x by a polynomial good to 1e-7, scores off by up to head_dim * 2^-24 * scale * sum |q_i k_i|, which moves
@@ -161,8 +161,8 @@ def test_forced_brgemm_backend_agrees_with_the_pytorch_path_inside_paged_attenti
                                  block_size=16)
         caches = [CacheTensor(cache.data.clone()) for cache in (k_cache, v_cache)]
         results.append(attention.forward(q, k_new, v_new, *caches, meta, LayerAttention(32 ** -0.5)).float())
-    # Both round their probabilities or their output to bfloat16 (2^-9 of values ~1 each): 2^-7 covers both.
-    torch.testing.assert_close(results[0], results[1], atol=2 ** -7, rtol=2 ** -7)
+    # Both round their probabilities or their output to bfloat16 (2^-8 of values ~1 each): 2^-6 covers both.
+    torch.testing.assert_close(results[0], results[1], atol=2 ** -6, rtol=2 ** -6)
     assert not results[0][-3:].any()
 
 
