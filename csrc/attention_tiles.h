@@ -198,7 +198,6 @@ class TileAttention {
     walk_tiles(key_begin - (key_begin - packed.origin) % tile_keys_, key_end);
   }
 
-
   // Writes each row's state to states (its token and head), to be folded into another walk's.
   void save(const RowStates& states) const {
     for (int64_t r = 0; r < rows_; ++r) {
