@@ -21,7 +21,7 @@ from setuptools import Extension, setup
 
 SOURCES = ["csrc/bindings.cpp", "csrc/paged_attention.cpp", "csrc/prefill_attention.cpp", "csrc/cascade_attention.cpp",
            "csrc/layer_ops.cpp", "csrc/sampler_ops.cpp", "csrc/quant_linear.cpp",
-           "csrc/quant_matmul.cpp", "csrc/lora_sgmv.cpp", "csrc/decode_layers.cpp"]
+           "csrc/quant_matmul.cpp", "csrc/lora_sgmv.cpp", "csrc/decode_layers.cpp", "csrc/brgemm_tiles.cpp"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c", "-mbmi2"]                                  # x86-64-v3
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd"]   # x86-64-v4
 # Variant name -> compiler flags; the names match pagedllm/model/kernels.py.

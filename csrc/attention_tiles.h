@@ -11,10 +11,15 @@
 // model's (kv_cache_dtype): its elements are widened to float as they are read, and an int8
 // cache's per-slot scales multiply the scores and the probabilities instead of each element.
 //
+// Where queries and cache are both bfloat16, the tile products may instead run as small matrix
+// multiplications through oneDNN's brgemm (BrgemmTiles, brgemm_tiles.h: AMX tiles where the CPU has
+// them), the tile's K and V packed into the layout it reads; the softmax between them is the same.
+//
 // A row may see a range of keys (a sliding-window layer: its last `window` keys) rather than all before
 // it, and scores may be soft-capped (Gemma 2: cap * tanh(score / cap)) before the softmax.
 #pragma once
 
+#include "brgemm_tiles.h"
 #include "paged_cache.h"
 #include "vectors.h"
 
@@ -28,6 +33,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace pagedllm {
@@ -47,6 +53,9 @@ constexpr int kManyRowBlock = 8;
 // running sums seldom: 24 rows x 512 keys ran at 190-210 GFLOP/s on 300-1200 token
 // prompts, 48 x 64 at 140-165 (bf16, 9 heads on 3 kv heads).
 constexpr int64_t kTileKeys = 512;
+
+// The keys of a tile over blocks of block_size: whole blocks, one where blocks are bigger.
+inline int64_t tile_keys_for(int64_t block_size) { return block_size * std::max<int64_t>(1, kTileKeys / block_size); }
 
 // Generic pairs: two float vectors, two FMAs per pair of elements.
 template <typename cache_t>
@@ -128,9 +137,12 @@ struct RowStates {
   int64_t at(int64_t token, int64_t head) const { return token * num_heads + head; }
 };
 
+// Pairs: how the tile products run, in registers (FloatPairs, Bf16Pairs: RowBlock rows share each load) or
+// through brgemm (BrgemmTiles: RowBlock only pads the rows, to few distinct matrix shapes).
 template <typename cache_t, typename Pairs, int RowBlock = kRowBlock>
 class TileAttention {
   using Operand = typename Pairs::Operand;
+  static constexpr bool kBrgemm = std::is_same_v<Pairs, BrgemmTiles>;
 
  public:
   // group: query heads per kv head; num_heads: all of them (out's row width, in heads); softcap: 0 for none.
@@ -138,8 +150,9 @@ class TileAttention {
                 TileScratch<Operand>& s, float softcap = 0)
       : cache_(cache), s_(s), scale_(scale), softcap_(softcap), group_(group), num_heads_(num_heads),
         head_dim_(cache.head_dim),
-        tile_keys_(cache.block_size * std::max<int64_t>(1, kTileKeys / cache.block_size)),
-        score_stride_(tile_keys_ + kLanes) {}
+        tile_keys_(tile_keys_for(cache.block_size)),
+        // + kLanes: the softmax reads whole vectors past the last key; brgemm writes up to its aligned count
+        score_stride_((kBrgemm ? BrgemmTiles::aligned_keys(tile_keys_) : tile_keys_) + kLanes) {}
 
   // Rows: count query tokens (token_at(i) gives the i-th) times the query heads of kv_head. Row r is
   // token r / group, head kv_head * group + r % group. Rows past the last (to fill the last block of
@@ -174,12 +187,15 @@ class TileAttention {
   // Attends the rows to keys [key_begin, key_end) of table (each row up to its last_key).
   void walk(const int64_t* table, int64_t key_begin, int64_t key_end) {
     table_ = table;
-    for (int64_t key0 = key_begin; key0 < key_end; key0 += tile_keys_) {
-      const int64_t count = std::min(tile_keys_, key_end - key0);
-      score(key0, count);
-      softmax(key0, count);
-      accumulate_values(key0, count);
-    }
+    walk_tiles(key_begin, key_end);
+  }
+
+  // The same over tiles BrgemmTiles::pack packed beforehand, on their grid: keys of the first tile before
+  // key_begin are masked as each row's first_key says.
+  void walk(const BrgemmTiles::Packed& packed, int64_t key_begin, int64_t key_end) {
+    static_assert(kBrgemm, "packed tiles are for the brgemm products");
+    packed_ = &packed;
+    walk_tiles(key_begin - (key_begin - packed.origin) % tile_keys_, key_end);
   }
 
   // Writes each row's state to states (its token and head), to be folded into another walk's.
@@ -222,9 +238,37 @@ class TileAttention {
  private:
   int64_t head_of(int64_t r) const { return kv_head_ * group_ + std::min(r, rows_ - 1) % group_; }
 
-  // scores[r][j] = q_r . k_(key0 + j), 16 keys per vector (a block's keys are stored transposed);
-  // int8 keys' scales multiply whole dot products.
+  void walk_tiles(int64_t key_begin, int64_t key_end) {
+    for (int64_t key0 = key_begin; key0 < key_end; key0 += tile_keys_) {
+      const int64_t count = std::min(tile_keys_, key_end - key0);
+      score(key0, count);
+      softmax(key0, count);
+      accumulate_values(key0, count);
+    }
+  }
+
+  // scores[r][j] = q_r . k_(key0 + j), unscaled.
   void score(int64_t key0, int64_t count) {
+    if constexpr (kBrgemm) {
+      BrgemmTiles::score(packed_->keys + packed_->offset(key0), count, packed_->ld_keys, head_dim_, s_.queries.data(),
+                         padded_rows_, s_.scores.data(), score_stride_);
+    } else {
+      score_in_registers(key0, count);
+    }
+  }
+
+  // acc[r] += sum_j probs[r][j] * v_(key0 + j).
+  void accumulate_values(int64_t key0, int64_t count) {
+    if constexpr (kBrgemm) {
+      BrgemmTiles::accumulate(packed_->values + packed_->offset(key0), count, head_dim_, s_.probs.data(),
+                              padded_rows_, score_stride_, s_.acc.data());
+    } else {
+      accumulate_in_registers(key0, count);
+    }
+  }
+
+  // 16 keys per vector (a block's keys are stored transposed); int8 keys' scales multiply whole dot products.
+  void score_in_registers(int64_t key0, int64_t count) {
     const int64_t block_size = cache_.block_size;
     for (int64_t key = key0; key < key0 + count;) {
       const int64_t slot = key % block_size;
@@ -297,8 +341,8 @@ class TileAttention {
     }
   }
 
-  // acc[r] += sum_j probs[r][j] * v_(key0 + j), 16 dimensions per vector, keys two at a time.
-  void accumulate_values(int64_t key0, int64_t count) {
+  // 16 dimensions per vector, keys two at a time.
+  void accumulate_in_registers(int64_t key0, int64_t count) {
     static const cache_t zeros[256] = {};   // the partner of an odd last key (its probability is 0)
     const int64_t block_size = cache_.block_size;
     const cache_t** rows = reinterpret_cast<const cache_t**>(s_.value_rows.data());
@@ -343,6 +387,7 @@ class TileAttention {
   const int64_t group_, num_heads_, head_dim_, tile_keys_, score_stride_;
   int64_t kv_head_ = 0, rows_ = 0, padded_rows_ = 0;
   const int64_t* table_ = nullptr;
+  const BrgemmTiles::Packed* packed_ = nullptr;
 };
 
 // Query positions per task of a chunk: enough rows (positions x group) to reuse each K/V load,
@@ -357,9 +402,10 @@ struct ChunkTask {
 
 // The tasks of chunks (chunk c: query tokens [starts[c], starts[c + 1]) at positions contexts[c]
 // onwards), the costliest first: handed out one at a time, no thread is left with a long one at the end.
+// task_rows: the rows (positions x group) a task should hold.
 inline std::vector<ChunkTask> chunk_tasks(const int64_t* starts, const int64_t* contexts, int64_t num_chunks,
-                                          int64_t group, int64_t num_kv_heads) {
-  const int64_t positions_per_task = std::max<int64_t>(1, kTaskRows / group);
+                                          int64_t group, int64_t num_kv_heads, int64_t task_rows = kTaskRows) {
+  const int64_t positions_per_task = std::max<int64_t>(1, task_rows / group);
   std::vector<ChunkTask> tasks;
   for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
     const int64_t length = starts[chunk + 1] - starts[chunk];

@@ -30,6 +30,12 @@ void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Ten
                        std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
                        at::Tensor block_tables, at::Tensor query_starts, at::Tensor context_lens, double scale,
                        int64_t sliding_window, double logit_softcap);
+// The same with the tile products as oneDNN brgemm calls (AMX where the CPU has it, AVX512-BF16 elsewhere):
+// bfloat16 queries and cache only.
+void prefill_attention_brgemm(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                              std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
+                              at::Tensor block_tables, at::Tensor query_starts, at::Tensor context_lens, double scale,
+                              int64_t sliding_window, double logit_softcap);
 
 // Shared-prefix attention, sequences shaped as prefill_attention's chunks (a decode is a chunk of one
 // token): group g is the sequences group_seqs[group_starts[g] : group_starts[g + 1]], whose block tables

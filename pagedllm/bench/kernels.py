@@ -1,11 +1,12 @@
-"""`pagedllm bench kernels`: each quantized matmul path against the float layer, per layer shape and row count.
+"""`pagedllm bench kernels`: each quantized matmul path against the float layer, per layer shape and row count;
+with --attention, each prefill attention path (tiles, brgemm: model/attention/prefill_path.py) per prompt length.
 
 For each of the model's layer shapes, weight format and row count, times every compiled path this CPU
 runs (quantized_matmul.py: rows, brgemm, int8) and the float layer the model would otherwise run
 (Linear: prepacked oneDNN on CPU, in bfloat16 where the CPU has it fast), all in the same run, and names
 the path the engine chose for that row count (PAGEDLLM_MATMUL_PATH, if set, forces it). The header says which oneDNN ISA brgemm and the float
 layer run on: oneDNN's own start-up line (ONEDNN_VERBOSE, read from a child process) and the ISA
-pagedllm derived from the CPU's features.
+pagedllm derived from the CPU's features; the attention table's header says the same of the brgemm path.
 """
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="activation dtype (auto: the engine's choice on this CPU)")
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds each measurement runs")
+    parser.add_argument("--attention", action="store_true",
+                        help="time the prefill attention paths (bfloat16, the model's heads) instead of the matmuls")
+    parser.add_argument("--prompt-lens", default="128,512,1024",
+                        help="--attention: comma-separated prompt lengths (one whole prompt per call)")
+    parser.add_argument("--block-size", type=int, default=16, help="--attention: KV block size")
 
 
 def _seconds_per_call(fn, min_time: float) -> float:
@@ -48,10 +54,21 @@ Linear(weight.to(dtype))(x)
 """
 
 
-def onednn_lines(dtype: str, path: str) -> list[str]:
+# The same for the brgemm attention path: one call of its kernel.
+_ATTENTION_PROBE = """
+import torch
+from pagedllm.model.kernels import kernels
+q = torch.randn(32, 2, 64, dtype=torch.bfloat16)
+k_cache, v_cache = torch.randn(2, 1, 64, 16, dtype=torch.bfloat16), torch.randn(2, 1, 16, 64, dtype=torch.bfloat16)
+kernels.prefill_attention_brgemm(torch.empty_like(q), q, k_cache, v_cache, None, None, torch.tensor([[0, 1]]),
+                                 torch.tensor([0, 32]), torch.tensor([0]), 0.125)
+"""
+
+
+def onednn_lines(dtype: str, path: str, probe: str = _VERBOSE_PROBE) -> list[str]:
     """oneDNN's verbose lines naming the ISA and the implementations it ran (empty if it printed none)."""
     env = {**os.environ, "ONEDNN_VERBOSE": "1", "PAGEDLLM_MATMUL_PATH": path}
-    run = subprocess.run([sys.executable, "-c", _VERBOSE_PROBE.format(dtype=dtype)], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", probe.format(dtype=dtype)], env=env, capture_output=True,
                          text=True, timeout=300)
     wanted = ("info,cpu,isa", "brgemm", "exec,cpu,matmul", "exec,cpu,inner_product")
     seen, lines = set(), []
@@ -77,6 +94,9 @@ def run(args: argparse.Namespace) -> None:
     if kernels.kernels is None:
         raise SystemExit("the C++ kernels are not built: nothing to measure")
     config = load_checkpoint(args.model).config
+    if args.attention:
+        attention_table(config, [int(n) for n in args.prompt_lens.split(",")], args.block_size, args.min_time)
+        return
     dtype = resolve_dtype(args.dtype, None, torch.device("cpu"))
     dtype_name = str(dtype).removeprefix("torch.")
     shapes = layer_matmul_shapes(config) + [(config.vocab_size, config.hidden_size)]
@@ -115,3 +135,48 @@ def run(args: argparse.Namespace) -> None:
                 print(f"| {out_features} x {in_features} | int{bits} | {rows} | "
                       + " | ".join(f"{seconds * 1e3:.3f}" for seconds in times.values())
                       + f" | {fastest} | {engine_path} |")
+
+
+def attention_table(config, prompt_lens: list[int], block_size: int, min_time: float) -> None:
+    """Each prefill attention path's time for one whole bfloat16 prompt of each length, the model's heads, K/V in
+    shuffled blocks of a bfloat16 cache; GFLOP/s counts the causal products (4 * heads * head_dim per query-key
+    pair a query sees)."""
+    import torch
+
+    from pagedllm.model import kernels
+    from pagedllm.model.attention.cache import kv_cache_shapes
+    from pagedllm.model.attention.prefill_path import PrefillPath, choose_prefill_path
+    from pagedllm.model.quantized_matmul import brgemm_isa
+
+    dtype = torch.bfloat16
+    isa = brgemm_isa(dtype)
+    paths = [PrefillPath("tiles")] + ([PrefillPath("brgemm", isa)] if isa else [])
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    print(f"prefill attention: CPU kernels {kernels.variant}, bfloat16 model and cache, {heads} heads on {kv_heads} "
+          f"kv heads of {head_dim}, blocks of {block_size}, {torch.get_num_threads()} threads; brgemm's ISA (from the "
+          f"CPU's features): {isa or 'not used'}; engine's choice: {choose_prefill_path(dtype, dtype).describe()}")
+    if isa:
+        for line in onednn_lines("bfloat16", "rows", _ATTENTION_PROBE):
+            print(f"  oneDNN: {line}")
+    print(f"| prompt | {' | '.join(f'{path.name} ms' for path in paths)} | "
+          f"{' | '.join(f'{path.name} GFLOP/s' for path in paths)} | fastest | chosen |")
+    print("|---|" + "---|" * (2 * len(paths) + 2))
+    generator = torch.Generator().manual_seed(0)
+    for length in prompt_lens:
+        num_blocks = -(-length // block_size)
+        k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
+        k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for shape in (k_shape, v_shape))
+        table = torch.randperm(num_blocks, generator=generator)[None]
+        q = torch.randn(length, heads, head_dim, generator=generator).to(dtype)
+        out = torch.empty_like(q)
+        starts, contexts = torch.tensor([0, length]), torch.tensor([0])
+
+        def call(path: PrefillPath):
+            kernel = getattr(kernels.kernels, path.op)
+            return lambda: kernel(out, q, k_cache, v_cache, None, None, table, starts, contexts, head_dim ** -0.5)
+
+        times = {path.name: _seconds_per_call(call(path), min_time) for path in paths}
+        flops = 4 * heads * head_dim * length * (length + 1) / 2
+        print(f"| {length} | " + " | ".join(f"{seconds * 1e3:.3f}" for seconds in times.values()) + " | "
+              + " | ".join(f"{flops / seconds / 1e9:.0f}" for seconds in times.values())
+              + f" | {min(times, key=times.get)} | {choose_prefill_path(dtype, dtype).name} |")

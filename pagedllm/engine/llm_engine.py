@@ -137,7 +137,7 @@ class LLMEngine:
         logger.info("model %s (%s) on %s, dtype %s, attention backend %s, CPU kernels %s, cascade attention %s; "
                     "KV cache: %s, %d blocks of %d tokens = %d tokens",
                     config.model or "bundled SmolLM2-135M-Instruct", self.model_config.architecture,
-                    self.device, str(self.dtype).removeprefix("torch."), self.runner.attention_backend.name,
+                    self.device, str(self.dtype).removeprefix("torch."), self.runner.attention_backend.describe(),
                     kernels.variant or "not built", self.cascade.describe(),
                     str(self.kv_cache_dtype).removeprefix("torch."), num_blocks, config.block_size,
                     num_blocks * config.block_size)

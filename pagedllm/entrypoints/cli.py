@@ -37,7 +37,8 @@ BENCHMARKS = {
     "structured": ("pagedllm.bench.structured_outputs",
                    "decode step time with structured outputs against without, at batch 64"),
     "accuracy": ("pagedllm.bench.accuracy", "bfloat16 against float32 greedy tokens, or KV cache dtypes teacher-forced"),
-    "kernels": ("pagedllm.bench.kernels", "quantized linear kernels against the float matmul, per row count"),
+    "kernels": ("pagedllm.bench.kernels", "quantized linear kernels against the float matmul, per row count; "
+                                         "--attention: the prefill attention paths per prompt length"),
     "cascade": ("pagedllm.bench.cascade",
                 "the shared-prefix attention kernel against the plain decode kernel, per group size"),
     "load": ("pagedllm.bench.load", "peak RSS, weight bytes and time of loading a model, against the streaming-load bound"),

@@ -69,6 +69,12 @@ def test_kernels_prints_a_row_per_shape_format_and_row_count(capsys):
     assert rows and {row.split("|")[3].strip() for row in rows} == {"1", "3"}
 
 
+def test_kernels_attention_prints_a_row_per_prompt_length(capsys):
+    out = run_bench(capsys, "kernels", "--attention", "--prompt-lens", "16,40", "--min-time", "0.001")
+    rows = table_rows(out, "| prompt | tiles ms |")
+    assert [row.split("|")[1].strip() for row in rows] == ["16", "40"]
+
+
 def test_latency_prints_a_row_per_batch_size(tiny_dir, capsys):
     out = run_bench(capsys, "latency", tiny_dir, "--batch-size", "1,2", "--input-len", "8", "--output-len", "3",
                     "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--quantization", "none")

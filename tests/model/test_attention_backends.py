@@ -107,7 +107,8 @@ def test_engine_on_the_triton_backend_gives_the_cpu_kernels_tokens(caplog):
         with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
             llm = LLM(dtype="float32", quantization="none", device=DEVICE.type, attention_backend=backend,
                       kv_cache_memory="16MiB", max_num_batched_tokens=24)
-        assert f"attention backend {backend}," in caplog.text
+        described = llm.llm_engine.runner.attention_backend.describe()   # the cpu one names its prefill path
+        assert described.split(" ")[0] == backend and f"attention backend {described}," in caplog.text
         tokens[backend] = [list(output.outputs[0].token_ids) for prompts in rounds
                            for output in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.stats().kv_cache.prefix_cache_hits >= 32   # the second round's first two blocks

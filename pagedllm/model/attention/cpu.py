@@ -4,7 +4,8 @@ blocks), which read K/V in place through the block tables, cached prefix include
 
 Groups of sequences that share leading blocks go to the cascade kernel, which reads each group's shared
 blocks once for all its query rows; not in sliding-window layers, whose shared blocks may lie outside a
-token's window: those run the plain kernels.
+token's window: those run the plain kernels. The other prefill chunks take the path prefill_path.py chose
+(the register tile kernel, or its brgemm twin).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from pagedllm.model.attention.cache import CacheTensor
 from pagedllm.model.attention.metadata import AttentionMetadata, LayerAttention
 from pagedllm.model.attention.paged import DecodePrefillBackend
+from pagedllm.model.attention.prefill_path import choose_prefill_path
 from pagedllm.model.cascade import SharedPrefixGroups
 from pagedllm.model.kernels import kernel_for
 
@@ -26,11 +28,16 @@ class CpuAttentionBackend(DecodePrefillBackend):
     name = "cpu"
     uses_cpu_kernels = True
 
-    def __init__(self):
-        """Takes the kernels of the variant model/kernels.py chose for this CPU (selector.py checked they are built)."""
+    def __init__(self, dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None):
+        """Takes the kernels of the variant model/kernels.py chose for this CPU (selector.py checked they are built),
+        the prefill path for a model of dtype over a cache of cache_dtype (default: dtype)."""
         cpu = torch.device("cpu")
+        self.prefill_path = choose_prefill_path(dtype, cache_dtype or dtype)
         self._write_kv, self._paged_attention, self._prefill_attention, self._cascade_attention = (
-            kernel_for(op, cpu) for op in ("write_kv", "paged_attention", "prefill_attention", "cascade_attention"))
+            kernel_for(op, cpu) for op in ("write_kv", "paged_attention", self.prefill_path.op, "cascade_attention"))
+
+    def describe(self) -> str:
+        return f"{self.name} (prefill: {self.prefill_path.describe()})"
 
     def write_kv(self, k_cache: CacheTensor, v_cache: CacheTensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

@@ -36,6 +36,10 @@ class AttentionBackend(ABC):
     name: str
     uses_cpu_kernels = False   # the C++ kernels serve (and with them cascade attention)
 
+    def describe(self) -> str:
+        """The backend and the kernel paths it chose, for the start-up log."""
+        return self.name
+
     @abstractmethod
     def write_kv(self, k_cache: CacheTensor, v_cache: CacheTensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

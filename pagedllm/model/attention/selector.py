@@ -59,7 +59,7 @@ def select_attention_backend(requested: str, device: torch.device, head_dim: int
             raise ValueError(f"attention_backend 'cpu' needs the compiled C++ kernels, a CPU device and a head size "
                              f"that is a multiple of 16 up to 256; here: device {device}, head_dim {head_dim}, "
                              f"kernels {'built' if kernels is not None else 'not built'}")
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(dtype, cache_dtype)
     try:
         from pagedllm.model.attention.triton_backend import TritonBackend
     except ImportError as error:
