@@ -53,6 +53,13 @@ def causal_reference(q, keys, values, context_len, scale, sliding_window=None, s
     """q: [chunk, heads, head_dim] at positions context_len..; keys/values: [context + chunk, kv_heads, head_dim].
     With sliding_window a query at p sees keys p - window + 1 .. p; with softcap scores become
     softcap * tanh(score / softcap), as transformers' Mistral and Gemma 2 compute them."""
+    mask, scores, _, values = causal_scores(q, keys, values, context_len, scale, sliding_window, softcap)
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values).transpose(0, 1)
+
+
+def causal_scores(q, keys, values, context_len, scale, sliding_window=None, softcap=None):
+    """causal_reference's parts in float32, heads first: the mask [heads-broadcast, chunk, keys], the scores
+    [heads, chunk, keys], and keys and values repeated to every query head [heads, keys, head_dim]."""
     positions = torch.arange(context_len, context_len + q.shape[0])[:, None]
     key_index = torch.arange(keys.shape[0])[None, :]
     mask = key_index <= positions
@@ -63,4 +70,4 @@ def causal_reference(q, keys, values, context_len, scale, sliding_window=None, s
     scores = q.float().transpose(0, 1) @ keys.transpose(-1, -2) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values).transpose(0, 1)
+    return mask, scores, keys, values

@@ -15,7 +15,7 @@ from pagedllm.model.attention.prefill_path import FORCE_VARIABLE, PrefillPath, c
 from pagedllm.model.attention.torch_reference import TorchAttentionBackend
 from pagedllm.model.kernels import kernels as _C
 from pagedllm.model.quantized_matmul import brgemm_isa
-from tests.attention_reference import caches_of
+from tests.attention_reference import caches_of, causal_scores
 from tests.model.test_attention import scattered_cache
 
 pytestmark = pytest.mark.kernels
@@ -37,17 +37,8 @@ def dense_attention_and_bound(q, keys, values, context_len, scale, window=None, 
     e^x by a polynomial good to 1e-7, scores off by up to head_dim * 2^-24 * scale * sum |q_i k_i|, which moves
     p_j by that much relatively, twice over with the row sum) adds (n + head_dim) * 2^-24 + 2 * that score error
     + 1e-6 relative to the same sum_j p_j |v_j|."""
-    positions = torch.arange(context_len, context_len + q.shape[0])[:, None]
-    key_index = torch.arange(keys.shape[0])[None, :]
-    mask = key_index <= positions
-    if window is not None:
-        mask &= key_index > positions - window
-    group = q.shape[1] // keys.shape[1]
-    k, v = (part.float().repeat_interleave(group, dim=1).transpose(0, 1) for part in (keys, values))
+    mask, scores, k, v = causal_scores(q, keys, values, context_len, scale, window, softcap)
     qf = q.float().transpose(0, 1)
-    scores = qf @ k.transpose(-1, -2) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     out = probs @ v
     float_u = UNIT_ROUNDOFF[torch.float32]

@@ -95,9 +95,12 @@ def test_rows_without_a_grammar_are_unchanged_in_a_mixed_batch(llm):
 
 
 def test_parallel_samples_each_follow_the_grammar(llm):
-    params = SamplingParams(temperature=1.0, n=4, seed=3, max_tokens=40, structured_outputs=_so(json=PERSON))
+    # The schema bounds a document to ~60 tokens (a name of up to 20 characters, three tags), so 100 tokens
+    # let every sample close its document: each must end by the grammar, not by the length.
+    params = SamplingParams(temperature=1.0, n=4, seed=3, max_tokens=100, structured_outputs=_so(json=PERSON))
     [output] = llm.chat(CHAT, params, use_tqdm=False)
     for sample in output.outputs:
+        assert sample.finish_reason == "stop", sample.text
         jsonschema.validate(json.loads(sample.text), PERSON)
 
 
