@@ -62,6 +62,10 @@ class Route:
     many_from: int
     isa: str | None   # brgemm's, where it is one of the paths
 
+    def path(self, num_rows: int) -> str:
+        """The path for this many rows."""
+        return self.many if num_rows >= self.many_from else self.few
+
     def describe(self) -> str:
         def named(path: str) -> str:
             return f"brgemm (oneDNN {self.isa})" if path == "brgemm" else path
@@ -86,7 +90,7 @@ class QuantizedMatmul:
         if forced is not None and forced not in PATHS:
             raise ValueError(f"{FORCE_VARIABLE} must be one of {', '.join(PATHS)}, got {forced!r}")
         self.routes = {dtype: self._route(dtype, forced) for dtype in _DTYPES}
-        self._kernels = {dtype: (self._kernel(route.few), self._kernel(route.many), route.many_from)
+        self._kernels = {dtype: {path: self._kernel(path) for path in (route.few, route.many)}
                          for dtype, route in self.routes.items()}
 
     def _route(self, dtype: torch.dtype, forced: str | None) -> Route:
@@ -109,18 +113,13 @@ class QuantizedMatmul:
 
     def kernel(self, dtype: torch.dtype, num_rows: int):
         """The compiled function for this many rows of dtype, or None: dequantize and F.linear."""
-        found = self._kernels.get(dtype)
-        if found is None:
-            return None
-        few, many, many_from = found
-        return many if num_rows >= many_from else few
+        route = self.routes.get(dtype)
+        return None if route is None else self._kernels[dtype][route.path(num_rows)]
 
     def path(self, dtype: torch.dtype, num_rows: int) -> str:
         """The name of the path `kernel` takes for this many rows of dtype (one of PATHS)."""
         route = self.routes.get(dtype)
-        if route is None:
-            return "torch"
-        return route.many if num_rows >= route.many_from else route.few
+        return "torch" if route is None else route.path(num_rows)
 
     def describe(self, dtype: torch.dtype) -> str:
         route = self.routes.get(dtype)
