@@ -45,6 +45,11 @@ std::pair<float, int64_t> first_maximum(int64_t vocab, VectorAt vector_at, Value
   return {peak, argmax};
 }
 
+// first_maximum of a plain float row.
+std::pair<float, int64_t> row_maximum(const float* row, int64_t vocab) {
+  return first_maximum(vocab, [&](int64_t i) { return pagedllm::widen(row + i); }, [&](int64_t i) { return row[i]; });
+}
+
 }  // namespace
 
 void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logits) {
@@ -61,8 +66,7 @@ void logits_summary(at::Tensor log_normaliser, at::Tensor best, at::Tensor logit
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = data + r * vocab;
-      const auto [peak, argmax] = first_maximum(vocab, [&](int64_t i) { return widen(row + i); },
-                                                [&](int64_t i) { return row[i]; });
+      const auto [peak, argmax] = row_maximum(row, vocab);
       vfloat sums{};
       for (int64_t i = 0; i < whole; i += kLanes) sums += exp_nonpositive(widen(row + i) - peak);
       float total = sum_lanes(sums);
@@ -118,8 +122,7 @@ void controlled_argmax(at::Tensor best, at::Tensor logits, at::Tensor bitmask, a
       for (int64_t j = starts[r]; j < starts[r + 1]; ++j) raw.push_back(row[ids[j]]);   // before any change
       for (int64_t j = starts[r]; j < starts[r + 1]; ++j) row[ids[j]] += additions[j];
       if (masks_of[r] < 0) {
-        best_ids[r] = first_maximum(vocab, [&](int64_t i) { return widen(row + i); },
-                                    [&](int64_t i) { return row[i]; }).second;
+        best_ids[r] = row_maximum(row, vocab).second;
       } else {
         const uint32_t* mask = masks + masks_of[r] * words;
         const vfloat minus_inf = broadcast(-std::numeric_limits<float>::infinity());
@@ -266,25 +269,11 @@ void for_each_vector(const float* row, int64_t vocab, pagedllm::vfloat peak, Vis
   }
 }
 
-float row_max(const float* row, int64_t vocab) {
-  using namespace pagedllm;
-  const int64_t whole = vocab / kLanes * kLanes;
-  vfloat lane_max = broadcast(kMinusInf);
-  for (int64_t i = 0; i < whole; i += kLanes) {
-    const vfloat v = widen(row + i);
-    lane_max = v > lane_max ? v : lane_max;
-  }
-  float peak = kMinusInf;
-  for (int i = 0; i < kLanes; ++i) peak = std::max(peak, lane_max[i]);
-  for (int64_t i = whole; i < vocab; ++i) peak = std::max(peak, row[i]);
-  return peak;
-}
-
 // The last token top-p keeps (top_p < 1), or none when it keeps the whole row.
 std::optional<PrefixEnd> top_p_end(const float* row, int64_t vocab, float top_p, std::vector<double>& masses,
                                    std::vector<Candidate>& candidates) {
   using namespace pagedllm;
-  const float peak_value = row_max(row, vocab);
+  const float peak_value = row_maximum(row, vocab).first;
   if (!(peak_value > kMinusInf) || std::isinf(peak_value)) return std::nullopt;   // no finite logit
   const vfloat peak = broadcast(peak_value);
   std::fill(masses.begin(), masses.end(), 0.0);
