@@ -121,7 +121,8 @@ def find_shared_prefixes(block_tables: np.ndarray, context_lens: np.ndarray, blo
     first_blocks = block_tables[order, 0]
     bounds = np.concatenate(([0], np.flatnonzero(first_blocks[1:] != first_blocks[:-1]) + 1, [len(order)]))
     members, starts, shared_lens = [], [0], []
-    for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+    large_enough = np.diff(bounds) >= smallest   # most steps' groups are single sequences: skip them as arrays
+    for begin, end in zip(bounds[:-1][large_enough].tolist(), bounds[1:][large_enough].tolist()):
         least = rule.min_shared_len(end - begin)
         if least is None:
             continue
