@@ -117,11 +117,19 @@ class Scheduler:
         running, add = self.running, scheduled.append
         allocate = self.kv_manager.allocate_slots
         speculates = self.speculation is not None and self.speculation.enabled_for(len(running))
+        # A plain decode is written into the step here, in the same pass (describe_scheduled's rule for it, which
+        # then sees the other requests only); not while parallel samples wait to fork, as forks follow their
+        # first sample in the step's order.
+        writes_decodes = not self._pending_forks
+        num_scheduled, cached, table_of = out.num_scheduled_tokens, out.scheduled_cached_reqs, self.kv_manager.get_block_table
+        add_decode_id, add_decode_token = cached.decode_request_ids.append, cached.decode_token_ids.append
+        rewritten = self.kv_manager.rewritten_entries()
         index = 0
-        while index < len(running) and budget > 0:   # the hot loop: ~1 us per request (bench scheduling)
+        while index < len(running) and budget > 0:   # the hot loop (bench scheduling)
             request = running[index]
             computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - computed
+            tokens = request.all_token_ids
+            num_new = len(tokens) - computed
             if num_new == 0:  # waits for siblings (beam search) before it gets a new token
                 index += 1
                 continue
@@ -131,12 +139,24 @@ class Scheduler:
                 num_new += out.num_spec_tokens[request.request_id]
             elif num_new > budget:
                 num_new = budget
-            if not allocate(request.request_id, computed + num_new, computed) and not self._preempt_until_fits(
+            request_id = request.request_id
+            if not allocate(request_id, computed + num_new, computed) and not self._preempt_until_fits(
                     request, num_new, out):
                 break
-            add((request, num_new))
             budget -= num_new
             index += 1
+            if not writes_decodes:
+                add((request, num_new))
+                continue
+            num_scheduled[request_id] = num_new   # here, so that the step keeps the running order
+            # A plain decode: one token since its last step, the workers hold all before it, its table unchanged.
+            if (num_new == 1 == len(tokens) - computed and computed and request.worker_num_tokens == computed
+                    and len(table_of(request_id)) == request.worker_num_blocks and request_id not in rewritten):
+                add_decode_id(request_id)
+                add_decode_token(tokens[-1])
+                request.worker_num_tokens = computed + 1
+            else:
+                add((request, num_new))
         if not out.preempted_req_ids:
             self._admit_waiting(budget, scheduled)
         if not scheduled and self.waiting:   # also when the only request with work preempted itself

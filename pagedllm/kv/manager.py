@@ -342,6 +342,10 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
+    def rewritten_entries(self) -> dict[str, int]:
+        """What take_rewritten_entries would return now: the manager's own dict, to read before that call, not change."""
+        return self._rewritten
+
     def take_rewritten_entries(self) -> dict[str, int]:
         """Request id -> first block-table entry replaced by a copy or dropped by a rollback since the last call
         (tables otherwise only grow), so a step can send the workers just the entries that changed."""
