@@ -159,7 +159,7 @@ class Scheduler:
                 add((request, num_new))
         if not out.preempted_req_ids:
             self._admit_waiting(budget, scheduled)
-        if not scheduled and self.waiting:   # also when the only request with work preempted itself
+        if not scheduled and not num_scheduled and self.waiting:   # also when the only request with work preempted itself
             self._park_idle_for_waiting(budget, scheduled, out)
         describe_scheduled(scheduled, out, self.kv_manager, self._fork_siblings if self._pending_forks else None)
         if self._num_grammar_requests:

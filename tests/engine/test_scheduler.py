@@ -112,6 +112,23 @@ def test_preemption_frees_the_latest_and_resends_it_whole():
     assert scheduler.kv_manager.pool.num_used_blocks == 0 and scheduler.num_preemptions >= 1
 
 
+def test_a_step_of_plain_decodes_that_preempts_admits_nobody():
+    # 4 blocks of 4: "early" (6 tokens, 2 blocks) decodes in place, "late" (8 tokens, 2 blocks) needs a third block
+    # and preempts itself. A request that waits (added after the first step, ahead of "late" by arrival) fits in
+    # the freed blocks, but a step that preempted admits no one.
+    scheduler, runner = engine(num_blocks=4, block_size=4, max_num_seqs=2)
+    scheduler.add_request(request("early", prompt_len=6, max_tokens=6))
+    scheduler.add_request(request("late", prompt_len=8, max_tokens=6, arrival=1.0, first_token=50))
+    step(scheduler, runner)
+    scheduler.add_request(request("waiter", prompt_len=3, max_tokens=2, arrival=0.5, first_token=80))
+    plan, _ = step(scheduler, runner)
+    assert plan.preempted_req_ids == ["late"] and plan.num_scheduled_tokens == {"early": 1}
+    assert plan.scheduled_cached_reqs.decode_request_ids == ["early"] and plan.scheduled_new_reqs == []
+    assert scheduler.requests["waiter"].status is RequestStatus.WAITING
+    run_until_done(scheduler, runner)
+    assert scheduler.kv_manager.pool.num_used_blocks == 0
+
+
 def test_parallel_samples_fork_in_the_step_their_prefill_ends_and_copy_on_write():
     scheduler, runner = engine(block_size=4)
     first = request("0_p", prompt_len=6, params=SamplingParams(n=3))
