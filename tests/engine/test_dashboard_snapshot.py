@@ -224,5 +224,8 @@ def test_frames_are_built_and_encoded_off_the_event_loop_once_for_every_page(eng
     assert {thread for _, thread in threads} == {"pagedllm-dashboard"}, (threads, loop_thread)
     assert threads[("full_frame", "pagedllm-dashboard")] == 1   # encoded once, sent to both pages
     assert threads[("frame", "pagedllm-dashboard")] >= 4
-    assert not any(thread.name.startswith("pagedllm-dashboard") for thread in threading.enumerate())
+    feed_threads = [thread for thread in threading.enumerate() if thread.name.startswith("pagedllm-dashboard")]
+    for thread in feed_threads:   # shut down without waiting: it ends once it sees the shutdown
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in feed_threads)
     assert engine.step_listeners == []
