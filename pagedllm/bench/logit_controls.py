@@ -4,7 +4,8 @@ The logit controls change only the sampling step, so that step is timed alone: a
 SamplingBatch.build + sample on random logits of the bundled model's vocabulary, with no row using
 the controls, one row using all three, and every row using them. The issue's figure is the whole decode
 step, so that is timed too: the same batch of requests decoding on the model, greedy and sampled, plain and
-every row with the controls, in alternating rounds (wall time of the steps in which every request decodes).
+every row with the controls, back to back in each round (wall time of the steps in which every request
+decodes), reported as the median of the rounds' ratios.
 Prompt logprobs add logits rows to the forward pass, so they are timed end to end: the same prompts
 prefilled (one token generated) with and without prompt_logprobs. Variants alternate so slow drift of the
 machine falls on all alike; each figure is a median, in CPU seconds of this process (a shared machine
@@ -36,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default: 64)")
     parser.add_argument("--rounds", type=int, default=3, help="prefill rounds per variant (default: 3)")
     parser.add_argument("--decode-steps", type=int, default=20, help="decode steps timed per variant and round")
-    parser.add_argument("--decode-rounds", type=int, default=2)
+    parser.add_argument("--decode-rounds", type=int, default=6,
+                        help="plain/controlled pairs per kind, alternating order (default: 6)")
     parser.add_argument("--parts", default="sampler,decode,prefill",
                         help="comma-separated: sampler, decode, prefill (default: all three)")
     parser.add_argument("--dtype", default="auto")
@@ -74,7 +76,11 @@ def _report(title: str, medians: dict[str, float], unit: str, scale: float) -> N
 
 def _decode_steps(args: argparse.Namespace) -> None:
     """Whole decode steps on the model, greedy and sampled (temperature 0.8, top-p 0.9), each plain against
-    every row with the controls (the pairs are reported apart: top-p's sort dominates a sampled step)."""
+    every row with the controls (the pairs are reported apart: a sampled step costs more than a greedy one).
+
+    Each round runs the plain batch and the controlled one back to back (ABAB, then BABA), and the figure
+    is the median over rounds of each round's ratio of medians: slow drift of a shared machine falls on
+    both halves of a round alike and cancels in its ratio, where medians over all steps would keep it."""
     llm = LLM(dtype=args.dtype, max_num_seqs=args.batch_size, kv_cache_memory="1GiB",
               max_model_len=32 + args.decode_steps + 16)
     engine = llm.llm_engine
@@ -86,16 +92,24 @@ def _decode_steps(args: argparse.Namespace) -> None:
              for kind, sampling in (("greedy", dict(temperature=0)), ("sampled", dict(temperature=0.8, top_p=0.9)))}
     decode_step_seconds(engine, prompts, [pairs["greedy"]["every row with controls"]] * args.batch_size, "warm-up")
     seconds = {(kind, name): [] for kind, variants in pairs.items() for name in variants}
+    ratios: dict[str, list[float]] = {kind: [] for kind in pairs}
     for round_index in range(args.decode_rounds):
-        order = list(seconds) if round_index % 2 == 0 else list(seconds)[::-1]
-        for kind, name in order:
-            steps = decode_step_seconds(engine, prompts, [pairs[kind][name]] * args.batch_size,
-                                        f"{kind}-{name}-{round_index}")
-            seconds[(kind, name)] += [wall for wall, _, _ in steps]
+        for kind, variants in pairs.items():
+            order = list(variants) if round_index % 2 == 0 else list(variants)[::-1]
+            medians = {}
+            for name in order:
+                steps = decode_step_seconds(engine, prompts, [variants[name]] * args.batch_size,
+                                            f"{kind}-{name}-{round_index}")
+                seconds[(kind, name)] += [wall for wall, _, _ in steps]
+                medians[name] = statistics.median(wall for wall, _, _ in steps)
+            ratios[kind].append(medians["every row with controls"] / medians["no row with controls"])
     for kind, variants in pairs.items():
         _report(f"decode step on the model, {kind}, batch {args.batch_size}, {cpu_name()}, wall time "
                 f"(median of {len(seconds[(kind, 'no row with controls')])}):",
                 {name: statistics.median(seconds[(kind, name)]) for name in variants}, "ms", 1e3)
+        print(f"  controls against plain, median of {len(ratios[kind])} rounds' ratios: "
+              f"{100 * (statistics.median(ratios[kind]) - 1):+.1f}% "
+              f"(rounds: {', '.join(f'{100 * (ratio - 1):+.1f}%' for ratio in ratios[kind])})")
 
 
 def run(args: argparse.Namespace) -> None:

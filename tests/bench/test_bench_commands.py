@@ -122,6 +122,7 @@ def test_logit_controls_prints_its_decode_steps_greedy_and_sampled(capsys):
         start = next(i for i, line in enumerate(lines) if line.startswith(f"decode step on the model, {kind}, batch 2"))
         assert [line.split("  ")[1].strip() for line in lines[start + 1:start + 3]] == [
             "no row with controls", "every row with controls"]
+        assert lines[start + 3].startswith("  controls against plain, median of 1 rounds' ratios: ")
     assert "sampling step" not in out and "prefill" not in out   # only the part asked for
 
 

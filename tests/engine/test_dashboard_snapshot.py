@@ -3,6 +3,8 @@ the delta frames (replayed, they rebuild each step's map and tables), the record
 a block's tokens and prefix-cache hits, and the routes' switches (--api-key, --disable-dashboard)."""
 from __future__ import annotations
 
+import asyncio
+import json
 import sys
 import threading
 from collections import Counter
@@ -18,6 +20,7 @@ from pagedllm.engine.kv_capture import capture_kv, request_row
 from pagedllm.entrypoints.openai.kv_map import KVMapFeed, StepRecorder, block_detail, capture, kv_map_snapshot
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.api_server import build_app
+from pagedllm.entrypoints.openai import dashboard
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.snapshot import block_codes, block_owners
@@ -160,7 +163,8 @@ def test_no_snapshot_work_while_no_page_is_open(engine):
     hook does see the engine thread's steps, and the snapshot route's capture once asked."""
     watched = {function.__code__: name for name, function in {
         "step": EngineCore.step, "capture_kv": capture_kv, "request_row": request_row, "block_codes": block_codes,
-        "block_owners": block_owners, "frame": KVMapFeed.frame, "record": StepRecorder.__call__}.items()}
+        "block_owners": block_owners, "frame": KVMapFeed.frame, "full_frame": KVMapFeed.full_frame,
+        "encode": dashboard._event, "record": StepRecorder.__call__}.items()}
     calls = Counter()
 
     def count(frame, event, arg):
@@ -181,3 +185,47 @@ def test_no_snapshot_work_while_no_page_is_open(engine):
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+
+
+def test_frames_are_built_and_encoded_off_the_event_loop_once_for_every_page(engine):
+    """Two pages read the feed: every frame and full frame is built and JSON-encoded on the feed's thread
+    (a profile hook names the thread of each call), the two pages get the same events, decoded they are
+    the feed's frames in order, and once both pages go the feed's thread and the step listener are gone."""
+    built = {dashboard._event.__code__: "encode", KVMapFeed.frame.__code__: "frame",
+             KVMapFeed.full_frame.__code__: "full_frame"}
+    threads = Counter()
+
+    def record(frame, event, arg):
+        if event == "call" and frame.f_code in built:
+            threads[(built[frame.f_code], threading.current_thread().name.split("_")[0])] += 1
+
+    async def read_two_pages() -> tuple[list[str], list[str], str]:
+        hub = dashboard.DashboardHub(AsyncLLM(engine), api_key_required=False)
+        pages = [hub.subscribe(), hub.subscribe()]
+        first = [await page.__anext__() for page in pages]
+        following = [[await page.__anext__() for _ in range(3)] for page in pages]
+        for page in pages:
+            await page.aclose()
+        await hub._task
+        return [first[0], *following[0]], [first[1], *following[1]], threading.current_thread().name
+
+    threading.setprofile(record)
+    sys.setprofile(record)
+    try:
+        one, other, loop_thread = asyncio.run(read_two_pages())
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    assert one == other
+    frames = [json.loads(event.split("data: ", 1)[1]) for event in one]
+    assert frames[0]["full"] and not any(frame["full"] for frame in frames[1:])
+    assert [frame["seq"] for frame in frames[1:]] == [frames[0]["seq"] + 1, frames[0]["seq"] + 2,
+                                                      frames[0]["seq"] + 3]
+    assert {thread for _, thread in threads} == {"pagedllm-dashboard"}, (threads, loop_thread)
+    assert threads[("full_frame", "pagedllm-dashboard")] == 1   # encoded once, sent to both pages
+    assert threads[("frame", "pagedllm-dashboard")] >= 4
+    feed_threads = [thread for thread in threading.enumerate() if thread.name.startswith("pagedllm-dashboard")]
+    for thread in feed_threads:   # shut down without waiting: it ends once it sees the shutdown
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in feed_threads)
+    assert engine.step_listeners == []

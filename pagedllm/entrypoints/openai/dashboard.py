@@ -7,6 +7,9 @@ sits behind --api-key like every route but /health. The feed is Server-Sent Even
 (EventSource cannot send headers): one producer task runs only while a page is connected, captures
 the engine between steps at most 5 times a second, and stretches that interval so the captures take
 at most 1% of the engine thread however large the pool; every page gets the same delta frames.
+Frames are built and JSON-encoded once per interval on the feed's own thread (started with the
+producer, gone with it), never on the event loop that serves the requests; so is a full frame, once per
+capture, for pages that connect or fall behind.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache, partial
 from importlib import resources
 
@@ -34,8 +38,13 @@ logger = logging.getLogger(__name__)
 MIN_FRAME_INTERVAL = 0.2      # seconds: at most 5 frames a second
 MAX_ENGINE_SHARE = 0.01       # captures may take this fraction of the engine thread, at most
 SUBSCRIBER_BACKLOG = 16       # frames a slow page may lag before it is sent a full frame instead
+_RESYNC = object()            # queued for a page that fell behind: it is sent the latest full frame next
 
 router = APIRouter()
+
+
+class _FeedStopped(Exception):
+    """The feed's thread is gone: a page's stream ends."""
 
 
 class DashboardHub:
@@ -48,6 +57,8 @@ class DashboardHub:
         self._subscribers: set[asyncio.Queue] = set()
         self._first_frame = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._encoder: ThreadPoolExecutor | None = None   # the feed's thread, while the producer runs
+        self._full_event: tuple[int, str] | None = None   # (seq, event): the latest full frame, encoded once
 
     @property
     def num_subscribers(self) -> int:
@@ -65,23 +76,34 @@ class DashboardHub:
             await self._first_frame.wait()
             if self.feed.last is None:   # the producer stopped before its first capture
                 return
-            yield _event(self.feed.full_frame())
-            while (event := await queue.get()) is not None:
-                yield event
+            seq, event = await self._encoded_full_frame()
+            yield event
+            while (item := await queue.get()) is not None:
+                if item is _RESYNC:
+                    seq, event = await self._encoded_full_frame()
+                    yield event
+                elif item[0] > seq:   # frames up to the full one's are in it already
+                    seq, event = item
+                    yield event
+        except _FeedStopped:
+            return
         finally:
             self._subscribers.discard(queue)
 
     async def _produce(self) -> None:
         engine, recorder = self.llm.engine, StepRecorder()
+        self._encoder = encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-dashboard")
+        self._full_event = None
+        loop = asyncio.get_running_loop()
         try:
             await self.llm.call_in_engine_thread(engine.step_listeners.append, recorder)
             while self._subscribers:
                 started = time.monotonic()
                 current, seconds = await self.llm.call_in_engine_thread(_timed_capture, engine, recorder)
-                frame = _event(self.feed.frame(current))
+                frame = await loop.run_in_executor(encoder, _encoded_frame, self.feed, current)
                 self._first_frame.set()
                 for queue in list(self._subscribers):
-                    _offer(queue, frame, self.feed)
+                    _offer(queue, frame)
                 interval = max(MIN_FRAME_INTERVAL, seconds / MAX_ENGINE_SHARE)
                 await asyncio.sleep(max(0.0, started + interval - time.monotonic()))
         except RuntimeError as exc:   # the engine shut down: its thread takes no more work
@@ -93,7 +115,27 @@ class DashboardHub:
             with contextlib.suppress(Exception):
                 await self.llm.call_in_engine_thread(_remove_listener, engine, recorder)
             for queue in list(self._subscribers):
-                _offer(queue, None, None)
+                _offer(queue, None)
+            encoder.shutdown(wait=False)
+
+    async def _encoded_full_frame(self) -> tuple[int, str]:
+        """(seq, event) of the latest capture as a full frame, encoded on the feed's thread once per capture
+        however many pages ask (one thread: the feed is never read while it takes the next frame)."""
+        def encode() -> tuple[int, str]:
+            if self._full_event is None or self._full_event[0] != self.feed.seq:
+                self._full_event = (self.feed.seq, _event(self.feed.full_frame()))
+            return self._full_event
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._encoder, encode)
+        except RuntimeError as exc:   # the producer stopped and its thread with it
+            raise _FeedStopped from exc
+
+
+def _encoded_frame(feed: KVMapFeed, current) -> tuple[int, str]:
+    """(seq, event) of the next frame (the feed's thread)."""
+    frame = feed.frame(current)
+    return frame["seq"], _event(frame)
 
 
 def _timed_capture(engine, recorder: StepRecorder):
@@ -106,14 +148,15 @@ def _remove_listener(engine, recorder: StepRecorder) -> None:
         engine.step_listeners.remove(recorder)
 
 
-def _offer(queue: asyncio.Queue, event: str | None, feed: KVMapFeed | None) -> None:
-    """Queues an event; a page too far behind loses its backlog and gets the latest full frame instead."""
+def _offer(queue: asyncio.Queue, frame: tuple[int, str] | None) -> None:
+    """Queues a frame's (seq, event), or None for the end; a page too far behind loses its backlog and gets
+    the latest full frame instead."""
     try:
-        queue.put_nowait(event)
+        queue.put_nowait(frame)
     except asyncio.QueueFull:
         while not queue.empty():
             queue.get_nowait()
-        queue.put_nowait(_event(feed.full_frame()) if event is not None else None)
+        queue.put_nowait(_RESYNC if frame is not None else None)
 
 
 def _event(frame: dict) -> str:
