@@ -48,7 +48,7 @@ import bisect
 from pagedllm.engine.preemption import PreemptionPolicy
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.spec_scheduling import SpecScheduling
-from pagedllm.engine.step_data import describe_scheduled, new_request_data
+from pagedllm.engine.step_data import describe_scheduled, is_plain_decode, new_request_data
 from pagedllm.engine.stop_checks import check_stop
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.spec_decode.planner import SpeculationPlanner
@@ -149,9 +149,7 @@ class Scheduler:
                 add((request, num_new))
                 continue
             num_scheduled[request_id] = num_new   # here, so that the step keeps the running order
-            # A plain decode: one token since its last step, the workers hold all before it, its table unchanged.
-            if (num_new == 1 == len(tokens) - computed and computed and request.worker_num_tokens == computed
-                    and len(table_of(request_id)) == request.worker_num_blocks and request_id not in rewritten):
+            if num_new == 1 and is_plain_decode(request, len(tokens), len(table_of(request_id)), rewritten):
                 add_decode_id(request_id)
                 add_decode_token(tokens[-1])
                 request.worker_num_tokens = computed + 1

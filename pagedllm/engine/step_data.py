@@ -31,8 +31,7 @@ def describe_scheduled(scheduled: list[tuple[Request, int]], out: SchedulerOutpu
         sent = request.worker_num_tokens
         if not sent:
             out.scheduled_new_reqs.append(new_request_data(request, table))
-        elif (sent == num_tokens - 1 == request.num_computed_tokens and num_blocks == request.worker_num_blocks
-              and not (rewritten and request_id in rewritten)):   # a plain decode: its id and its token
+        elif is_plain_decode(request, num_tokens, num_blocks, rewritten):   # its id and its token
             add_decode_id(request_id)
             add_decode_token(tokens[-1])
         else:
@@ -51,6 +50,14 @@ def describe_scheduled(scheduled: list[tuple[Request, int]], out: SchedulerOutpu
     out.total_num_scheduled_tokens = sum(num_scheduled.values())
     out.block_copies = kv.take_block_copies()
     out.disk_work = kv.tiers.take_work()
+
+
+def is_plain_decode(request: Request, num_tokens: int, num_blocks: int, rewritten: dict[str, int]) -> bool:
+    """One token since its last step, the workers hold all before it, its table unchanged: the step sends
+    only its id and its token."""
+    sent = request.worker_num_tokens
+    return (bool(sent) and sent == num_tokens - 1 == request.num_computed_tokens
+            and num_blocks == request.worker_num_blocks and request.request_id not in rewritten)
 
 
 def new_request_data(request: Request, table: list[int], sample_with: str | None = None) -> NewRequestData:
