@@ -49,7 +49,7 @@ class SuiteSettings:
     kv_cache_memory: str = "512MiB"
 
 
-QUICK = SuiteSettings(clients=16, load_requests=48, soak_requests=300, soak_wave=50, soak_concurrency=16,
+QUICK = SuiteSettings(clients=16, load_requests=48, soak_requests=600, soak_wave=50, soak_concurrency=16,
                       fuzz_examples=40, schemathesis_examples=10, storm_requests=8, sigterm_clients=16,
                       kv_cache_memory="64MiB")
 
@@ -101,7 +101,7 @@ class SuiteReport:
              f"pool whole after: {_yes(load.pool_whole_after)}"),
             ("soak", f"{soak.requests} requests in waves, {soak.wall_seconds:.0f} s",
              f"{soak.completed} completed, {len(soak.errors)} errors; pool whole at "
-             f"{soak.idle_points_whole}/{soak.idle_points} idle points; RSS {soak.rss_first_quarter_mib:.0f} -> "
+             f"{soak.idle_points_whole}/{soak.idle_points} idle points; RSS {soak.rss_second_quarter_mib:.0f} -> "
              f"{soak.rss_last_quarter_mib:.0f} MiB ({soak.rss_growth:+.1%}); probe answer same: "
              f"{_yes(soak.probe_same)}"),
             *((f"fault: {fault.name}", "pass" if fault.passed else "FAIL", fault.detail) for fault in self.faults),
