@@ -52,7 +52,8 @@ def huge_page_buffer(num_bytes: int, setting: str) -> tuple[torch.Tensor, bool, 
     """(uint8 tensor of num_bytes starting on a 2 MiB boundary, whether MADV_HUGEPAGE was applied, why not).
     setting: thp_setting()'s answer. The anonymous mapping is advised before any byte is written, so the first
     touch faults in huge pages."""
-    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES)
+    # private: a shared anonymous mapping is shmem, which THP serves only under shmem_enabled (often never)
+    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advised, reason = False, f"transparent huge pages are {setting}"
     if setting in ("always", "madvise"):
         try:

@@ -3,8 +3,8 @@
 Moving bytes must change nothing the kernels compute: each layer's output is asserted bitwise equal before and
 after, and every weight part equal to its source. The placement itself is observed from outside: the tensors
 share one storage, start 2 MiB-aligned and 64-byte aligned, a tied tensor stays one tensor, and the kernel's
-record of the mapping (/proc/self/smaps VmFlags `hg`, set by madvise(MADV_HUGEPAGE)) says the advice was
-applied where the THP setting allows it and not where it was refused.
+record of the mapping (/proc/self/smaps: VmFlags `hg`, set by madvise(MADV_HUGEPAGE), and THPeligible) says
+the advice was applied, and the memory can take huge pages, where the THP setting allows it; not where refused.
 """
 from __future__ import annotations
 
@@ -21,17 +21,21 @@ from pagedllm.model.weight_placement import HUGE_PAGE_BYTES, place_on_huge_pages
 pytestmark = pytest.mark.kernels
 
 
-def vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds address (/proc/self/smaps)."""
-    inside = False
+def mapping_fields(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields (VmFlags, THPeligible, AnonHugePages, ...) of the mapping that holds address."""
+    fields, inside = {}, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
+        head, _, rest = line.partition(" ")
+        if head.endswith(":"):
+            if inside:
+                fields[head[:-1]] = rest.strip()
+        elif inside:
+            break
+        else:
             start, end = (int(part, 16) for part in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+    assert fields, f"no mapping holds {address:#x}"
+    return fields
 
 
 class TinyModel(nn.Module):
@@ -41,7 +45,7 @@ class TinyModel(nn.Module):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
         weight = lambda rows, cols: torch.randn(rows, cols, generator=generator) * 0.05
-        head = quantize(weight(200, 96), 8)
+        head = quantize(weight(4100, 512), 8)   # 2.1 MB of int8: the buffer spans a whole 2 MiB page
         self.lm_head = QuantizedLinear(head)
         self.table = QuantizedLinear(head)   # tied: the same tensors as the head
         self.layers = nn.ModuleList([QuantizedLinear(quantize(weight(80, 64), 4)),
@@ -89,14 +93,17 @@ def test_advice_is_applied():
     model = TinyModel()
     placement = place_on_huge_pages(model)
     assert placement.advised and "huge pages" in placement.describe()
-    assert "hg" in vm_flags(model.lm_head.qweight.data_ptr())
+    fields = mapping_fields(model.lm_head.qweight.data_ptr())
+    assert "hg" in fields["VmFlags"].split()
+    if "THPeligible" in fields:   # the kernel's own verdict: private anonymous memory advised for THP
+        assert fields["THPeligible"] == "1"
 
 
 def test_refused_setting_gives_no_advice():
     model = TinyModel()
     placement = place_on_huge_pages(model, setting="never")
     assert not placement.advised and "never" in placement.reason
-    assert "hg" not in vm_flags(model.lm_head.qweight.data_ptr())
+    assert "hg" not in mapping_fields(model.lm_head.qweight.data_ptr())["VmFlags"].split()
 
 
 def test_nothing_to_place():
