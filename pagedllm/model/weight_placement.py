@@ -61,9 +61,9 @@ def huge_page_buffer(num_bytes: int, setting: str) -> tuple[torch.Tensor, bool, 
             advised, reason = True, ""
         except (OSError, AttributeError) as error:   # AttributeError: a platform without MADV_HUGEPAGE
             reason = f"madvise(MADV_HUGEPAGE) failed: {error}"
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)   # holds a reference to the mapping
-    start = -whole.data_ptr() % HUGE_PAGE_BYTES
-    return whole[start:start + num_bytes], advised, reason
+    start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE_BYTES
+    # a storage of exactly num_bytes (the model's weight_bytes counts storages); it holds a reference to the mapping
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes, offset=start), advised, reason
 
 
 def quantized_tensors(model: nn.Module) -> list[tuple[QuantizedLinear, str, torch.Tensor]]:
