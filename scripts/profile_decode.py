@@ -4,9 +4,12 @@ tokens, 128 greedy output tokens, as `pagedllm bench latency --batch-size 1 --in
 Prints the step's parts as the engine times them (scheduling, the runner's preparation, the forward pass with
 sampling) over three requests after a warm-up; torch.profiler's operators over the decode steps of one more
 request, the quantized matmuls split by weight shape; the bytes of weights one token reads and this machine's
-memory read rate with 1 and 2 threads (a sum over 1 GiB), which together give the bandwidth floor of a step.
-Run it in a benchmark window: `python scripts/profile_decode.py`.
+memory read rate with 1 and 2 threads (a sum over 1 GiB), which together give the bandwidth floor of a step;
+and the rate the quantized matmuls alone reach streaming the model's own weights from memory, called in a
+decode step's order on one row, against a plain 2-thread read of the same number of bytes.
+Run it in a benchmark window: `python scripts/profile_decode.py` (`--stream-only`: that last part alone).
 """
+import argparse
 import collections
 import statistics
 import time
@@ -46,9 +49,49 @@ def weight_bytes_per_token(model: torch.nn.Module) -> dict[str, int]:
     return kinds
 
 
+def step_order_layers(model: torch.nn.Module) -> list[QuantizedLinear]:
+    """The quantized layers a batch-1 decode step runs, in its order (each layer's projections, the LM head)."""
+    return [module for name, module in model.named_modules()
+            if isinstance(module, QuantizedLinear) and not name.endswith(".table")]
+
+
+def stream_rate(layers: list[QuantizedLinear], dtype: torch.dtype, passes: int = 20) -> tuple[float, int]:
+    """(seconds, bytes) of the best pass of one row of dtype (the LM head's: its own) through every layer's
+    kernel: the model's weights are far past the caches, so each pass streams them from memory as a step does."""
+    calls = []
+    for layer in layers:
+        x = torch.randn(1, layer.in_features).to(layer.out_dtype or dtype)
+        out = x.new_empty(1, layer.out_features)
+        kernel = layer.matmul.kernel(x.dtype, 1)
+        calls.append((kernel, out, x, layer))
+    held = sum(t.nbytes for layer in layers for t in (layer.qweight, layer.scales, layer.mins) if t is not None)
+    best = float("inf")
+    for _ in range(passes):
+        started = time.perf_counter()
+        for kernel, out, x, layer in calls:
+            kernel(out, x, layer.qweight, layer.scales, layer.mins, layer.bias, layer.bits, layer.group_size)
+        best = min(best, time.perf_counter() - started)
+    return best, held
+
+
+def print_stream_rate(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    seconds, held = stream_rate(step_order_layers(model), dtype)
+    print(f"\n=== quantized matmuls alone, one row, a decode step's order ({torch.get_num_threads()} threads)")
+    print(f"  {held / 1e6:.1f} MB in {seconds * 1e3:.3f} ms: {held / seconds / 1e9:.1f} GB/s "
+          f"(plain {torch.get_num_threads()}-thread read of as many bytes: "
+          f"{read_rate(torch.get_num_threads(), gib=held / 2**30) / 1e9:.1f} GB/s)")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stream-only", action="store_true", help="only the matmuls' stream rate")
+    args = parser.parse_args()
     llm = LLM(enable_prefix_caching=False, max_num_seqs=1)
     engine = llm.llm_engine
+    if args.stream_only:
+        print_stream_rate(engine.runner.model, engine.dtype)
+        engine.shutdown()
+        return
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     parts = collections.defaultdict(list)
 
@@ -98,6 +141,7 @@ def main() -> None:
     for threads in (1, 2):
         rate = read_rate(threads)
         print(f"  read rate, {threads} thread(s): {rate / 1e9:.1f} GB/s -> floor {total / rate * 1e3:.2f} ms a token")
+    print_stream_rate(model, engine.dtype)
     engine.shutdown()
 
 

@@ -24,6 +24,7 @@ from pagedllm.model.attention.cache import CacheTensor
 from pagedllm.model.attention.metadata import AttentionMetadata, LayerAttention
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.decode_stack import DecodeStack, requested as decode_stack_requested
+from pagedllm.model.weight_placement import place_on_huge_pages
 from pagedllm.model.linear import Embedding, Linear, QuantizedLinear, fused_linear, padded_rows
 from pagedllm.model.mlp import GatedMLP
 from pagedllm.model.moe import SparseMoeBlock
@@ -163,6 +164,7 @@ class CausalLM(nn.Module):
         self.pads_batch = any(isinstance(module, Linear) and module.prepacked for module in self.layers.modules())
         self.has_quantized_layers = any(isinstance(module, QuantizedLinear) for module in self.modules())
         self._check_matmul_options()
+        self.weight_placement = place_on_huge_pages(self)
         self._decode_stack: DecodeStack | None | bool = False   # False: not built yet (decode_stack())
         self._decode_stack_wanted = decode_stack_requested()
 
