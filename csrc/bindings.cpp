@@ -45,6 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double>(), arg("num_heads"), arg("num_kv_heads"),
            arg("head_dim"), arg("rotary_dim"), arg("eps"))
       .def("add_layer", &pagedllm::DecodeStack::add_layer)
+      .def("set_lora", &pagedllm::DecodeStack::set_lora)
       .def("forward", &pagedllm::DecodeStack::forward)
       .def_property_readonly("num_layers", &pagedllm::DecodeStack::num_layers);
 }

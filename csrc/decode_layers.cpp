@@ -23,11 +23,22 @@ Matmul matmul_for(const std::string& path) {
 
 Projection projection(const ProjectionArgs& args, int64_t out_features) {
   const auto& [qweight, scales, mins, bias, bits, group] = args;
-  return {qweight, scales, mins, bias, bits, group, out_features};
+  return {qweight, scales, mins, bias, bits, group, out_features, std::nullopt};
 }
 
-void run(Matmul matmul, const at::Tensor& out, const at::Tensor& x, const Projection& p) {
+// The step's rows with an adapter, grouped by slot (lora_sgmv's rows and segments).
+struct LoRARows {
+  at::Tensor rows, segments;
+};
+
+// out = x . projection, plus each adapter row's update where the projection has adapter slots: the Python
+// LoRALinear's two kernels, in its order.
+void run(Matmul matmul, const at::Tensor& out, const at::Tensor& x, const Projection& p, const LoRARows* lora) {
   matmul(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group);
+  if (lora != nullptr && p.lora) {
+    const LoRASlots& slots = *p.lora;
+    lora_sgmv(out, x, slots.a, slots.b, slots.ranks, slots.column_starts, lora->rows, lora->segments);
+  }
 }
 
 }  // namespace
@@ -59,11 +70,22 @@ void DecodeStack::add_layer(at::Tensor input_norm, at::Tensor post_attention_nor
   layers_.push_back(std::move(layer));
 }
 
+void DecodeStack::set_lora(int64_t layer, int64_t projection, at::Tensor a, at::Tensor b, at::Tensor ranks,
+                           at::Tensor column_starts) {
+  TORCH_CHECK(layer >= 0 && layer < num_layers() && projection >= 0 && projection < 4,
+              "DecodeStack.set_lora: layer must be in 0..", num_layers() - 1, " and projection in 0..3");
+  DecodeLayer& target = layers_[layer];
+  Projection* projections[] = {&target.qkv, &target.o, &target.gate_up, &target.down};
+  TORCH_CHECK(b.dim() == 3 && b.size(2) == projections[projection]->out_features,
+              "DecodeStack.set_lora: b must be [slots, max_rank, the projection's out_features]");
+  projections[projection]->lora = LoRASlots{a, b, ranks, column_starts};
+}
+
 std::tuple<at::Tensor, at::Tensor> DecodeStack::forward(
     at::Tensor hidden, at::Tensor rope_rows, at::Tensor cos_sin, at::Tensor slot_mapping, at::Tensor block_tables,
     at::Tensor token_rows, at::Tensor seq_lens, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
     std::vector<std::optional<at::Tensor>> k_scales, std::vector<std::optional<at::Tensor>> v_scales,
-    const std::string& path) const {
+    const std::string& path, std::optional<at::Tensor> lora_rows, std::optional<at::Tensor> lora_segments) const {
   RECORD_FUNCTION("pagedllm::decode_layers", std::vector<c10::IValue>({hidden}));   // torch.profiler names it
   const size_t num_layers = layers_.size();
   TORCH_CHECK(num_layers > 0, "DecodeStack.forward: no layers");
@@ -78,6 +100,11 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::forward(
   TORCH_CHECK(slot_mapping.size(0) == tokens && seq_lens.size(0) == tokens && token_rows.size(0) == tokens,
               "DecodeStack.forward: one slot, sequence length and block-table row per token");
   const Matmul matmul = matmul_for(path);
+  TORCH_CHECK(lora_rows.has_value() == lora_segments.has_value(),
+              "DecodeStack.forward: lora_rows and lora_segments come together");
+  const std::optional<LoRARows> lora_step =
+      lora_rows ? std::optional<LoRARows>(LoRARows{*lora_rows, *lora_segments}) : std::nullopt;
+  const LoRARows* lora = lora_step ? &*lora_step : nullptr;
 
   // The step's buffers, reused by every layer, and their views.
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -101,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::forward(
     } else {   // the residual stream takes the previous layer's output, and is normalised
       add_rms_norm(normed, residual, out, layer.input_norm, eps_);
     }
-    run(matmul, qkv, normed, layer.qkv);
+    run(matmul, qkv, normed, layer.qkv, lora);
     rotary_embedding(q_rotated, rope_rows, cos_sin);
     rotary_embedding(k_rotated, rope_rows, cos_sin);
     write_kv(k_caches[i], v_caches[i], k_scales[i], v_scales[i], k, v, slot_mapping);
@@ -110,11 +137,11 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::forward(
       paged_attention(attention_heads, q, k_caches[i], v_caches[i], k_scales[i], v_scales[i], block_tables,
                       token_rows, seq_lens, layer.scale, layer.sliding_window, layer.logit_softcap);
     }
-    run(matmul, projected, attention, layer.o);
+    run(matmul, projected, attention, layer.o, lora);
     add_rms_norm(normed, residual, projected, layer.post_attention_norm, eps_);
-    run(matmul, gate_up, normed, layer.gate_up);
+    run(matmul, gate_up, normed, layer.gate_up, lora);
     silu_and_mul(activated, gate_up);
-    run(matmul, out, activated, layer.down);
+    run(matmul, out, activated, layer.down, lora);
   }
   return {out, residual};
 }

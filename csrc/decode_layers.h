@@ -18,10 +18,17 @@ namespace pagedllm {
 using ProjectionArgs = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
                                   int64_t, int64_t>;
 
+// An adapter-wrapped projection's adapter slots (pagedllm/lora/punica.py StackedLoRA, updated in place as adapters
+// become resident): lora_sgmv adds each row's update to the projection's output, as the Python LoRALinear does.
+struct LoRASlots {
+  at::Tensor a, b, ranks, column_starts;
+};
+
 struct Projection {
   at::Tensor qweight, scales;
   std::optional<at::Tensor> mins, bias;
   int64_t bits, group, out_features;
+  std::optional<LoRASlots> lora;   // None: no adapter wrapper
 };
 
 struct DecodeLayer {
@@ -43,20 +50,26 @@ class DecodeStack {
                  ProjectionArgs o, int64_t o_out, ProjectionArgs gate_up, int64_t gate_up_out, ProjectionArgs down,
                  int64_t down_out, double scale, int64_t sliding_window, double logit_softcap);
 
+  // Gives projection `projection` (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer` its adapter slots.
+  void set_lora(int64_t layer, int64_t projection, at::Tensor a, at::Tensor b, at::Tensor ranks,
+                at::Tensor column_starts);
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // hidden: [tokens, hidden] the embeddings of a step of decodes only (token i is block-table row i). Runs
   // every layer and returns (the last layer's output, the residual stream before it), as the Python layers do;
   // hidden becomes the residual stream (added to in place). rope_rows / cos_sin: the step's Rotation;
   // slot_mapping, block_tables, seq_lens: the step's decode metadata; one cache (and int8 scales) per layer.
-  // path: the quantized matmul kernel for this row count ("rows", "brgemm" or "int8").
+  // path: the quantized matmul kernel for this row count ("rows", "brgemm" or "int8"). lora_rows /
+  // lora_segments: the step's rows grouped by adapter slot (lora_sgmv's rows and segments; None: no adapter rows).
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, at::Tensor rope_rows, at::Tensor cos_sin,
                                              at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor token_rows,
                                              at::Tensor seq_lens, std::vector<at::Tensor> k_caches,
                                              std::vector<at::Tensor> v_caches,
                                              std::vector<std::optional<at::Tensor>> k_scales,
                                              std::vector<std::optional<at::Tensor>> v_scales,
-                                             const std::string& path) const;
+                                             const std::string& path, std::optional<at::Tensor> lora_rows,
+                                             std::optional<at::Tensor> lora_segments) const;
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_, rotary_dim_;

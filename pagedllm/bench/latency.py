@@ -6,7 +6,10 @@ and speculative config asked for, side by side in one run. The random workload h
 copy workload (`--dataset copy`) asks the model to quote code back, edit or summarise a text, where
 speculation pays. With speculation, the mean acceptance length (tokens per verification) is reported too.
 With `--lora` or `--num-loras`, every configuration is measured also with an adapter (the first), on an
-engine with LoRA on, beside the base on one without.
+engine with LoRA on, beside the base on one without. `--alternate-rounds N` holds both engines at once and
+measures them in turn, base then adapter, N times over, printing each round's decode step p50 of both and
+their ratio, then the median ratio: on a shared machine, whose speed drifts between runs by more than the
+adapter costs, drift moves both halves of a round alike and cancels in its ratio.
 """
 from __future__ import annotations
 
@@ -45,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated among {', '.join(DATASETS)}: random token prompts of --input-len, "
                              "or copy-heavy chat prompts (quote code, edit, summarise)")
     add_lora_arguments(parser)
+    parser.add_argument("--alternate-rounds", type=int, default=0,
+                        help="with an adapter: measure the base and the adapter in turn (ABAB..) this many rounds, "
+                             "each round's decode step p50s and ratio, and the median ratio (default: 0, off)")
 
 
 def _speculative_configs(values: list[str] | None) -> list[dict | None]:
@@ -65,26 +71,66 @@ def run(args: argparse.Namespace) -> None:
     print(f"input {args.input_len} (random), output {args.output_len}, KV cache {args.kv_cache_dtype}, "
           f"tensor parallel {args.tensor_parallel_size}, {args.num_iters} iterations, "
           f"temperature {args.temperature}, top-p {args.top_p}")
-    print("| quantization | dtype | speculative | dataset | batch | prefill ms p50 | p99 | decode step ms p50 | p99 "
-          "| decode tok/s | mean acceptance length | LoRA |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    if args.alternate_rounds < 0:
+        raise ValueError(f"--alternate-rounds must be >= 0, got {args.alternate_rounds}")
+    if args.alternate_rounds and not (args.lora or args.num_loras):
+        raise ValueError("--alternate-rounds alternates the base with an adapter: give --lora or --num-loras")
     with lora_requests_from_args(args) as adapters:
+        if args.alternate_rounds:
+            for quantization in args.quantization.split(","):
+                for speculative_config in _speculative_configs(args.speculative_config):
+                    _alternate(args, batch_sizes, datasets, quantization, speculative_config, adapters[0])
+            return
+        print("| quantization | dtype | speculative | dataset | batch | prefill ms p50 | p99 | decode step ms p50 "
+              "| p99 | decode tok/s | mean acceptance length | LoRA |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for quantization in args.quantization.split(","):
             for speculative_config in _speculative_configs(args.speculative_config):
                 for adapter in [None, *adapters[:1]]:
                     _measure_configuration(args, batch_sizes, datasets, quantization, speculative_config, adapter)
 
 
+def _engine(args: argparse.Namespace, batch_sizes: list[int], quantization: str, speculative_config: dict | None,
+            adapter):
+    """The engine a configuration runs on: LoRA on with the adapter's settings, or off (adapter None)."""
+    from pagedllm import LLM
+
+    return LLM(args.model, dtype=args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
+               block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
+               enable_prefix_caching=False, max_num_seqs=max(batch_sizes),
+               max_num_batched_tokens=max(2048, max(batch_sizes) * args.input_len),
+               speculative_config=speculative_config, **(lora_engine_settings([adapter]) if adapter else {}))
+
+
+def _alternate(args: argparse.Namespace, batch_sizes: list[int], datasets: list[str], quantization: str,
+               speculative_config: dict | None, adapter) -> None:
+    """The base (an engine without LoRA) and the adapter (one with it) measured in turn, round by round."""
+    engines = [_engine(args, batch_sizes, quantization, speculative_config, None),
+               _engine(args, batch_sizes, quantization, speculative_config, adapter)]
+    label = "none" if speculative_config is None else json.dumps(speculative_config)
+    print(f"quantization {quantization}, speculative {label}: the base and {adapter.lora_name} in turn, "
+          f"{args.alternate_rounds} rounds")
+    print("| dataset | batch | round | decode step ms p50, base | with the adapter | ratio |")
+    print("|---|---|---|---|---|---|")
+    for dataset in datasets:
+        for batch_size in batch_sizes:
+            ratios = []
+            for round_index in range(1, args.alternate_rounds + 1):
+                base, lora = (statistics.median(measure(llm, args, batch_size, dataset, lora_request)[1])
+                              for llm, lora_request in zip(engines, (None, adapter)))
+                ratios.append(lora / base)
+                print(f"| {dataset} | {batch_size} | {round_index} | {base * 1e3:.2f} | {lora * 1e3:.2f} "
+                      f"| {lora / base:.3f} |")
+            print(f"dataset {dataset}, batch {batch_size}: median ratio {statistics.median(ratios):.3f} "
+                  f"(min {min(ratios):.3f}, max {max(ratios):.3f}) over {len(ratios)} rounds")
+    for llm in engines:
+        llm.llm_engine.shutdown()
+
+
 def _measure_configuration(args: argparse.Namespace, batch_sizes: list[int], datasets: list[str], quantization: str,
                            speculative_config: dict | None, adapter) -> None:
     """One engine's rows: every dataset and batch size; with an adapter, every request runs with it."""
-    from pagedllm import LLM
-
-    llm = LLM(args.model, dtype=args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
-              block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
-              enable_prefix_caching=False, max_num_seqs=max(batch_sizes),
-              max_num_batched_tokens=max(2048, max(batch_sizes) * args.input_len),
-              speculative_config=speculative_config, **(lora_engine_settings([adapter]) if adapter else {}))
+    llm = _engine(args, batch_sizes, quantization, speculative_config, adapter)
     label = "none" if speculative_config is None else json.dumps(speculative_config)
     lora_label = adapter.lora_name if adapter else "none"
     for dataset in datasets:

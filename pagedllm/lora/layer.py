@@ -32,25 +32,36 @@ class StepLoRA:
 
 
 class LoRALinear(nn.Module):
-    """The base projection, then every row's adapter update in one call (the compiled kernel, chosen once here)."""
+    """The base projection, then every row's adapter update in one call (the compiled kernel, chosen once here).
+    The compiled decode stack (pagedllm/model/decode_stack.py) runs the same two kernels itself: it reads `base`,
+    `lora_slots`, `lora_kernel` and `lora_segments()`."""
 
     def __init__(self, base: nn.Module, stacked: StackedLoRA, step: StepLoRA, device: torch.device):
         super().__init__()
         self.base = base
         self.step = step
         self.stacked = stacked
-        self.kernel = kernel_for("lora_sgmv", device)
+        self.lora_kernel = kernel_for("lora_sgmv", device)
+
+    @property
+    def lora_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernel's adapter arguments: every slot's A, B, ranks, and the fused parts' first columns."""
+        stacked = self.stacked
+        return stacked.a, stacked.b, stacked.ranks, stacked.column_starts
+
+    def lora_segments(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's adapter rows grouped by slot (the kernel's rows and segments), or None: no row has one."""
+        segments = self.step.segments
+        return (segments.rows, segments.table) if segments.count else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         segments = self.step.segments
         if segments.count:
-            stacked = self.stacked
-            if self.kernel is not None:
-                self.kernel(out, x, stacked.a, stacked.b, stacked.ranks, stacked.column_starts, segments.rows,
-                            segments.table)
+            if self.lora_kernel is not None:
+                self.lora_kernel(out, x, *self.lora_slots, segments.rows, segments.table)
             else:
-                add_lora_torch(out, x, segments, stacked)
+                add_lora_torch(out, x, segments, self.stacked)
         return out
 
 

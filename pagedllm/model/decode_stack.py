@@ -6,12 +6,17 @@ kernels of each layer (module calls, pybind conversions, a new output per op, vi
 the compiled stack runs the same kernels, in the same order, on the same inputs, so its results are the
 Python layers' bit for bit (tests/model/test_decode_stack.py holds it to that).
 
-It covers: dense layers of quantized projections (QuantizedLinear, one rank, no LoRA wrapper), RMSNorm and
+It covers: dense layers of quantized projections (QuantizedLinear, one rank, bare or in an adapter wrapper), RMSNorm and
 silu through the kernels, rotary through its kernel, no q/k norms, sandwich norms or local rope; sliding
 windows, soft-capped scores, a qkv bias and every KV cache dtype are the kernels' own arguments. A step
 takes it when all its tokens are decodes (no prefill chunk, no padding rows), on the cpu attention backend,
 without a cascade group, and when the quantized matmul path for its row count is a compiled one.
 PAGEDLLM_DECODE_STACK=0 makes the Python layers serve every step (tests compare the two; benchmarks time both).
+
+An adapter wrapper (pagedllm.lora.layer.LoRALinear; this layer does not import it) is a module with `base`, the plain
+projection, `lora_slots`, its stacked adapters (a, b, ranks, column_starts, updated in place), `lora_kernel`, the
+compiled update it calls (None: torch ops), and `lora_segments()`, the step's rows grouped by slot (None: no adapter
+rows). The stack runs the same `lora_sgmv` after the projection's matmul, as the wrapper does.
 """
 from __future__ import annotations
 
@@ -44,6 +49,11 @@ def requested() -> bool:
     return value == "1"
 
 
+def _unwrapped(projection: nn.Module) -> nn.Module:
+    """The plain projection inside an adapter wrapper, or the projection itself."""
+    return projection.base if hasattr(projection, "lora_slots") else projection
+
+
 def _projection(layer: QuantizedLinear) -> tuple:
     return layer.qweight, layer.scales, layer.mins, layer.bias, layer.bits, layer.group_size
 
@@ -62,14 +72,17 @@ def _misfit(layers: nn.ModuleList, rope: RotaryEmbedding, uses_local_rope: bool,
         mlp = layer.mlp
         if not isinstance(mlp, GatedMLP) or mlp.activation_name != "silu":
             return f"layer {index}'s feed-forward is not a dense silu MLP"
-        projections = (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        wrapped = (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(hasattr(p, "lora_slots") and p.lora_kernel is None for p in wrapped):
+            return f"layer {index}'s adapters take the torch path"
+        projections = tuple(_unwrapped(p) for p in wrapped)
         if not all(type(p) is QuantizedLinear and p.out_dtype is None for p in projections):
             return f"layer {index}'s projections are not all plain quantized layers (float, wrapped or split)"
         if projections[0].qweight.device.type != "cpu":
             return "not on CPU"
         if any(norm is not None for norm in (layer.q_norm, layer.attention_output_norm, layer.mlp_output_norm)):
             return f"layer {index} has q/k or sandwich norms"
-        reason = row_misfit(projections[0].in_features) or row_misfit(mlp.down_proj.in_features)
+        reason = row_misfit(projections[0].in_features) or row_misfit(projections[3].in_features)
         if reason:
             return reason
     return None
@@ -84,12 +97,18 @@ class DecodeStack:
         self.dtype = first.input_norm.weight.dtype
         self.stack = kernels.kernels.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim,
                                                  rope.rotary_dim, eps)
-        for layer in layers:
+        self.adapter_wrapper = None   # any one adapter wrapper: they share the step's row grouping
+        for index, layer in enumerate(layers):
             mlp = layer.mlp
-            projections = (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            wrapped = (layer.qkv_proj, layer.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            projections = tuple(_unwrapped(p) for p in wrapped)
             args = [part for p in projections for part in (_projection(p), p.out_features)]
             self.stack.add_layer(layer.input_norm.weight, layer.pre_mlp_norm.weight, *args, layer.attention.scale,
                                  *layer.attention.kernel_limits())
+            for position, wrapper in enumerate(wrapped):
+                if hasattr(wrapper, "lora_slots"):
+                    self.stack.set_lora(index, position, *wrapper.lora_slots)
+                    self.adapter_wrapper = wrapper
 
     @classmethod
     def build(cls, layers: nn.ModuleList, rope: RotaryEmbedding, matmul: QuantizedMatmul, eps: float,
@@ -115,7 +134,9 @@ class DecodeStack:
                 meta: AttentionMetadata, path: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's output, the residual stream before it), as the Python layers return them."""
         k_caches, v_caches = zip(*kv_caches)
+        segments = None if self.adapter_wrapper is None else self.adapter_wrapper.lora_segments()
+        rows, table = (None, None) if segments is None else segments
         return self.stack.forward(hidden, rotation.rows, rotation.table, meta.slot_mapping, meta.decode_block_tables,
                                   meta.decode_rows, meta.decode_seq_lens, [c.data for c in k_caches],
                                   [c.data for c in v_caches], [c.scales for c in k_caches],
-                                  [c.scales for c in v_caches], path)
+                                  [c.scales for c in v_caches], path, rows, table)

@@ -217,3 +217,25 @@ def test_throughput_and_latency_with_random_loras_run_beside_the_base(tiny_dir, 
                     "--num-loras", "1", "--lora-rank", "8")
     rows = table_rows(out, "| quantization | dtype | speculative | dataset | batch |")
     assert [row.split("|")[-2].strip() for row in rows] == ["none", "adapter-0"]
+
+
+def test_latency_alternates_the_base_and_an_adapter_round_by_round(tiny_dir, capsys):
+    """--alternate-rounds: a row per round with both decode step p50s and their ratio, then the median ratio."""
+    out = run_bench(capsys, "latency", tiny_dir, "--batch-size", "1", "--input-len", "8", "--output-len", "3",
+                    "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--quantization", "none",
+                    "--num-loras", "1", "--lora-rank", "8", "--alternate-rounds", "3")
+    rows = table_rows(out, "| dataset | batch | round | decode step ms p50, base | with the adapter | ratio |")
+    cells = [[cell.strip() for cell in row.split("|")[1:-1]] for row in rows]
+    assert [row[2] for row in cells] == ["1", "2", "3"]
+    ratios = sorted(float(row[5]) for row in cells)
+    for row in cells:   # the ratio of the p50s, which are printed to 0.005 ms and it to 0.0005
+        base, lora, ratio = float(row[3]), float(row[4]), float(row[5])
+        assert (lora - 0.005) / (base + 0.005) - 0.0005 <= ratio <= (lora + 0.005) / (base - 0.005) + 0.0005
+    assert f"dataset random, batch 1: median ratio {ratios[1]:.3f} (min {ratios[0]:.3f}, max {ratios[2]:.3f}) over 3 " \
+           "rounds" in out
+
+
+def test_latency_alternation_needs_an_adapter(tiny_dir, capsys):
+    with pytest.raises(ValueError, match="--alternate-rounds alternates the base with an adapter: give --lora or "
+                                         "--num-loras"):
+        run_bench(capsys, "latency", tiny_dir, "--alternate-rounds", "2")

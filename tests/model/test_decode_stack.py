@@ -80,7 +80,6 @@ def test_bundled_default_equals_python_layers(monkeypatch):
     ("llama", {}, dict(quantization="int4", dtype="float32"), "rotary embedding takes the torch path"),
     ("qwen3", HEAD_DIM_32, dict(quantization="int4", dtype="float32"), "q/k or sandwich norms"),
     ("mixtral", dict(HEAD_DIM_32, head_dim=32), dict(quantization="int4", dtype="float32"), "not a dense silu MLP"),
-    ("llama", HEAD_DIM_32, dict(quantization="int4", dtype="float32", enable_lora=True), "wrapped"),
 ])
 def test_layers_the_stack_does_not_cover_run_in_python(arch, overrides, engine_args, reason, make_tiny_model_dir,
                                                         tmp_path, monkeypatch, caplog):

@@ -1,0 +1,68 @@
+"""Adapters on the compiled decode stack (pagedllm/model/decode_stack.py) against the Python layers.
+
+The stack runs each adapter-wrapped projection's `lora_sgmv` right after its matmul, as LoRALinear does, on the same
+inputs: every token and top-5 logprob of a mixed batch (three adapters of different ranks and targets, and base rows)
+must be bitwise those of PAGEDLLM_DECODE_STACK=0, and torch.profiler's count of `pagedllm::decode_layers` shows the
+stack served every decode step. The Python layers' adapters are held to peft by test_lora_vs_peft.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.lora.peft_adapters import make_adapter
+from pagedllm import LLM, SamplingParams
+from pagedllm.lora.request import LoRARequest
+from pagedllm.model.decode_stack import FORCE_VARIABLE
+
+pytestmark = pytest.mark.kernels
+
+HEAD_DIM_32 = dict(hidden_size=128, intermediate_size=256)   # 4 heads of 32: the rope kernel's smallest head
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def base(make_tiny_model_dir, tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("stack-base"), "llama", **HEAD_DIM_32)
+
+
+@pytest.fixture(scope="module")
+def loras(base, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stack-adapters")
+    kinds = [dict(rank=8, targets="all-linear"), dict(rank=16, targets=["q_proj", "v_proj", "o_proj"]),
+             dict(rank=4, targets=["gate_proj", "up_proj", "down_proj"], use_rslora=True)]
+    return [LoRARequest(f"adapter-{i}", i + 1, str(make_adapter(base, folder / f"a{i}", seed=i, **kind)))
+            for i, kind in enumerate(kinds)]
+
+
+def greedy_run(monkeypatch, base, lora_requests, stack: bool, **engine_args):
+    """Each prompt's tokens and top-5 logprobs, and how many steps ran the compiled stack."""
+    monkeypatch.setenv(FORCE_VARIABLE, "1" if stack else "0")
+    llm = LLM(str(base), kv_cache_memory="16MiB", enable_prefix_caching=False, enable_lora=True, max_loras=3,
+              max_lora_rank=16, **engine_args)
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 250 + 3 for j in range(5 + i)]} for i in range(len(lora_requests))]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora_requests)
+    steps = sum(event.count for event in profiler.key_averages() if event.key == "pagedllm::decode_layers")
+    results = [(list(o.outputs[0].token_ids),
+                [sorted((token, entry.logprob) for token, entry in position.items()) for position in o.outputs[0].logprobs])
+               for o in outputs]
+    return results, steps, llm
+
+
+@pytest.mark.parametrize("engine_args", [dict(quantization="int4", dtype="float32"),
+                                         dict(quantization="int8", dtype="bfloat16")], ids=["int4-float32", "int8-bfloat16"])
+@pytest.mark.parametrize("mix", ["one-adapter", "three-adapters-and-base"])
+def test_stack_with_adapters_equals_python_layers(mix, engine_args, base, loras, monkeypatch):
+    lora_requests = [loras[0]] if mix == "one-adapter" else [loras[0], None, loras[1], loras[2], loras[0], None]
+    stacked, stack_steps, llm = greedy_run(monkeypatch, base, lora_requests, stack=True, **engine_args)
+    assert llm.llm_engine.runner.model.decode_stack() is not None
+    layered, layer_steps, _ = greedy_run(monkeypatch, base, lora_requests, stack=False, **engine_args)
+    assert layer_steps == 0
+    assert stack_steps >= MAX_TOKENS - 1   # every decode step of the run
+    assert stacked == layered
+    # The adapters acted: an adapter's request does not give the base's tokens for the same prompt.
+    base_alone, _, _ = greedy_run(monkeypatch, base, [None] * len(lora_requests), stack=True, **engine_args)
+    for lora, ours, theirs in zip(lora_requests, stacked, base_alone):
+        assert (ours == theirs) == (lora is None)
