@@ -1,13 +1,15 @@
 // Cascade (shared-prefix) attention for the CPU. Sequences whose block tables start with the same
 // block ids (parallel samples, beams, requests that hit the prefix cache for one system prompt)
 // hold their common prefix's K/V once, in the same physical blocks; paged attention would read
-// those blocks once per sequence. Here each group's query rows (its sequences' query tokens x the
-// query heads of a kv head) attend to the shared blocks together, as one prefill-shaped tile walk
-// (attention_tiles.h) that reads each shared K/V element once per task of up to kSharedTaskRows
-// rows; then each sequence attends to its own keys after the prefix, causally, as a prefill chunk
-// does, and the two partial softmaxes are merged through their log-sum-exps. A sequence may have
-// several query rows (a prefill chunk, speculative decoding's verification rows) or one (a decode).
-// Scores may be soft-capped (Gemma 2's global layers); sliding-window layers never come here.
+// those blocks once per sequence. Here each sequence first attends to its own keys after the prefix,
+// causally, as a prefill chunk does, keeping its rows' softmax state; then each group's query rows
+// (its sequences' query tokens x the query heads of a kv head) attend to the shared blocks together,
+// as one prefill-shaped tile walk (attention_tiles.h) that reads each shared K/V element once per task
+// of up to kSharedTaskRows rows, and the two partial softmaxes are merged through their log-sum-exps.
+// With bfloat16 queries and cache on AVX512-BF16, that shared walk's products are brgemm calls over
+// K/V tiles packed once per call (brgemm_tiles.h), packed while the own keys are attended. A sequence
+// may have several query rows (a prefill chunk, speculative decoding's verification rows) or one (a
+// decode). Scores may be soft-capped (Gemma 2's global layers); sliding-window layers never come here.
 #include "ops.h"
 #include "attention_tiles.h"
 
@@ -110,7 +112,8 @@ class PackedShared {
       const int64_t tiles = (shared_lens[g] + tile_keys_ - 1) / tile_keys_;
       for (int64_t kv_head = 0; kv_head < cache.num_kv_heads; ++kv_head) {
         first_tile_.push_back(static_cast<int64_t>(items_.size()));
-        for (int64_t t = 0; t < tiles; ++t) items_.push_back({table, kv_head, t * tile_keys_, std::min(tile_keys_, shared_lens[g] - t * tile_keys_)});
+        for (int64_t t = 0; t < tiles; ++t)
+          items_.push_back({table, kv_head, t * tile_keys_, std::min(tile_keys_, shared_lens[g] - t * tile_keys_)});
       }
     }
     keys_.reset(new c10::BFloat16[items_.size() * tile_elements_]);
