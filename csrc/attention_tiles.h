@@ -129,6 +129,11 @@ struct TileScratch {
   std::vector<float> value_scales;                  // [tile keys]: int8 caches only
 };
 
+// The brgemm products' per-thread scratch: its end gives back the AMX tiles the thread's calls took.
+struct BrgemmScratch : TileScratch<c10::BFloat16> {
+  ~BrgemmScratch() { BrgemmTiles::release(); }
+};
+
 // Attention state of rows kept outside a row set, [tokens][heads]: values accumulated against the
 // running maximum (acc, head_dim each), the maximum and the sum of exponentials.
 struct RowStates {

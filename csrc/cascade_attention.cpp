@@ -1,17 +1,23 @@
 // Cascade (shared-prefix) attention for the CPU. Sequences whose block tables start with the same
 // block ids (parallel samples, beams, requests that hit the prefix cache for one system prompt)
 // hold their common prefix's K/V once, in the same physical blocks; paged attention would read
-// those blocks once per sequence. Here each group's query rows (its sequences' query tokens x the
-// query heads of a kv head) attend to the shared blocks together, as one prefill-shaped tile walk
-// (attention_tiles.h) that reads each shared K/V element once per task of up to kSharedTaskRows
-// rows; then each sequence attends to its own keys after the prefix, causally, as a prefill chunk
-// does, and the two partial softmaxes are merged through their log-sum-exps. A sequence may have
-// several query rows (a prefill chunk, speculative decoding's verification rows) or one (a decode).
-// Scores may be soft-capped (Gemma 2's global layers); sliding-window layers never come here.
+// those blocks once per sequence. Here each sequence first attends to its own keys after the prefix,
+// causally, as a prefill chunk does, keeping its rows' softmax state; then each group's query rows
+// (its sequences' query tokens x the query heads of a kv head) attend to the shared blocks together,
+// as one prefill-shaped tile walk (attention_tiles.h) that reads each shared K/V element once per task
+// of up to kSharedTaskRows rows, and the two partial softmaxes are merged through their log-sum-exps.
+// With bfloat16 queries and cache on AVX512-BF16, that shared walk's products are brgemm calls over
+// K/V tiles packed once per call (brgemm_tiles.h), packed while the own keys are attended. A sequence
+// may have several query rows (a prefill chunk, speculative decoding's verification rows) or one (a
+// decode). Scores may be soft-capped (Gemma 2's global layers); sliding-window layers never come here.
 #include "ops.h"
 #include "attention_tiles.h"
 
 #include <ATen/record_function.h>
+
+#include <memory>
+#include <optional>
+#include <type_traits>
 
 namespace {
 
@@ -20,6 +26,8 @@ using namespace pagedllm;
 // Rows per task of the shared pass: each task reads the shared K/V of one kv head once, so more rows
 // read less, up to where a task's scores ([rows][tile keys] floats) stop fitting in a core's L2 cache.
 constexpr int64_t kSharedTaskRows = 96;
+// The brgemm shared pass pads a task's rows to a multiple of this (few distinct matrix shapes).
+constexpr int kSharedRowBlock = 16;
 
 // Query tokens [first, first + count) of a group's token list, one kv head.
 struct SharedTask {
@@ -81,6 +89,63 @@ std::vector<SharedTask> shared_tasks(const Groups& groups, const int64_t* shared
   return tasks;
 }
 
+// Whether the shared pass runs its tile products as brgemm calls over packed tiles: bfloat16 queries and cache in
+// the variant built for AVX512-BF16, where oneDNN runs bfloat16 brgemm natively (on AMX tiles where the CPU has them).
+template <typename scalar_t, typename cache_t>
+constexpr bool kSharedByBrgemm =
+#if defined(__AVX512BF16__)
+    std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
+#else
+    false;
+#endif
+
+// Every group's shared keys and values, each kv head, packed tile by tile as brgemm reads them
+// (BrgemmTiles::pack), once per call: the shared pass's tasks of a group and kv head all read the same tiles.
+class PackedShared {
+ public:
+  PackedShared(const PagedCache<c10::BFloat16>& cache, const int64_t* tables, int64_t max_blocks,
+               const int64_t* members, const int64_t* group_starts, const int64_t* shared_lens, int64_t num_groups)
+      : cache_(cache), tile_keys_(tile_keys_for(cache.block_size)), ld_keys_(BrgemmTiles::aligned_keys(tile_keys_)),
+        tile_elements_(ld_keys_ * cache.head_dim) {
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const int64_t* table = tables + members[group_starts[g]] * max_blocks;
+      const int64_t tiles = (shared_lens[g] + tile_keys_ - 1) / tile_keys_;
+      for (int64_t kv_head = 0; kv_head < cache.num_kv_heads; ++kv_head) {
+        first_tile_.push_back(static_cast<int64_t>(items_.size()));
+        for (int64_t t = 0; t < tiles; ++t)
+          items_.push_back({table, kv_head, t * tile_keys_, std::min(tile_keys_, shared_lens[g] - t * tile_keys_)});
+      }
+    }
+    keys_.reset(new c10::BFloat16[items_.size() * tile_elements_]);
+    values_.reset(new c10::BFloat16[items_.size() * tile_elements_]);
+  }
+
+  // Tiles to pack, each a task of its own.
+  int64_t num_tiles() const { return static_cast<int64_t>(items_.size()); }
+
+  void pack(int64_t i) const {
+    const Item& item = items_[i];
+    BrgemmTiles::pack(cache_, item.table, item.kv_head, item.key0, item.count, ld_keys_,
+                      keys_.get() + i * tile_elements_, values_.get() + i * tile_elements_);
+  }
+
+  BrgemmTiles::Packed of(int64_t group, int64_t kv_head) const {
+    const int64_t first = first_tile_[group * cache_.num_kv_heads + kv_head] * tile_elements_;
+    return {keys_.get() + first, values_.get() + first, 0, tile_keys_, ld_keys_, tile_elements_};
+  }
+
+ private:
+  struct Item {
+    const int64_t* table;
+    int64_t kv_head, key0, count;
+  };
+  const PagedCache<c10::BFloat16>& cache_;
+  const int64_t tile_keys_, ld_keys_, tile_elements_;
+  std::vector<Item> items_;
+  std::vector<int64_t> first_tile_;   // per group and kv head
+  std::unique_ptr<c10::BFloat16[]> keys_, values_;
+};
+
 template <typename scalar_t, typename cache_t>
 void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t>& cache,
             const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& context_lens,
@@ -93,41 +158,36 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
   const int64_t num_seqs = context_lens.size(0), num_groups = shared_lens.size(0);
   const int64_t *tables = block_tables.data_ptr<int64_t>(), *starts = query_starts.data_ptr<int64_t>(),
                 *contexts = context_lens.data_ptr<int64_t>(), *shared = shared_lens.data_ptr<int64_t>(),
-                *members = group_seqs.data_ptr<int64_t>();
-  const Groups groups = read_groups(members, group_starts.data_ptr<int64_t>(), shared, num_groups, starts, contexts,
-                                    num_seqs, tables, max_blocks, cache.block_size);
+                *members = group_seqs.data_ptr<int64_t>(), *firsts = group_starts.data_ptr<int64_t>();
+  const Groups groups = read_groups(members, firsts, shared, num_groups, starts, contexts, num_seqs, tables,
+                                    max_blocks, cache.block_size);
   const scalar_t* queries = q.data_ptr<scalar_t>();
   scalar_t* output = out.data_ptr<scalar_t>();
   const float softmax_scale = static_cast<float>(scale);
+  std::optional<PackedShared> packed;
+  if constexpr (kSharedByBrgemm<scalar_t, cache_t>)
+    packed.emplace(cache, tables, max_blocks, members, firsts, shared, num_groups);
+  const int64_t num_packs = packed ? packed->num_tiles() : 0;
 
-  // Pass 1: each group's rows against its shared blocks (those of its first member's table).
+  // Pass 1: each sequence against its own keys after the shared ones; a grouped sequence's rows keep their state
+  // for pass 2, the others are done. The brgemm path packs the shared tiles in the same pass.
   const int64_t num_rows = q.size(0) * num_heads;
   std::vector<float> acc(num_rows * head_dim), peak(num_rows), total(num_rows);
   const RowStates states{acc.data(), peak.data(), total.data(), num_heads, head_dim};
-  const std::vector<SharedTask> prefix_tasks = shared_tasks(groups, shared, num_groups, group, num_kv_heads);
-  for_each_task<Scratch>(static_cast<int64_t>(prefix_tasks.size()), [&](int64_t t, Scratch& scratch) {
-    const SharedTask& task = prefix_tasks[t];
-    const int64_t* tokens = groups.tokens.data() + groups.token_starts[task.group] + task.first;
-    const int64_t* table = tables + members[group_starts.data_ptr<int64_t>()[task.group]] * max_blocks;
-    TileAttention<cache_t, Pairs, kManyRowBlock> tiles(cache, softmax_scale, group, num_heads, scratch, softcap);
-    tiles.load(queries, q_token_stride, task.kv_head, task.count,
-               [&](int64_t i) { return QueryToken{tokens[i], kSeesAllKeys}; });
-    tiles.walk(table, 0, shared[task.group]);
-    tiles.save(states);
-  });
-
-  // Pass 2: each sequence against its own keys after the shared ones, merged with pass 1's state.
   const std::vector<ChunkTask> suffix_tasks = chunk_tasks(starts, contexts, num_seqs, group, num_kv_heads);
-  for_each_task<Scratch>(static_cast<int64_t>(suffix_tasks.size()), [&](int64_t t, Scratch& scratch) {
-    const ChunkTask& task = suffix_tasks[t];
+  for_each_task<Scratch>(num_packs + static_cast<int64_t>(suffix_tasks.size()), [&](int64_t t, Scratch& scratch) {
+    if (t < num_packs) return packed->pack(t);
+    const ChunkTask& task = suffix_tasks[t - num_packs];
     const int64_t start = starts[task.chunk] + task.first, position = contexts[task.chunk] + task.first;
     const int64_t prefix = groups.seq_shared[task.chunk];
     auto attend_own_keys = [&](auto&& tiles) {
       tiles.load(queries, q_token_stride, task.kv_head, task.count,
                  [&](int64_t i) { return QueryToken{start + i, position + i}; });
       tiles.walk(tables + task.chunk * max_blocks, prefix, task.keys);
-      if (prefix > 0) tiles.fold(states);
-      tiles.store(output);
+      if (prefix > 0)
+        tiles.save(states);
+      else
+        tiles.store(output);
     };
     if (task.count * group <= kFewRowBlock)   // a decode's rows
       attend_own_keys(TileAttention<cache_t, Pairs, kFewRowBlock>(cache, softmax_scale, group, num_heads, scratch,
@@ -135,6 +195,32 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
     else
       attend_own_keys(TileAttention<cache_t, Pairs>(cache, softmax_scale, group, num_heads, scratch, softcap));
   });
+
+  // Pass 2: each group's rows against its shared keys (its first member's blocks), merged with pass 1's state.
+  const std::vector<SharedTask> prefix_tasks = shared_tasks(groups, shared, num_groups, group, num_kv_heads);
+  auto attend_shared = [&](const SharedTask& task, auto&& tiles, auto&& keys) {
+    const int64_t* tokens = groups.tokens.data() + groups.token_starts[task.group] + task.first;
+    tiles.load(queries, q_token_stride, task.kv_head, task.count,
+               [&](int64_t i) { return QueryToken{tokens[i], kSeesAllKeys}; });
+    tiles.walk(keys, 0, shared[task.group]);
+    tiles.fold(states);
+    tiles.store(output);
+  };
+  if constexpr (kSharedByBrgemm<scalar_t, cache_t>) {
+    for_each_task<BrgemmScratch>(static_cast<int64_t>(prefix_tasks.size()), [&](int64_t t, BrgemmScratch& scratch) {
+      const SharedTask& task = prefix_tasks[t];
+      attend_shared(task, TileAttention<cache_t, BrgemmTiles, kSharedRowBlock>(cache, softmax_scale, group, num_heads,
+                                                                               scratch, softcap),
+                    packed->of(task.group, task.kv_head));
+    });
+  } else {
+    for_each_task<Scratch>(static_cast<int64_t>(prefix_tasks.size()), [&](int64_t t, Scratch& scratch) {
+      const SharedTask& task = prefix_tasks[t];
+      attend_shared(task, TileAttention<cache_t, Pairs, kManyRowBlock>(cache, softmax_scale, group, num_heads,
+                                                                       scratch, softcap),
+                    tables + members[firsts[task.group]] * max_blocks);
+    });
+  }
 }
 
 }  // namespace

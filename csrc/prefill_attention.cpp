@@ -29,11 +29,6 @@ constexpr int kBrgemmRowBlock = 16;
 // Packed K/V a brgemm call holds at a time: past it, the chunks are packed and attended a batch at a time.
 constexpr int64_t kBrgemmPackBytes = 32 << 20;
 
-// The brgemm path's per-thread scratch: its end gives back the AMX tiles the thread's calls took.
-struct BrgemmScratch : TileScratch<c10::BFloat16> {
-  ~BrgemmScratch() { BrgemmTiles::release(); }
-};
-
 // One call's chunks and the settings every task shares.
 template <typename scalar_t, typename cache_t>
 struct Prefill {
