@@ -5,6 +5,8 @@
 // conversion and two or more small matmuls per segment and layer, each costing more in dispatch than in arithmetic.
 // A decode step's one row is bound by reading the adapter from memory: the shrink is split by rank rows and the
 // expand by column blocks, so every core reads its share of even a one-row update.
+#include "lora_sgmv.h"
+
 #include "ops.h"
 #include "vectors.h"
 
@@ -27,22 +29,9 @@ constexpr int64_t kColumnBlock = 128;    // output columns per expand task
 constexpr int64_t kTaskWork = 1 << 15;
 constexpr int64_t kReadWork = 4;
 
-struct Tile {
-  int64_t slot, begin, end;   // positions in `rows`, at most kTileRows, all of one slot
-};
-
-struct ShrinkTask {
-  int64_t tile, part, first, last;   // rank rows [first, last) of the part, for the tile's rows
-};
-
-struct Step {
-  int64_t in, in_padded, out, parts, max_rank, x_stride, out_stride;
-  const int64_t* ranks;           // [slots, parts]
-  const int64_t* column_starts;   // [parts + 1]
-  const int64_t* rows;            // the step row at each position
-  float* h;                       // [positions, parts * max_rank]: the shrink's results
-  int64_t rank_of(int64_t slot, int64_t part) const { return ranks[slot * parts + part]; }
-};
+using Tile = LoRAUpdate::Tile;
+using ShrinkTask = LoRAUpdate::ShrinkTask;
+using Step = LoRAUpdate::Step;
 
 // h[t][j] = x_t . a_j for J rank rows a_j of one slot's A (rows `in` apart) and T rows x_t (float, zero-padded
 // to whole vectors, in_padded apart): T * J independent accumulators keep the FMA units busy even for one row.
@@ -133,51 +122,6 @@ void with_rows(int64_t count, F&& f) {
 // Grain of a parallel_for over tasks of `work` each (see kTaskWork).
 int64_t grain(int64_t work) { return std::max<int64_t>(1, kTaskWork / std::max<int64_t>(1, work)); }
 
-template <typename scalar_t, typename lora_t>
-void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const std::vector<Tile>& tiles,
-         const Step& s) {
-  const scalar_t* x_data = x.data_ptr<scalar_t>();
-  scalar_t* out_data = out.data_ptr<scalar_t>();
-  const lora_t* a_data = a.data_ptr<lora_t>();
-  const lora_t* b_data = b.data_ptr<lora_t>();
-  const int64_t rank_rows = s.parts * s.max_rank, a_slot = rank_rows * s.in, b_slot = s.max_rank * s.out;
-  const int64_t tile_rows = std::min<int64_t>(kTileRows, tiles.front().end - tiles.front().begin);
-  std::vector<ShrinkTask> shrinks;
-  for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t)
-    for (int64_t p = 0; p < s.parts; ++p)
-      for (int64_t j = 0, rank = s.rank_of(tiles[t].slot, p); j < rank; j += kRankChunk)
-        shrinks.push_back({t, p, j, std::min(rank, j + kRankChunk)});
-  at::parallel_for(0, shrinks.size(), grain(kRankChunk * s.in * (tile_rows + kReadWork)), [&](int64_t first, int64_t last) {
-    std::vector<float> xs(kTileRows * s.in_padded, 0.f);
-    int64_t widened = -1;   // the tile whose rows xs holds: consecutive tasks mostly share one
-    for (int64_t index = first; index < last; ++index) {
-      const ShrinkTask& task = shrinks[index];
-      const Tile& tile = tiles[task.tile];
-      if (task.tile != widened) {
-        for (int64_t t = 0; t < tile.end - tile.begin; ++t) {
-          const scalar_t* row = x_data + s.rows[tile.begin + t] * s.x_stride;
-          std::transform(row, row + s.in, xs.data() + t * s.in_padded, [](scalar_t v) { return static_cast<float>(v); });
-        }
-        widened = task.tile;
-      }
-      with_rows(tile.end - tile.begin, [&](auto rows) {
-        shrink_task<decltype(rows)::value>(s.h + tile.begin * rank_rows, xs.data(), a_data + tile.slot * a_slot, task, s);
-      });
-    }
-  });
-  const int64_t blocks = (s.out + kColumnBlock - 1) / kColumnBlock;
-  at::parallel_for(0, tiles.size() * blocks, grain(s.max_rank * kColumnBlock * (tile_rows + kReadWork)),
-                   [&](int64_t first, int64_t last) {
-    for (int64_t index = first; index < last; ++index) {
-      const Tile& tile = tiles[index / blocks];
-      const int64_t begin = index % blocks * kColumnBlock;
-      with_rows(tile.end - tile.begin, [&](auto rows) {
-        expand_tile<decltype(rows)::value>(out_data, tile, b_data + tile.slot * b_slot, begin, std::min(s.out, begin + kColumnBlock), s);
-      });
-    }
-  });
-}
-
 template <typename F>
 void with_float_type(at::ScalarType type, const char* name, F&& f) {
   switch (type) {
@@ -188,11 +132,45 @@ void with_float_type(at::ScalarType type, const char* name, F&& f) {
   }
 }
 
+// The x row widened to float at each position of a shrink task range, cached per tile: consecutive tasks mostly
+// share one.
+template <typename scalar_t>
+class WidenedRows {
+ public:
+  WidenedRows(const scalar_t* x, const Step& s) : x_(x), s_(s), floats_(kTileRows * s.in_padded, 0.f) {}
+  const float* of(const Tile& tile, int64_t index) {
+    if (index != widened_) {
+      for (int64_t t = 0; t < tile.end - tile.begin; ++t) {
+        const scalar_t* row = x_ + s_.rows[tile.begin + t] * s_.x_stride;
+        std::transform(row, row + s_.in, floats_.data() + t * s_.in_padded, [](scalar_t v) { return static_cast<float>(v); });
+      }
+      widened_ = index;
+    }
+    return floats_.data();
+  }
+
+ private:
+  const scalar_t* x_;
+  const Step& s_;
+  std::vector<float> floats_;
+  int64_t widened_ = -1;
+};
+
 }  // namespace
 
-void lora_sgmv(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks, at::Tensor column_starts,
-               at::Tensor rows, at::Tensor segments) {
-  RECORD_FUNCTION("pagedllm::lora_sgmv", std::vector<c10::IValue>({out}));   // torch.profiler names it
+namespace pagedllm {
+
+template <typename F>
+void LoRAUpdate::with_types(F&& f) const {
+  with_float_type(x_.scalar_type(), "x", [&](auto x_type) {
+    with_float_type(a_.scalar_type(), "a", [&](auto lora_type) { f(x_type, lora_type); });
+  });
+}
+
+LoRAUpdate::LoRAUpdate(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                       const at::Tensor& ranks, const at::Tensor& column_starts, const at::Tensor& rows,
+                       const at::Tensor& segments)
+    : out_(out), x_(x), a_(a), b_(b) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "lora_sgmv: x, out must be [rows, features]");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "lora_sgmv: x, out rows must be contiguous");
   TORCH_CHECK(out.scalar_type() == x.scalar_type() && b.scalar_type() == a.scalar_type(),
@@ -215,8 +193,8 @@ void lora_sgmv(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Ten
   const int64_t* row_data = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows.numel(); ++i)
     TORCH_CHECK(row_data[i] >= 0 && row_data[i] < x.size(0), "lora_sgmv: row ", row_data[i], " out of range");
+  with_types([](auto, auto) {});   // refuses other dtypes here, before any thread runs a share
 
-  std::vector<Tile> tiles;
   const int64_t* segment = segments.data_ptr<int64_t>();
   for (int64_t i = 0; i < segments.size(0); ++i, segment += 3) {
     const int64_t slot = segment[0], begin = segment[1], end = segment[2];
@@ -224,15 +202,74 @@ void lora_sgmv(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Ten
                 "lora_sgmv: segment ", i, " (slot ", slot, ", ", begin, "-", end, ") out of range");
     if (std::all_of(rank_data + slot * parts, rank_data + (slot + 1) * parts, [](int64_t r) { return r == 0; }))
       continue;   // the adapter leaves this layer alone
-    for (int64_t first = begin; first < end; first += kTileRows) tiles.push_back({slot, first, std::min(end, first + kTileRows)});
+    for (int64_t first = begin; first < end; first += kTileRows) tiles_.push_back({slot, first, std::min(end, first + kTileRows)});
   }
-  if (tiles.empty()) return;
-  at::Tensor h = at::empty({rows.numel(), parts * max_rank}, x.options().dtype(at::kFloat));
-  const Step step{x.size(1), (x.size(1) + kLanes - 1) / kLanes * kLanes, out.size(1), parts, max_rank, x.stride(0),
-                  out.stride(0), rank_data, starts, row_data, h.data_ptr<float>()};
-  with_float_type(x.scalar_type(), "x", [&](auto x_type) {
-    with_float_type(a.scalar_type(), "a", [&](auto lora_type) {
-      run<decltype(x_type), decltype(lora_type)>(out, x, a, b, tiles, step);
+  if (tiles_.empty()) return;
+  for (int64_t t = 0; t < static_cast<int64_t>(tiles_.size()); ++t)
+    for (int64_t p = 0; p < parts; ++p)
+      for (int64_t j = 0, rank = rank_data[tiles_[t].slot * parts + p]; j < rank; j += kRankChunk)
+        shrinks_.push_back({t, p, j, std::min(rank, j + kRankChunk)});
+  h_.resize(rows.numel() * parts * max_rank);
+  step_ = Step{x.size(1), (x.size(1) + kLanes - 1) / kLanes * kLanes, out.size(1), parts, max_rank, x.stride(0),
+               out.stride(0), rank_data, starts, row_data, h_.data()};
+}
+
+void LoRAUpdate::shrink(int64_t first, int64_t last) {
+  if (first >= last) return;
+  with_types([&](auto x_type, auto lora_type) {
+    using scalar_t = decltype(x_type);
+    using lora_t = decltype(lora_type);
+    const Step& s = step_;
+    const lora_t* a_data = a_.data_ptr<lora_t>();
+    const int64_t rank_rows = s.parts * s.max_rank, a_slot = rank_rows * s.in;
+    WidenedRows<scalar_t> xs(x_.data_ptr<scalar_t>(), s);
+    for (int64_t index = first; index < last; ++index) {
+      const ShrinkTask& task = shrinks_[index];
+      const Tile& tile = tiles_[task.tile];
+      const float* rows = xs.of(tile, task.tile);
+      with_rows(tile.end - tile.begin, [&](auto count) {
+        shrink_task<decltype(count)::value>(s.h + tile.begin * rank_rows, rows, a_data + tile.slot * a_slot, task, s);
+      });
+    }
+  });
+}
+
+void LoRAUpdate::expand_tile(const Tile& tile, int64_t begin, int64_t end) const {
+  with_types([&](auto x_type, auto lora_type) {
+    using scalar_t = decltype(x_type);
+    using lora_t = decltype(lora_type);
+    const lora_t* b_slot = b_.data_ptr<lora_t>() + tile.slot * step_.max_rank * step_.out;
+    with_rows(tile.end - tile.begin, [&](auto count) {
+      ::expand_tile<decltype(count)::value>(out_.data_ptr<scalar_t>(), tile, b_slot, begin, end, step_);
     });
   });
+}
+
+void LoRAUpdate::expand(int64_t begin, int64_t end) const {
+  if (begin >= end) return;
+  for (const Tile& tile : tiles_) expand_tile(tile, begin, end);
+}
+
+void LoRAUpdate::run() {
+  if (empty()) return;
+  const Step& s = step_;
+  const int64_t tile_rows = std::min<int64_t>(kTileRows, tiles_.front().end - tiles_.front().begin);
+  at::parallel_for(0, num_shrinks(), grain(kRankChunk * s.in * (tile_rows + kReadWork)),
+                   [&](int64_t first, int64_t last) { shrink(first, last); });
+  const int64_t blocks = (s.out + kColumnBlock - 1) / kColumnBlock;
+  at::parallel_for(0, static_cast<int64_t>(tiles_.size()) * blocks, grain(s.max_rank * kColumnBlock * (tile_rows + kReadWork)),
+                   [&](int64_t first, int64_t last) {
+    for (int64_t index = first; index < last; ++index) {
+      const int64_t begin = index % blocks * kColumnBlock;
+      expand_tile(tiles_[index / blocks], begin, std::min(s.out, begin + kColumnBlock));
+    }
+  });
+}
+
+}  // namespace pagedllm
+
+void lora_sgmv(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks, at::Tensor column_starts,
+               at::Tensor rows, at::Tensor segments) {
+  RECORD_FUNCTION("pagedllm::lora_sgmv", std::vector<c10::IValue>({out}));   // torch.profiler names it
+  pagedllm::LoRAUpdate(out, x, a, b, ranks, column_starts, rows, segments).run();
 }

@@ -16,7 +16,8 @@ PAGEDLLM_DECODE_STACK=0 makes the Python layers serve every step (tests compare 
 An adapter wrapper (pagedllm.lora.layer.LoRALinear; this layer does not import it) is a module with `base`, the plain
 projection, `lora_slots`, its stacked adapters (a, b, ranks, column_starts, updated in place), `lora_kernel`, the
 compiled update it calls (None: torch ops), and `lora_segments()`, the step's rows grouped by slot (None: no adapter
-rows). The stack runs the same `lora_sgmv` after the projection's matmul, as the wrapper does.
+rows). The stack runs the same update after the projection's matmul, as the wrapper does (a one-row step: both in one
+parallel region, the same results).
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Adapters on the compiled decode stack (pagedllm/model/decode_stack.py) against the Python layers.
 
 The stack runs each adapter-wrapped projection's `lora_sgmv` right after its matmul, as LoRALinear does, on the same
-inputs: every token and top-5 logprob of a mixed batch (three adapters of different ranks and targets, and base rows)
-must be bitwise those of PAGEDLLM_DECODE_STACK=0, and torch.profiler's count of `pagedllm::decode_layers` shows the
-stack served every decode step. The Python layers' adapters are held to peft by test_lora_vs_peft.py.
+inputs (a one-row step runs the two in one parallel region, `pagedllm::lora_projection`): every token and top-5
+logprob of one adapter's request and of a mixed batch (three adapters of different ranks and targets, and base rows)
+must be bitwise those of PAGEDLLM_DECODE_STACK=0, and torch.profiler's counts show the stack served every decode step,
+through the one-row region where a step has one row. The Python layers' adapters are held to peft by test_lora_vs_peft.py.
 """
 from __future__ import annotations
 
@@ -37,30 +38,37 @@ def loras(base, tmp_path_factory):
 
 
 def greedy_run(monkeypatch, base, lora_requests, stack: bool, **engine_args):
-    """Each prompt's tokens and top-5 logprobs, and how many steps ran the compiled stack."""
+    """Each prompt's tokens and top-5 logprobs, and torch.profiler's event counts by name."""
     monkeypatch.setenv(FORCE_VARIABLE, "1" if stack else "0")
     llm = LLM(str(base), kv_cache_memory="16MiB", enable_prefix_caching=False, enable_lora=True, max_loras=3,
               max_lora_rank=16, **engine_args)
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 250 + 3 for j in range(5 + i)]} for i in range(len(lora_requests))]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora_requests)
-    steps = sum(event.count for event in profiler.key_averages() if event.key == "pagedllm::decode_layers")
+    counts = {event.key: event.count for event in profiler.key_averages()}
     results = [(list(o.outputs[0].token_ids),
                 [sorted((token, entry.logprob) for token, entry in position.items()) for position in o.outputs[0].logprobs])
                for o in outputs]
-    return results, steps, llm
+    return results, counts, llm
 
 
 @pytest.mark.parametrize("engine_args", [dict(quantization="int4", dtype="float32"),
-                                         dict(quantization="int8", dtype="bfloat16")], ids=["int4-float32", "int8-bfloat16"])
+                                         dict(quantization="int4", dtype="bfloat16"),
+                                         dict(quantization="int8", dtype="bfloat16")],
+                         ids=["int4-float32", "int4-bfloat16", "int8-bfloat16"])
 @pytest.mark.parametrize("mix", ["one-adapter", "three-adapters-and-base"])
 def test_stack_with_adapters_equals_python_layers(mix, engine_args, base, loras, monkeypatch):
     lora_requests = [loras[0]] if mix == "one-adapter" else [loras[0], None, loras[1], loras[2], loras[0], None]
-    stacked, stack_steps, llm = greedy_run(monkeypatch, base, lora_requests, stack=True, **engine_args)
+    stacked, stack_counts, llm = greedy_run(monkeypatch, base, lora_requests, stack=True, **engine_args)
     assert llm.llm_engine.runner.model.decode_stack() is not None
-    layered, layer_steps, _ = greedy_run(monkeypatch, base, lora_requests, stack=False, **engine_args)
-    assert layer_steps == 0
+    layered, layer_counts, _ = greedy_run(monkeypatch, base, lora_requests, stack=False, **engine_args)
+    assert layer_counts.get("pagedllm::decode_layers", 0) == 0
+    stack_steps = stack_counts.get("pagedllm::decode_layers", 0)
     assert stack_steps >= MAX_TOKENS - 1   # every decode step of the run
+    # One row of the all-linear adapter: each of a step's 4 projections per layer in one region; several rows: none.
+    layers = llm.llm_engine.runner.model.decode_stack().stack.num_layers
+    one_row_regions = stack_counts.get("pagedllm::lora_projection", 0)
+    assert one_row_regions == (4 * layers * stack_steps if mix == "one-adapter" else 0)
     assert stacked == layered
     # The adapters acted: an adapter's request does not give the base's tokens for the same prompt.
     base_alone, _, _ = greedy_run(monkeypatch, base, [None] * len(lora_requests), stack=True, **engine_args)

@@ -1,0 +1,63 @@
+// One layer's LoRA update for one step (lora_sgmv.cpp), checked and planned once, then run in shares: the shrink
+// (x . A) by ranges of its tasks, the expand (. B, added to out) by ranges of output columns. lora_sgmv runs the
+// two over the cores itself, a parallel region each; the compiled decode stack runs a one-row step's shares inside
+// the base matmul's parallel region instead (decode_layers.cpp), as a decode step's 120 updates spent more in
+// waking and joining threads than in reading the adapter.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace pagedllm {
+
+class LoRAUpdate {
+ public:
+  // lora_sgmv's arguments, checked (errors name the argument); rows cut into tiles of one slot. The tensors must
+  // outlive the update.
+  LoRAUpdate(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+             const at::Tensor& ranks, const at::Tensor& column_starts, const at::Tensor& rows,
+             const at::Tensor& segments);
+  LoRAUpdate(const LoRAUpdate&) = delete;   // h's address is in step_
+  LoRAUpdate& operator=(const LoRAUpdate&) = delete;
+
+  bool empty() const { return tiles_.empty(); }   // no row's adapter changes this layer
+  int64_t num_shrinks() const { return static_cast<int64_t>(shrinks_.size()); }
+
+  // The shrink's tasks [first, last): their rank rows of h for their tile's rows.
+  void shrink(int64_t first, int64_t last);
+  // out's columns [begin, end) of every adapter row += h . B; only once every shrink task has run.
+  void expand(int64_t begin, int64_t end) const;
+  // All of it, the shrink and then the expand each split over the cores (what lora_sgmv runs).
+  void run();
+
+  // The plan's parts, as the kernels in lora_sgmv.cpp read them.
+  struct Tile {
+    int64_t slot, begin, end;   // positions in `rows`, at most kTileRows, all of one slot
+  };
+  struct ShrinkTask {
+    int64_t tile, part, first, last;   // rank rows [first, last) of the part, for the tile's rows
+  };
+  struct Step {
+    int64_t in, in_padded, out, parts, max_rank, x_stride, out_stride;
+    const int64_t* ranks;           // [slots, parts]
+    const int64_t* column_starts;   // [parts + 1]
+    const int64_t* rows;            // the step row at each position
+    float* h;                       // [positions, parts * max_rank]: the shrink's results
+    int64_t rank_of(int64_t slot, int64_t part) const { return ranks[slot * parts + part]; }
+  };
+
+ private:
+  void expand_tile(const Tile& tile, int64_t begin, int64_t end) const;
+  template <typename F>
+  void with_types(F&& f) const;   // f(x's element, the adapter's element)
+
+  const at::Tensor &out_, &x_, &a_, &b_;
+  std::vector<Tile> tiles_;
+  std::vector<ShrinkTask> shrinks_;
+  std::vector<float> h_;
+  Step step_{};
+};
+
+}  // namespace pagedllm
