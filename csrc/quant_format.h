@@ -59,18 +59,22 @@ inline void check_format(const at::Tensor& qweight, const at::Tensor& scales, co
   }
 }
 
-// The checks every quantized matmul makes on x, out and bias against the weight.
+// The checks every quantized matmul makes on x, out and bias against the weight. float_out_allowed: out (and
+// bias) may be float32 whatever x is (brgemm's float sums of bfloat16 activations, for the LM head's logits).
 inline void check_matmul(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                          const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                         const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group, const char* name) {
+                         const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group, const char* name,
+                         bool float_out_allowed = false) {
   const int64_t rows = x.size(0), out_features = out.size(1), tiles = qweight.size(0);
   check_format(qweight, scales, mins, bits, group, x.size(1));
+  const bool float_out = float_out_allowed && out.scalar_type() == at::kFloat;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && out.size(0) == rows &&
-              out.scalar_type() == x.scalar_type() && out_features <= tiles * kTileRows &&
+              (out.scalar_type() == x.scalar_type() || float_out) && out_features <= tiles * kTileRows &&
               out_features > (tiles - 1) * kTileRows,
-              name, ": x [rows, cols] and out [rows, out_features] in one dtype, out_features in the last tile");
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features && bias->scalar_type() == x.scalar_type()),
-              name, ": bias must be [out_features] in x's dtype");
+              name, ": x [rows, cols] and out [rows, out_features] in one dtype", float_out_allowed ? " (or out float32)" : "",
+              ", out_features in the last tile");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out_features && bias->scalar_type() == out.scalar_type()),
+              name, ": bias must be [out_features] in out's dtype");
 }
 
 // Calls fn(bits as a std::integral_constant, scales, mins) with the scales and mins (nullptr if none) as

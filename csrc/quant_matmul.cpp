@@ -17,6 +17,9 @@
 // oneDNN generates for AMX where the CPU has it and for AVX-512 (BF16) or AVX2 (float) elsewhere.
 // Past the rows that stay in cache (a long prefill), the whole weight is dequantized first and each
 // thread's chunk of rows meets every block, so the activations are read from memory once, not per block.
+// bfloat16 activations may come back as float32 sums (out float32: the LM head's logits): bfloat16 products are
+// exact in float32 and brgemm accumulates in float32, so only the weights' rounding to bfloat16 is added, at
+// twice float32's rate.
 #include "ops.h"
 #include "quant_format.h"
 
@@ -480,17 +483,20 @@ void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
 void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                              c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
   RECORD_FUNCTION("pagedllm::quantized_linear_brgemm", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
-  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_brgemm");
+  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_brgemm", /*float_out_allowed=*/true);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "quantized_linear_brgemm: x must be bfloat16 or float32, got ", x.scalar_type());
   const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
   const Weights weights = weights_of(qweight, scales, cols, group);
-  auto run = [&](auto dtype) {
+  // scalar_t: x's and the dequantized weights' dtype; out_t: the output's and bias's (float32 for bfloat16 x
+  // where the caller wants brgemm's float sums unrounded: the LM head's logits).
+  auto run = [&](auto dtype, auto out_dtype) {
     using scalar_t = decltype(dtype);
+    using out_t = decltype(out_dtype);
     constexpr bool kVnni = std::is_same_v<scalar_t, c10::BFloat16>;   // float B is plain, bfloat16 B in pairs
     const scalar_t* activations = x.data_ptr<scalar_t>();
-    scalar_t* result = out.data_ptr<scalar_t>();
-    const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    out_t* result = out.data_ptr<out_t>();
+    const out_t* bias_values = bias ? bias->data_ptr<out_t>() : nullptr;
     dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       constexpr int kBits = decltype(bits_constant)::value;
       using scale_t = scale_type_of<decltype(all_scales)>;
@@ -552,5 +558,11 @@ void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, a
       });
     });
   };
-  x.scalar_type() == at::kBFloat16 ? run(c10::BFloat16{}) : run(float{});
+  if (x.scalar_type() == at::kFloat) {
+    run(float{}, float{});
+  } else if (out.scalar_type() == at::kFloat) {
+    run(c10::BFloat16{}, float{});
+  } else {
+    run(c10::BFloat16{}, c10::BFloat16{});
+  }
 }

@@ -64,13 +64,16 @@ class Linear(nn.Module):
 
 
 class QuantizedLinear(nn.Module):
-    """out_dtype float32: x is widened to float32 (exactly) and the kernels' float sums come back unrounded
-    (the LM head: logits rounded to bfloat16 tie tokens whose logits differ by less than 1/256 of their size,
-    and greedy then picks the wrong one of them). None: x's dtype."""
+    """out_dtype float32: the kernels' float sums come back unrounded (the LM head: logits rounded to bfloat16 tie
+    tokens whose logits differ by less than 1/256 of their size, and greedy then picks the wrong one of them);
+    x goes in as QuantizedMatmul.float_sums_kernel says (bfloat16 as it is into brgemm, otherwise widened to
+    float32 exactly). None: x's dtype."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                  matmul: QuantizedMatmul | None = None, out_dtype: torch.dtype | None = None):
         super().__init__()
+        if out_dtype not in (None, torch.float32):
+            raise ValueError(f"out_dtype must be None (x's dtype) or torch.float32, got {out_dtype!r}")
         self.matmul = matmul or QuantizedMatmul()
         self.out_dtype = out_dtype
         self.format = weight.source
@@ -87,12 +90,14 @@ class QuantizedLinear(nn.Module):
                                self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.out_dtype is not None:
-            x = x.to(self.out_dtype)
-        kernel = self.matmul.kernel(x.dtype, x.shape[0])
+        if self.out_dtype is None:
+            kernel = self.matmul.kernel(x.dtype, x.shape[0])
+        else:
+            kernel, activation_dtype = self.matmul.float_sums_kernel(x.dtype, x.shape[0])
+            x = x.to(activation_dtype)
         if kernel is None:
             return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
-        out = x.new_empty(x.shape[0], self.out_features)
+        out = x.new_empty(x.shape[0], self.out_features, dtype=self.out_dtype or x.dtype)
         kernel(out, x.contiguous(), self.qweight, self.scales, self.mins, self.bias, self.bits, self.group_size)
         return out
 

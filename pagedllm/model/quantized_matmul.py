@@ -93,6 +93,7 @@ class QuantizedMatmul:
         self.routes = {dtype: self._route(dtype, forced) for dtype in _DTYPES}
         self._kernels = {dtype: {path: self._kernel(path) for path in (route.few, route.many)}
                          for dtype, route in self.routes.items()}
+        self._bfloat16_brgemm_isa = brgemm_isa(torch.bfloat16)   # where float_sums_kernel's brgemm takes bfloat16
 
     def _route(self, dtype: torch.dtype, forced: str | None) -> Route:
         isa = brgemm_isa(dtype)
@@ -117,6 +118,18 @@ class QuantizedMatmul:
         route = self.routes.get(dtype)
         return None if route is None else self._kernels[dtype][route.path(num_rows)]
 
+    def float_sums_kernel(self, dtype: torch.dtype, num_rows: int):
+        """For a layer that returns float32 sums (the LM head, its float32 logits): the compiled function for
+        this many rows of dtype (or None, as kernel), and the dtype it takes the activations in. The route is
+        float32's. Its brgemm takes bfloat16 activations as they are, at twice float32's rate: their products are
+        exact in float32 and brgemm sums in float32, so only the weights' rounding to bfloat16 is added (the
+        accuracy figures: docs/quantized_matmul.md). Every other path (the rows kernel's few rows, int8, torch)
+        takes them widened to float32, exactly."""
+        path = self.path(torch.float32, num_rows)
+        if dtype == torch.bfloat16 and path == "brgemm" and self._bfloat16_brgemm_isa is not None:
+            return self._kernels[torch.float32]["brgemm"], dtype
+        return self.kernel(torch.float32, num_rows), torch.float32
+
     def path(self, dtype: torch.dtype, num_rows: int) -> str:
         """The name of the path `kernel` takes for this many rows of dtype (one of PATHS)."""
         route = self.routes.get(dtype)
@@ -124,7 +137,12 @@ class QuantizedMatmul:
 
     def describe(self, dtype: torch.dtype) -> str:
         route = self.routes.get(dtype)
-        return "torch (weights dequantized per call)" if route is None else route.describe()
+        text = "torch (weights dequantized per call)" if route is None else route.describe()
+        sums = self.routes[torch.float32]
+        if dtype == torch.bfloat16 and sums.many == "brgemm" and self._bfloat16_brgemm_isa is not None:
+            bfloat16_sums = Route(sums.few, sums.many, sums.many_from, self._bfloat16_brgemm_isa)
+            text += f"; into float32 sums (LM head): {bfloat16_sums.describe()} on bfloat16 activations"
+        return text
 
     def _kernel(self, path: str):
         return None if path == "torch" else kernel_for(f"quantized_linear_{path}", self.device)

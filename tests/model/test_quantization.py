@@ -113,7 +113,8 @@ def scaled_terms(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     return total + (bias.float().abs() if bias is not None else 0)
 
 
-def path_bound(path: str, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def path_bound(path: str, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Worst-case error of a path against F.linear(x, W, bias) in float32 (W = weight.dequantize(), each value
     rounded from scale * q + min by up to two float32 roundings), per output element. With S = |x| @ |W|^T +
     |bias|, the reference's sum of K + 1 terms errs by at most gamma(K + 1) S (recursive summation, any order).
@@ -122,7 +123,7 @@ def path_bound(path: str, x: torch.Tensor, weight: QuantizedWeight, bias: torch.
     bias), so the kernel errs from the exact scale * q + min by gamma(group + groups + 3) T (scaled_terms), and
     W from it by 3 u T more. brgemm in float32 sums W's products as the reference does: gamma(K + 1) S; in bfloat16
     it multiplies W rounded to bfloat16: + u_bf16 |x| @ |W|^T. int8 activations: the float sums plus
-    dot_product_bound. A bfloat16 output rounds the result once: + u_bf16 |result|."""
+    dot_product_bound. A bfloat16 output (out_dtype, x's if None) rounds the result once: + u_bf16 |result|."""
     dense = weight.dequantize()
     cols, group_size = x.shape[1], weight.group_size
     products = x.float().abs() @ dense.abs().T
@@ -136,7 +137,7 @@ def path_bound(path: str, x: torch.Tensor, weight: QuantizedWeight, bias: torch.
         bound = bound + dot_product_bound(x, dense, group_size)
     if path == "brgemm" and x.dtype == torch.bfloat16:
         bound = bound + BFLOAT16_UNIT * products
-    if x.dtype == torch.bfloat16:
+    if (out_dtype or x.dtype) == torch.bfloat16:
         exact = F.linear(x.float(), dense, None if bias is None else bias.float()).abs()
         bound = bound + BFLOAT16_UNIT * (exact + bound)
     return bound
@@ -201,6 +202,55 @@ def test_quantized_linear_in_bfloat16(num_rows, monkeypatch):
             assert out.dtype == torch.bfloat16
             error = (out.float() - F.linear(x.float(), dense, bias.float())).abs()
             assert (error <= path_bound(path, x, weight, bias)).all(), (path, weight.source)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("num_rows", [1, 5, 17, 64, 65, 200, 512])
+@pytest.mark.parametrize("shape", [(33, 256), (96, 512), (7, 32)])
+def test_float_sums_of_bfloat16_activations_against_float_reference(num_rows, shape, monkeypatch):
+    """The LM head's layer (out_dtype float32) in a bfloat16 model: brgemm takes the bfloat16 activations as they
+    are and returns its float32 sums, so only the weights' rounding to bfloat16 is added to float32's error (the
+    bfloat16 brgemm bound without the output's rounding), every format, odd shapes, with and without bias."""
+    if brgemm_isa(torch.bfloat16) is None:
+        pytest.skip("oneDNN's brgemm does not run bfloat16 on this CPU")
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator)
+    matmul = forced("brgemm", monkeypatch)
+    assert matmul.float_sums_kernel(torch.bfloat16, num_rows) == (compiled.quantized_linear_brgemm, torch.bfloat16)
+    for weight in quantized_weights(num_rows, out_features, in_features):
+        dense = weight.dequantize()
+        for layer_bias in (None, bias):
+            out = QuantizedLinear(weight, layer_bias, matmul, out_dtype=torch.float32)(x)
+            assert out.dtype == torch.float32
+            error = (out - F.linear(x.float(), dense, layer_bias)).abs()
+            bound = path_bound("brgemm", x, weight, layer_bias, out_dtype=torch.float32)
+            assert (error <= bound).all(), (weight.source, error.max())
+            assert not torch.equal(out, out.bfloat16().float())   # the sums themselves, not rounded to bfloat16
+
+
+@pytest.mark.kernels
+def test_float_sums_take_bfloat16_into_brgemm_only_where_float32_takes_brgemm(monkeypatch):
+    """The LM head's route is float32's: below its brgemm row count the rows kernel on activations widened to
+    float32 (exactly), from it brgemm on the bfloat16 activations as they are; float32 activations stay float32,
+    and batch invariance keeps the rows kernel in float32 at every row count."""
+    if brgemm_isa(torch.bfloat16) is None:
+        pytest.skip("oneDNN's brgemm does not run bfloat16 on this CPU")
+    monkeypatch.delenv(FORCE_VARIABLE, raising=False)
+    matmul = QuantizedMatmul()
+    first = matmul.routes[torch.float32].many_from
+    rows, brgemm = compiled.quantized_linear_rows, compiled.quantized_linear_brgemm
+    assert matmul.float_sums_kernel(torch.bfloat16, first - 1) == (rows, torch.float32)
+    assert matmul.float_sums_kernel(torch.bfloat16, first) == (brgemm, torch.bfloat16)
+    assert matmul.float_sums_kernel(torch.float32, 512) == (brgemm, torch.float32)
+    assert QuantizedMatmul(batch_invariant=True).float_sums_kernel(torch.bfloat16, 512) == (rows, torch.float32)
+    assert "into float32 sums (LM head)" in matmul.describe(torch.bfloat16)
+
+
+def test_quantized_linear_refuses_other_output_dtypes():
+    with pytest.raises(ValueError, match="out_dtype must be None .* or torch.float32, got torch.float16"):
+        QuantizedLinear(quantize(torch.randn(16, 32), 8), out_dtype=torch.float16)
 
 
 @pytest.mark.kernels
@@ -321,7 +371,7 @@ def test_the_path_is_chosen_once_per_dtype_and_row_count(dtype, monkeypatch):
         crossover = BRGEMM_FROM_ROWS[dtype, isa]
         assert matmul.kernel(dtype, crossover - 1) is compiled.quantized_linear_rows
         assert matmul.kernel(dtype, crossover) is matmul.kernel(dtype, 4096) is compiled.quantized_linear_brgemm
-        assert matmul.describe(dtype) == (f"rows below {crossover} rows, brgemm (oneDNN {isa}) from {crossover}")
+        assert matmul.describe(dtype).startswith(f"rows below {crossover} rows, brgemm (oneDNN {isa}) from {crossover}")
     invariant = QuantizedMatmul(batch_invariant=True)
     assert invariant.kernel(dtype, 1) is invariant.kernel(dtype, 4096) is compiled.quantized_linear_rows
     int8 = QuantizedMatmul("int8")
