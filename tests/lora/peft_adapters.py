@@ -9,7 +9,12 @@ import torch
 peft = pytest.importorskip("peft", reason="peft is needed for the LoRA tests (pip install -e '.[test]')")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from pagedllm.lora.request import LoRARequest  # noqa: E402
+
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# Three adapters that differ in rank, targets and scaling: all-linear, attention-only, MLP-only with rsLoRA.
+THREE_KINDS = [dict(rank=8, targets="all-linear"), dict(rank=16, targets=["q_proj", "v_proj", "o_proj"]),
+               dict(rank=4, targets=["gate_proj", "up_proj", "down_proj"], use_rslora=True)]
 
 
 def make_adapter(base_dir: Path, out_dir: Path, *, rank: int = 8, targets=ATTENTION, alpha: int = 16,
@@ -27,6 +32,12 @@ def make_adapter(base_dir: Path, out_dir: Path, *, rank: int = 8, targets=ATTENT
                 param.normal_(0.0, 0.2 if "lora_B" in name else 0.5 / rank ** 0.5)
     model.save_pretrained(out_dir, safe_serialization=safe_serialization)
     return out_dir
+
+
+def three_adapter_requests(base_dir: Path, folder: Path) -> list[LoRARequest]:
+    """THREE_KINDS made over base_dir into folder, as requests adapter-0..2 with ids 1..3."""
+    return [LoRARequest(f"adapter-{i}", i + 1, str(make_adapter(base_dir, folder / f"a{i}", seed=i, **kind)))
+            for i, kind in enumerate(THREE_KINDS)]
 
 
 def reference_model(base_dir: Path, adapter_dir: Path | None):

@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.lora.peft_adapters import make_adapter
+from tests.lora.peft_adapters import three_adapter_requests
 from pagedllm import LLM, SamplingParams
-from pagedllm.lora.request import LoRARequest
 from pagedllm.model.decode_stack import FORCE_VARIABLE
 
 pytestmark = pytest.mark.kernels
@@ -30,11 +29,7 @@ def base(make_tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loras(base, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("stack-adapters")
-    kinds = [dict(rank=8, targets="all-linear"), dict(rank=16, targets=["q_proj", "v_proj", "o_proj"]),
-             dict(rank=4, targets=["gate_proj", "up_proj", "down_proj"], use_rslora=True)]
-    return [LoRARequest(f"adapter-{i}", i + 1, str(make_adapter(base, folder / f"a{i}", seed=i, **kind)))
-            for i, kind in enumerate(kinds)]
+    return three_adapter_requests(base, tmp_path_factory.mktemp("stack-adapters"))
 
 
 def greedy_run(monkeypatch, base, lora_requests, stack: bool, **engine_args):
