@@ -6,10 +6,11 @@ and speculative config asked for, side by side in one run. The random workload h
 copy workload (`--dataset copy`) asks the model to quote code back, edit or summarise a text, where
 speculation pays. With speculation, the mean acceptance length (tokens per verification) is reported too.
 With `--lora` or `--num-loras`, every configuration is measured also with an adapter (the first), on an
-engine with LoRA on, beside the base on one without. `--alternate-rounds N` holds both engines at once and
-measures them in turn, base then adapter, N times over, printing each round's decode step p50 of both and
-their ratio, then the median ratio: on a shared machine, whose speed drifts between runs by more than the
-adapter costs, drift moves both halves of a round alike and cancels in its ratio.
+engine with LoRA on, beside the base on one without. `--alternate-rounds N` holds every configuration's
+engine at once and measures them in turn, N rounds over (the order reversed every other round), printing each
+round's decode step p50 and decode tok/s of each and its decode time a token over the first configuration's
+(the first's tok/s over its), then the median of those ratios: on a shared machine, whose speed drifts
+between runs by more than a feature costs, drift moves every part of a round alike and cancels in its ratios.
 """
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or copy-heavy chat prompts (quote code, edit, summarise)")
     add_lora_arguments(parser)
     parser.add_argument("--alternate-rounds", type=int, default=0,
-                        help="with an adapter: measure the base and the adapter in turn (ABAB..) this many rounds, "
-                             "each round's decode step p50s and ratio, and the median ratio (default: 0, off)")
+                        help="measure the configurations (quantizations x speculative configs x base/adapter) in "
+                             "turn (ABAB..) this many rounds, each round's decode step p50s, tok/s and time a token "
+                             "against the first configuration, and the median ratio (default: 0, off)")
 
 
 def _speculative_configs(values: list[str] | None) -> list[dict | None]:
@@ -73,21 +75,22 @@ def run(args: argparse.Namespace) -> None:
           f"temperature {args.temperature}, top-p {args.top_p}")
     if args.alternate_rounds < 0:
         raise ValueError(f"--alternate-rounds must be >= 0, got {args.alternate_rounds}")
-    if args.alternate_rounds and not (args.lora or args.num_loras):
-        raise ValueError("--alternate-rounds alternates the base with an adapter: give --lora or --num-loras")
     with lora_requests_from_args(args) as adapters:
+        configurations = [(quantization, speculative_config, adapter)
+                          for quantization in args.quantization.split(",")
+                          for speculative_config in _speculative_configs(args.speculative_config)
+                          for adapter in [None, *adapters[:1]]]
         if args.alternate_rounds:
-            for quantization in args.quantization.split(","):
-                for speculative_config in _speculative_configs(args.speculative_config):
-                    _alternate(args, batch_sizes, datasets, quantization, speculative_config, adapters[0])
+            if len(configurations) < 2:
+                raise ValueError("--alternate-rounds alternates configurations: give two or more (--quantization a,b, "
+                                 "--speculative-config twice, or --lora / --num-loras)")
+            _alternate(args, batch_sizes, datasets, configurations)
             return
         print("| quantization | dtype | speculative | dataset | batch | prefill ms p50 | p99 | decode step ms p50 "
               "| p99 | decode tok/s | mean acceptance length | LoRA |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for quantization in args.quantization.split(","):
-            for speculative_config in _speculative_configs(args.speculative_config):
-                for adapter in [None, *adapters[:1]]:
-                    _measure_configuration(args, batch_sizes, datasets, quantization, speculative_config, adapter)
+        for configuration in configurations:
+            _measure_configuration(args, batch_sizes, datasets, *configuration)
 
 
 def _engine(args: argparse.Namespace, batch_sizes: list[int], quantization: str, speculative_config: dict | None,
@@ -102,27 +105,40 @@ def _engine(args: argparse.Namespace, batch_sizes: list[int], quantization: str,
                speculative_config=speculative_config, **(lora_engine_settings([adapter]) if adapter else {}))
 
 
-def _alternate(args: argparse.Namespace, batch_sizes: list[int], datasets: list[str], quantization: str,
-               speculative_config: dict | None, adapter) -> None:
-    """The base (an engine without LoRA) and the adapter (one with it) measured in turn, round by round."""
-    engines = [_engine(args, batch_sizes, quantization, speculative_config, None),
-               _engine(args, batch_sizes, quantization, speculative_config, adapter)]
-    label = "none" if speculative_config is None else json.dumps(speculative_config)
-    print(f"quantization {quantization}, speculative {label}: the base and {adapter.lora_name} in turn, "
-          f"{args.alternate_rounds} rounds")
-    print("| dataset | batch | round | decode step ms p50, base | with the adapter | ratio |")
-    print("|---|---|---|---|---|---|")
+def _label(quantization: str, speculative_config: dict | None, adapter) -> str:
+    speculative = "none" if speculative_config is None else json.dumps(speculative_config)
+    return f"{quantization}, speculative {speculative}, LoRA {adapter.lora_name if adapter else 'none'}"
+
+
+def _alternate(args: argparse.Namespace, batch_sizes: list[int], datasets: list[str], configurations: list) -> None:
+    """Every configuration's engine held at once and measured in turn, round by round; ratios against the first."""
+    engines = [_engine(args, batch_sizes, quantization, speculative_config, adapter)
+               for quantization, speculative_config, adapter in configurations]
+    labels = [_label(*configuration) for configuration in configurations]
+    print(f"{len(configurations)} configurations in turn, {args.alternate_rounds} rounds; the first: {labels[0]}")
+    print("| dataset | batch | round | configuration | decode step ms p50 | decode tok/s "
+          "| time a token against the first |")
+    print("|---|---|---|---|---|---|---|")
     for dataset in datasets:
         for batch_size in batch_sizes:
-            ratios = []
+            ratios = [[] for _ in configurations]
             for round_index in range(1, args.alternate_rounds + 1):
-                base, lora = (statistics.median(measure(llm, args, batch_size, dataset, lora_request)[1])
-                              for llm, lora_request in zip(engines, (None, adapter)))
-                ratios.append(lora / base)
-                print(f"| {dataset} | {batch_size} | {round_index} | {base * 1e3:.2f} | {lora * 1e3:.2f} "
-                      f"| {lora / base:.3f} |")
-            print(f"dataset {dataset}, batch {batch_size}: median ratio {statistics.median(ratios):.3f} "
-                  f"(min {min(ratios):.3f}, max {max(ratios):.3f}) over {len(ratios)} rounds")
+                order = list(range(len(engines)))
+                if round_index % 2 == 0:   # ABBA: a steady drift of the machine lands on both sides
+                    order.reverse()
+                results = [None] * len(engines)
+                for index in order:
+                    _, decodes, tokens_per_second, _ = measure(engines[index], args, batch_size, dataset,
+                                                               configurations[index][2])
+                    results[index] = (statistics.median(decodes), tokens_per_second)
+                for index, (label, (step, tokens_per_second)) in enumerate(zip(labels, results)):
+                    ratios[index].append(results[0][1] / tokens_per_second)
+                    print(f"| {dataset} | {batch_size} | {round_index} | {label} | {step * 1e3:.2f} "
+                          f"| {tokens_per_second:.1f} | {ratios[index][-1]:.3f} |")
+            for label, config_ratios in list(zip(labels, ratios))[1:]:
+                print(f"dataset {dataset}, batch {batch_size}, {label}: median ratio "
+                      f"{statistics.median(config_ratios):.3f} (min {min(config_ratios):.3f}, "
+                      f"max {max(config_ratios):.3f}) over {len(config_ratios)} rounds")
     for llm in engines:
         llm.llm_engine.shutdown()
 
@@ -131,12 +147,12 @@ def _measure_configuration(args: argparse.Namespace, batch_sizes: list[int], dat
                            speculative_config: dict | None, adapter) -> None:
     """One engine's rows: every dataset and batch size; with an adapter, every request runs with it."""
     llm = _engine(args, batch_sizes, quantization, speculative_config, adapter)
-    label = "none" if speculative_config is None else json.dumps(speculative_config)
+    speculative = "none" if speculative_config is None else json.dumps(speculative_config)
     lora_label = adapter.lora_name if adapter else "none"
     for dataset in datasets:
         for batch_size in batch_sizes:
             prefills, decodes, tokens_per_second, acceptance = measure(llm, args, batch_size, dataset, adapter)
-            print(f"| {quantization} | {str(llm.llm_engine.dtype).removeprefix('torch.')} | {label} "
+            print(f"| {quantization} | {str(llm.llm_engine.dtype).removeprefix('torch.')} | {speculative} "
                   f"| {dataset} | {batch_size} | {statistics.median(prefills) * 1e3:.1f} "
                   f"| {percentile(prefills, 0.99) * 1e3:.1f} | {statistics.median(decodes) * 1e3:.1f} "
                   f"| {percentile(decodes, 0.99) * 1e3:.1f} | {tokens_per_second:.1f} "

@@ -219,23 +219,46 @@ def test_throughput_and_latency_with_random_loras_run_beside_the_base(tiny_dir, 
     assert [row.split("|")[-2].strip() for row in rows] == ["none", "adapter-0"]
 
 
+ALTERNATION_HEADER = "| dataset | batch | round | configuration | decode step ms p50 | decode tok/s | time a token"
+
+
+def alternation_cells(out: str) -> list[list[str]]:
+    return [[cell.strip() for cell in row.split("|")[1:-1]] for row in table_rows(out, ALTERNATION_HEADER)]
+
+
 def test_latency_alternates_the_base_and_an_adapter_round_by_round(tiny_dir, capsys):
-    """--alternate-rounds: a row per round with both decode step p50s and their ratio, then the median ratio."""
+    """--alternate-rounds: a row per configuration and round with its step p50, tok/s and time a token against
+    the first configuration's (the first's tok/s over its), then each other configuration's median ratio."""
     out = run_bench(capsys, "latency", tiny_dir, "--batch-size", "1", "--input-len", "8", "--output-len", "3",
                     "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--quantization", "none",
                     "--num-loras", "1", "--lora-rank", "8", "--alternate-rounds", "3")
-    rows = table_rows(out, "| dataset | batch | round | decode step ms p50, base | with the adapter | ratio |")
-    cells = [[cell.strip() for cell in row.split("|")[1:-1]] for row in rows]
-    assert [row[2] for row in cells] == ["1", "2", "3"]
-    ratios = sorted(float(row[5]) for row in cells)
-    for row in cells:   # the ratio of the p50s, which are printed to 0.005 ms and it to 0.0005
-        base, lora, ratio = float(row[3]), float(row[4]), float(row[5])
-        assert (lora - 0.005) / (base + 0.005) - 0.0005 <= ratio <= (lora + 0.005) / (base - 0.005) + 0.0005
-    assert f"dataset random, batch 1: median ratio {ratios[1]:.3f} (min {ratios[0]:.3f}, max {ratios[2]:.3f}) over 3 " \
-           "rounds" in out
+    cells = alternation_cells(out)
+    base, adapter = "none, speculative none, LoRA none", "none, speculative none, LoRA adapter-0"
+    assert [(row[2], row[3]) for row in cells] == [(str(r), label) for r in (1, 2, 3) for label in (base, adapter)]
+    ratios = []
+    for first, other in zip(cells[::2], cells[1::2]):   # tok/s printed to 0.05, ratios to 0.0005
+        assert first[6] == "1.000"
+        rate_first, rate_other, ratio = float(first[5]), float(other[5]), float(other[6])
+        assert (rate_first - 0.05) / (rate_other + 0.05) - 0.0005 <= ratio <= \
+            (rate_first + 0.05) / (rate_other - 0.05) + 0.0005
+        ratios.append(ratio)
+    ratios.sort()
+    assert f"dataset random, batch 1, {adapter}: median ratio {ratios[1]:.3f} (min {ratios[0]:.3f}, " \
+           f"max {ratios[2]:.3f}) over 3 rounds" in out
 
 
-def test_latency_alternation_needs_an_adapter(tiny_dir, capsys):
-    with pytest.raises(ValueError, match="--alternate-rounds alternates the base with an adapter: give --lora or "
-                                         "--num-loras"):
+def test_latency_alternates_quantizations_and_speculative_configs(tiny_dir, capsys):
+    """Every configuration of the sweep takes part, each against the first; no adapter is needed."""
+    ngram = '{"method": "ngram", "num_speculative_tokens": 2}'
+    out = run_bench(capsys, "latency", tiny_dir, "--batch-size", "1", "--input-len", "8", "--output-len", "3",
+                    "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--quantization", "none",
+                    "--speculative-config", "none", "--speculative-config", ngram, "--alternate-rounds", "2")
+    labels = ["none, speculative none, LoRA none", f"none, speculative {ngram}, LoRA none"]
+    assert [row[3] for row in alternation_cells(out)] == labels * 2
+    assert f"dataset random, batch 1, {labels[1]}: median ratio" in out
+    assert f"dataset random, batch 1, {labels[0]}: median" not in out
+
+
+def test_latency_alternation_needs_two_configurations(tiny_dir, capsys):
+    with pytest.raises(ValueError, match=r"--alternate-rounds alternates configurations: give two or more"):
         run_bench(capsys, "latency", tiny_dir, "--alternate-rounds", "2")
