@@ -95,12 +95,14 @@ class QuantizedWeight:
         tile's 16 rows (a 32,768-token prefill gathered 300 MB of tiles for 19 MB of rows)."""
         tiles, cols = self.qweight.shape[0], self.shape[1]
         tile, row = index // TILE_ROWS, index % TILE_ROWS
-        if self.bits == 4:   # a 64-byte slot: 4 bytes per row, low nibbles one slot of 4 columns, high the next
-            packed = self.qweight.view(tiles, cols // 8, TILE_ROWS, 4)[tile, :, row]     # [n, cols / 8, 4]
+        # A 64-byte slot holds 4 bytes of each of the tile's 16 rows: gathered as one int32 per slot and row.
+        words = self.qweight.view(torch.int32).view(tiles, -1, TILE_ROWS)[tile, :, row]   # [n, slots]
+        packed = words.view(self.qweight.dtype).view(len(index), words.shape[1], 4)      # [n, slots, 4]
+        if self.bits == 4:   # low nibbles one slot of 4 columns, high nibbles the next
             q = torch.stack([packed & 0x0F, packed >> 4], dim=2)                          # [n, cols / 8, 2, 4]
         else:
-            q = self.qweight.view(tiles, cols // 4, TILE_ROWS, 4)[tile, :, row]           # [n, cols / 4, 4]
-        q = q.reshape(len(index), -1, self.group_size).float()
+            q = packed                                                                    # [n, cols / 4, 4]
+        q = q.reshape(len(index), cols // self.group_size, self.group_size).float()
 
         def params(p: torch.Tensor) -> torch.Tensor:
             return p.view(tiles, -1, TILE_ROWS)[tile, :, row].float().unsqueeze(-1)
