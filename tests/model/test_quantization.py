@@ -309,6 +309,19 @@ def test_embedding_rows_and_the_tied_head_share_the_packed_table():
     assert torch.equal(Embedding(four_bit, torch.float32)(ids), four_bit.dequantize()[ids])
 
 
+@pytest.mark.parametrize("type_name", sorted(GGUF_QUANTIZED_TYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_match_gguf_dequantization_at_every_row_of_a_tile(type_name, dtype):
+    """Each looked-up row is the row gguf's own dequantization gives (rounded to dtype once), whichever of its
+    tile's 16 rows it is, in any order, repeated, the last tile padded (37 rows)."""
+    rows, cols = 37, 256
+    data = random_gguf_tensor(type_name, rows, cols, seed=3)
+    ids = torch.cat([torch.arange(rows).flip(0), torch.tensor([16, 16, 0, 36])])
+    looked_up = Embedding(from_gguf(data, type_name, (rows, cols)), dtype)(ids)
+    assert looked_up.dtype == dtype
+    assert torch.equal(looked_up, gguf_reference(data, type_name, rows, cols)[ids].to(dtype))
+
+
 def test_projections_of_different_formats_run_side_by_side():
     """Q4_K_M files mix Q4_K and Q6_K within one layer's Q/K/V: the parts stay apart, outputs joined."""
     q = from_gguf(random_gguf_tensor("Q4_K", 32, 256, 1), "Q4_K", (32, 256))
