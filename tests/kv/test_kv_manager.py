@@ -196,6 +196,23 @@ def test_idle_cached_blocks_are_evicted_least_recently_released_first():
     assert manager.usage().num_cached_idle_blocks == 1
 
 
+def test_released_blocks_holding_nothing_are_written_again_before_unwritten_ones():
+    """Pool of 6 blocks of 2. A request on blocks 0-2 finishes with [1, 2] cached: the partial blocks it
+    released (1, 2; the manager releases a table last block first) go to the front of the free queue, its
+    cached block (0) to the back. The next request takes 1 and 2, then 3, never written; the cached block
+    is taken last."""
+    manager = KVCacheManager(num_blocks=6, block_size=2)
+    tokens = [1, 2, 3, 4, 5]
+    new_request(manager, "first", tokens)
+    assert manager.get_block_table("first") == [0, 1, 2]
+    manager.cache_full_blocks("first", tokens[:2], 2)   # only [1, 2] counts as computed and cached
+    manager.free("first")
+    assert [block.block_id for block in manager.pool.free_block_queue] == [1, 2, 3, 4, 5, 0]
+    assert manager.allocate_slots("second", 6, 0)
+    assert manager.get_block_table("second") == [1, 2, 3]
+    assert manager.usage().num_cached_idle_blocks == 1
+
+
 def test_sliding_window_releases_blocks_no_coming_token_sees():
     """Window 8, blocks of 4: a token at position p sees keys p - 7 .. p. A 10-token prompt, then one token
     per step: at the step computing position c the blocks wholly before c - 7 go back (hand-computed)."""
