@@ -1,6 +1,10 @@
 // A decode step's decoder layers in one call. Batch-1 decode of a 30-layer model spent ~3.4 ms a step in
 // Python between its ~11 kernels per layer (module calls, pybind conversions, an output tensor per op, views
 // and splits of qkv): here the kernels run back to back on buffers made once per step and views made once.
+// A one-row step (batch-1 decode) goes further: its layers run in ONE OpenMP parallel region, the threads
+// meeting at barriers between the phases that need each other's results, where each kernel's own region (a
+// fork, a join and a wake-up of the threads, ~3 us each on a 2-core VM) cost ~150 regions a step, and with an
+// adapter on every projection the adapter's one-row update was smaller than the regions around it.
 #include "decode_layers.h"
 
 #include "lora_sgmv.h"
@@ -9,7 +13,10 @@
 
 #include <ATen/record_function.h>
 
+#include <atomic>
 #include <exception>
+#include <memory>
+#include <utility>
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -38,15 +45,94 @@ struct LoRARows {
   at::Tensor rows, segments;
 };
 
-// A one-row step's projection and its adapter update in ONE parallel region: each thread runs its share of the
-// shrink, the matmul over its share of the weight's tiles (split as the matmul's own parallel_for splits them; its
-// parallel_for runs inline here), and, after a barrier (the expand needs all of h), the expand over the output
-// columns it just wrote. Apart, the matmul and lora_sgmv's shrink and expand were three fork/joins of the threads,
-// 360 a step on a 30-layer model with an adapter on every projection. Results are the separate calls' bit for bit:
-// each output column is computed the same way whichever thread computes it. x: one row; out: [1, out_features].
-void run_one_row(Matmul matmul, const at::Tensor& out, const at::Tensor& x, const Projection& p, LoRAUpdate& update) {
+// out = x . projection, plus each adapter row's update where the projection has adapter slots: the Python
+// LoRALinear's two kernels, in its order.
+void run(Matmul matmul, const at::Tensor& out, const at::Tensor& x, const Projection& p, const LoRARows* lora) {
+  matmul(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group);
+  if (lora == nullptr || !p.lora) return;
+  const LoRASlots& slots = *p.lora;
+  LoRAUpdate update(out, x, slots.a, slots.b, slots.ranks, slots.column_starts, lora->rows, lora->segments);
+  if (update.empty()) return;
+  RECORD_FUNCTION("pagedllm::lora_sgmv", std::vector<c10::IValue>({out}));   // as lora_sgmv labels it
+  update.run();
+}
+
+}  // namespace
+
+// The step's buffers, reused by every layer, and their views.
+struct StepBuffers {
+  at::Tensor residual, normed, qkv, attention, projected, gate_up, activated, out;
+  at::Tensor q, k, v, q_rotated, k_rotated, attention_heads;
+};
+
+// The step's inputs besides its hidden states (DecodeStack::forward's arguments).
+struct StepInputs {
+  const at::Tensor &rope_rows, &cos_sin, &slot_mapping, &block_tables, &token_rows, &seq_lens;
+  const std::vector<at::Tensor>&k_caches, &v_caches;
+  const std::vector<std::optional<at::Tensor>>&k_scales, &v_scales;
+  Matmul matmul;
+  const LoRARows* lora;   // nullptr: no adapter rows this step
+};
+
+void DecodeStack::layers_in_turn(const StepBuffers& b, const StepInputs& in) const {
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const DecodeLayer& layer = layers_[i];
+    if (i == 0) {
+      rms_norm(b.normed, b.residual, layer.input_norm, eps_);
+    } else {   // the residual stream takes the previous layer's output, and is normalised
+      add_rms_norm(b.normed, b.residual, b.out, layer.input_norm, eps_);
+    }
+    run(in.matmul, b.qkv, b.normed, layer.qkv, in.lora);
+    rotary_embedding(b.q_rotated, in.rope_rows, in.cos_sin);
+    rotary_embedding(b.k_rotated, in.rope_rows, in.cos_sin);
+    write_kv(in.k_caches[i], in.v_caches[i], in.k_scales[i], in.v_scales[i], b.k, b.v, in.slot_mapping);
+    {
+      RECORD_FUNCTION("pagedllm::decode_attention", std::vector<c10::IValue>());   // as the Python layers label it
+      paged_attention(b.attention_heads, b.q, in.k_caches[i], in.v_caches[i], in.k_scales[i], in.v_scales[i],
+                      in.block_tables, in.token_rows, in.seq_lens, layer.scale, layer.sliding_window,
+                      layer.logit_softcap);
+    }
+    run(in.matmul, b.projected, b.attention, layer.o, in.lora);
+    add_rms_norm(b.normed, b.residual, b.projected, layer.post_attention_norm, eps_);
+    run(in.matmul, b.gate_up, b.normed, layer.gate_up, in.lora);
+    silu_and_mul(b.activated, b.gate_up);
+    run(in.matmul, b.out, b.activated, layer.down, in.lora);
+  }
+}
+
+// Every thread runs the same sequence of phases and barriers over all layers:
+//   norm (thread 0) | qkv: its share of the weight's tiles | rope, K/V write and attention of its kv heads |
+//   o | norm (thread 0) | gate_up | silu (thread 0) | down
+// with a barrier after each. Shares are at::parallel_for's split (equal runs of tiles, the last shorter), and
+// each kernel's own parallel_for runs inline on its thread inside the region. An adapter-wrapped projection's
+// update runs in the same phase: the thread's share of the shrink before its matmul share, a barrier (the
+// expand needs all of h), then the expand over the columns the thread just wrote. Every output element is
+// computed the same way whichever thread computes it, so results are the kernels' own, bit for bit. The
+// adapters' plans are made before the region (their checks may throw); an error inside it stops the work but
+// not the barriers, and is rethrown after the region.
+void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) const {
 #if defined(_OPENMP)
-  const int64_t tiles = p.qweight.size(0);
+  RECORD_FUNCTION("pagedllm::decode_one_row", std::vector<c10::IValue>());   // torch.profiler names the path
+  const size_t num_layers = layers_.size();
+  std::vector<std::unique_ptr<LoRAUpdate>> updates(4 * num_layers);   // [layer][qkv, o, gate_up, down]; null: none
+  if (in.lora != nullptr) {
+    for (size_t i = 0; i < num_layers; ++i) {
+      const DecodeLayer& layer = layers_[i];
+      const std::pair<const Projection*, std::pair<const at::Tensor*, const at::Tensor*>> projections[] = {
+          {&layer.qkv, {&b.qkv, &b.normed}}, {&layer.o, {&b.projected, &b.attention}},
+          {&layer.gate_up, {&b.gate_up, &b.normed}}, {&layer.down, {&b.out, &b.activated}}};
+      for (int p = 0; p < 4; ++p) {
+        const auto& [projection, out_x] = projections[p];
+        if (!projection->lora) continue;
+        const LoRASlots& slots = *projection->lora;
+        auto update = std::make_unique<LoRAUpdate>(*out_x.first, *out_x.second, slots.a, slots.b, slots.ranks,
+                                                   slots.column_starts, in.lora->rows, in.lora->segments);
+        if (!update->empty()) updates[4 * i + p] = std::move(update);
+      }
+    }
+  }
+  const int64_t group = num_heads_ / num_kv_heads_;
+  std::atomic<bool> failed{false};
   std::exception_ptr error;
 #pragma omp parallel
   {
@@ -55,61 +141,77 @@ void run_one_row(Matmul matmul, const at::Tensor& out, const at::Tensor& x, cons
       const int64_t chunk = (total + threads - 1) / threads;
       return std::make_pair(std::min(total, thread * chunk), std::min(total, (thread + 1) * chunk));
     };
-    const auto [first_tile, last_tile] = share(tiles);
-    const int64_t begin = first_tile * kTileRows, end = std::min(p.out_features, last_tile * kTileRows);
-    try {
-      const auto [first_shrink, last_shrink] = share(update.num_shrinks());
-      update.shrink(first_shrink, last_shrink);
-      if (first_tile < last_tile) {
-        auto tiles_of = [&](const at::Tensor& t) { return t.narrow(0, first_tile, last_tile - first_tile); };
-        matmul(out.narrow(1, begin, end - begin), x, tiles_of(p.qweight), tiles_of(p.scales),
-               p.mins ? std::optional<at::Tensor>(tiles_of(*p.mins)) : std::nullopt,
-               p.bias ? std::optional<at::Tensor>(p.bias->narrow(0, begin, end - begin)) : std::nullopt, p.bits,
-               p.group);
-      }
-    } catch (...) {
-#pragma omp critical(pagedllm_run_one_row)
-      if (!error) error = std::current_exception();
-    }
-#pragma omp barrier
-    if (!error) {
+    auto guarded = [&](auto&& work) {   // the work unless a thread failed; a failure kept for after the region
+      if (failed.load(std::memory_order_relaxed)) return;
       try {
-        update.expand(begin, end);
+        work();
       } catch (...) {
-#pragma omp critical(pagedllm_run_one_row)
+#pragma omp critical(pagedllm_decode_one_row)
         if (!error) error = std::current_exception();
+        failed.store(true, std::memory_order_relaxed);
       }
+    };
+    auto on_one_thread = [&](auto&& work) {
+      if (thread == 0) guarded(work);
+#pragma omp barrier
+    };
+    auto project = [&](const at::Tensor& out, const at::Tensor& x, const Projection& p, LoRAUpdate* update) {
+      const auto [first_tile, last_tile] = share(p.qweight.size(0));
+      guarded([&] {
+        if (update != nullptr) {
+          const auto [first_shrink, last_shrink] = share(update->num_shrinks());
+          update->shrink(first_shrink, last_shrink);
+        }
+        quantized_linear_rows_share(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group, first_tile,
+                                    last_tile);
+      });
+      if (update != nullptr) {
+#pragma omp barrier
+        guarded([&] { update->expand(first_tile * kTileRows, std::min(p.out_features, last_tile * kTileRows)); });
+      }
+#pragma omp barrier
+    };
+    // This thread's kv heads, and the views of its query and key heads.
+    const auto [kv_first, kv_end] = share(num_kv_heads_);
+    at::Tensor q_mine, k_mine;
+    guarded([&] {
+      q_mine = b.q_rotated.narrow(1, kv_first * group, (kv_end - kv_first) * group);
+      k_mine = b.k_rotated.narrow(1, kv_first, kv_end - kv_first);
+    });
+
+    for (size_t i = 0; i < num_layers; ++i) {
+      const DecodeLayer& layer = layers_[i];
+      on_one_thread([&] {
+        if (i == 0) {
+          rms_norm(b.normed, b.residual, layer.input_norm, eps_);
+        } else {
+          add_rms_norm(b.normed, b.residual, b.out, layer.input_norm, eps_);
+        }
+      });
+      project(b.qkv, b.normed, layer.qkv, updates[4 * i].get());
+      guarded([&] {
+        if (kv_first == kv_end) return;
+        rotary_embedding(q_mine, in.rope_rows, in.cos_sin);
+        rotary_embedding(k_mine, in.rope_rows, in.cos_sin);
+        write_kv_heads(in.k_caches[i], in.v_caches[i], in.k_scales[i], in.v_scales[i], b.k, b.v, in.slot_mapping,
+                       kv_first, kv_end);
+        paged_attention_heads(b.attention_heads, b.q, in.k_caches[i], in.v_caches[i], in.k_scales[i],
+                              in.v_scales[i], in.block_tables, in.token_rows, in.seq_lens, layer.scale,
+                              layer.sliding_window, layer.logit_softcap, kv_first, kv_end);
+      });
+#pragma omp barrier
+      project(b.projected, b.attention, layer.o, updates[4 * i + 1].get());
+      on_one_thread([&] { add_rms_norm(b.normed, b.residual, b.projected, layer.post_attention_norm, eps_); });
+      project(b.gate_up, b.normed, layer.gate_up, updates[4 * i + 2].get());
+      on_one_thread([&] { silu_and_mul(b.activated, b.gate_up); });
+      project(b.out, b.activated, layer.down, updates[4 * i + 3].get());
     }
   }
   if (error) std::rethrow_exception(error);
 #else
-  matmul(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group);
-  update.run();
+  layers_in_turn(b, in);
 #endif
 }
-
-// out = x . projection, plus each adapter row's update where the projection has adapter slots: the Python
-// LoRALinear's two kernels, in its order (one row: both in one parallel region, run_one_row).
-void run(Matmul matmul, const at::Tensor& out, const at::Tensor& x, const Projection& p, const LoRARows* lora) {
-  if (lora == nullptr || !p.lora) {
-    matmul(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group);
-    return;
-  }
-  const LoRASlots& slots = *p.lora;
-  LoRAUpdate update(out, x, slots.a, slots.b, slots.ranks, slots.column_starts, lora->rows, lora->segments);
-  if (update.empty()) {
-    matmul(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group);
-  } else if (x.size(0) == 1) {
-    RECORD_FUNCTION("pagedllm::lora_projection", std::vector<c10::IValue>({out}));   // torch.profiler names it
-    run_one_row(matmul, out, x, p, update);
-  } else {
-    matmul(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group);
-    RECORD_FUNCTION("pagedllm::lora_sgmv", std::vector<c10::IValue>({out}));   // as lora_sgmv labels it
-    update.run();
-  }
-}
-
-}  // namespace
 
 DecodeStack::DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, double eps)
     : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), rotary_dim_(rotary_dim), eps_(eps) {
@@ -174,44 +276,33 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::forward(
       lora_rows ? std::optional<LoRARows>(LoRARows{*lora_rows, *lora_segments}) : std::nullopt;
   const LoRARows* lora = lora_step ? &*lora_step : nullptr;
 
-  // The step's buffers, reused by every layer, and their views.
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   auto buffer = [&](int64_t columns) { return at::empty({tokens, columns}, hidden.options()); };
-  const at::Tensor normed = buffer(size), qkv = buffer(shape.qkv.out_features), attention = buffer(q_size),
-                   projected = buffer(size), gate_up = buffer(shape.gate_up.out_features),
-                   activated = buffer(shape.gate_up.out_features / 2), out = buffer(size);
-  const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
-  const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
-  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+  StepBuffers b;
+  b.residual = hidden;
+  b.normed = buffer(size);
+  b.qkv = buffer(shape.qkv.out_features);
+  b.attention = buffer(q_size);
+  b.projected = buffer(size);
+  b.gate_up = buffer(shape.gate_up.out_features);
+  b.activated = buffer(shape.gate_up.out_features / 2);
+  b.out = buffer(size);
+  b.q = b.qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
+  b.k = b.qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+  b.v = b.qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
   const bool partial_rotary = rotary_dim_ < head_dim_;
-  const at::Tensor q_rotated = partial_rotary ? q.narrow(2, 0, rotary_dim_) : q;
-  const at::Tensor k_rotated = partial_rotary ? k.narrow(2, 0, rotary_dim_) : k;
-  const at::Tensor attention_heads = attention.view({tokens, num_heads_, head_dim_});
+  b.q_rotated = partial_rotary ? b.q.narrow(2, 0, rotary_dim_) : b.q;
+  b.k_rotated = partial_rotary ? b.k.narrow(2, 0, rotary_dim_) : b.k;
+  b.attention_heads = b.attention.view({tokens, num_heads_, head_dim_});
 
-  const at::Tensor residual = hidden;
-  for (size_t i = 0; i < num_layers; ++i) {
-    const DecodeLayer& layer = layers_[i];
-    if (i == 0) {
-      rms_norm(normed, hidden, layer.input_norm, eps_);
-    } else {   // the residual stream takes the previous layer's output, and is normalised
-      add_rms_norm(normed, residual, out, layer.input_norm, eps_);
-    }
-    run(matmul, qkv, normed, layer.qkv, lora);
-    rotary_embedding(q_rotated, rope_rows, cos_sin);
-    rotary_embedding(k_rotated, rope_rows, cos_sin);
-    write_kv(k_caches[i], v_caches[i], k_scales[i], v_scales[i], k, v, slot_mapping);
-    {
-      RECORD_FUNCTION("pagedllm::decode_attention", std::vector<c10::IValue>());   // as the Python layers label it
-      paged_attention(attention_heads, q, k_caches[i], v_caches[i], k_scales[i], v_scales[i], block_tables,
-                      token_rows, seq_lens, layer.scale, layer.sliding_window, layer.logit_softcap);
-    }
-    run(matmul, projected, attention, layer.o, lora);
-    add_rms_norm(normed, residual, projected, layer.post_attention_norm, eps_);
-    run(matmul, gate_up, normed, layer.gate_up, lora);
-    silu_and_mul(activated, gate_up);
-    run(matmul, out, activated, layer.down, lora);
+  const StepInputs in{rope_rows, cos_sin, slot_mapping, block_tables, token_rows, seq_lens, k_caches, v_caches,
+                      k_scales, v_scales, matmul, lora};
+  if (tokens == 1 && path == "rows") {
+    layers_one_row(b, in);
+  } else {
+    layers_in_turn(b, in);
   }
-  return {out, residual};
+  return {b.out, b.residual};
 }
 
 }  // namespace pagedllm

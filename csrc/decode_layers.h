@@ -41,6 +41,9 @@ struct DecodeLayer {
 
 // A Llama-shaped stack: RMSNorm -> fused qkv -> rope on q and k -> K/V written -> paged attention -> o ->
 // residual add + RMSNorm -> fused gate_up -> silu(gate) * up -> down, every layer of one shape.
+struct StepBuffers;
+struct StepInputs;
+
 class DecodeStack {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, double eps);
@@ -72,6 +75,11 @@ class DecodeStack {
                                              std::optional<at::Tensor> lora_segments) const;
 
  private:
+  // The layers of a step of several rows (or a path other than rows): each kernel over the cores in turn.
+  void layers_in_turn(const StepBuffers& buffers, const StepInputs& in) const;
+  // The layers of a one-row step on the rows path in one parallel region (decode_layers.cpp says why).
+  void layers_one_row(const StepBuffers& buffers, const StepInputs& in) const;
+
   int64_t num_heads_, num_kv_heads_, head_dim_, rotary_dim_;
   double eps_;
   std::vector<DecodeLayer> layers_;

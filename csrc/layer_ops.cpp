@@ -79,9 +79,11 @@ float store_row(const scalar_t* src, int64_t n, cache_t* dst, int64_t dst_stride
   }
 }
 
-template <typename scalar_t, typename cache_t>
+// kv heads [kv_first, kv_end) of every token; split(first, last, f): over the cores, or on the calling thread alone.
+template <typename scalar_t, typename cache_t, typename Split>
 void write_rows(const at::Tensor& k_cache, const at::Tensor& v_cache, const OptionalTensor& k_scales,
-                const OptionalTensor& v_scales, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+                const OptionalTensor& v_scales, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping,
+                int64_t kv_first, int64_t kv_end, Split&& split) {
   const CacheLayout layout = paged_cache<cache_t>(k_cache, v_cache, k_scales, v_scales);
   const int64_t tokens = k.size(0), head_dim = layout.head_dim, block_size = layout.block_size;
   cache_t* keys = static_cast<cache_t*>(k_cache.data_ptr());
@@ -91,10 +93,10 @@ void write_rows(const at::Tensor& k_cache, const at::Tensor& v_cache, const Opti
   const scalar_t* k_src = k.data_ptr<scalar_t>();
   const scalar_t* v_src = v.data_ptr<scalar_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  at::parallel_for(0, tokens, grain(2 * layout.num_kv_heads * head_dim), [&](int64_t begin, int64_t end) {
+  split(tokens, grain(2 * layout.num_kv_heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
-      for (int64_t h = 0; h < layout.num_kv_heads; ++h) {
+      for (int64_t h = kv_first; h < kv_end; ++h) {
         const int64_t part = layout.part(block, h);   // this head's part of the block
         const float k_scale = store_row(k_src + t * k.stride(0) + h * k.stride(1), head_dim,
                                         keys + part + offset, block_size);   // transposed
@@ -185,17 +187,39 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
   });
 }
 
+namespace {
+
+// write_kv's checks, then write_rows for kv heads [kv_first, kv_end), split by `split`.
+template <typename Split>
+void checked_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const OptionalTensor& k_scales,
+                   const OptionalTensor& v_scales, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& slot_mapping, int64_t kv_first, int64_t kv_end, const char* op, Split&& split) {
+  check_caches(k_cache, v_cache, k_scales, v_scales, op);
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.scalar_type() == v.scalar_type(), op,
+              ": K and V rows dense, of one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), op, ": int64 slots");
+  TORCH_CHECK(0 <= kv_first && kv_first <= kv_end && kv_end <= k_cache.size(1), op, ": kv heads must be a range "
+              "within 0..", k_cache.size(1));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    dispatch_cache_type<scalar_t>(k_cache.scalar_type(), op, [&](auto element) {
+      using cache_t = decltype(element);
+      write_rows<scalar_t, cache_t>(k_cache, v_cache, k_scales, v_scales, k, v, slot_mapping, kv_first, kv_end, split);
+    });
+  });
+}
+
+}  // namespace
+
 void write_kv(at::Tensor k_cache, at::Tensor v_cache, OptionalTensor k_scales, OptionalTensor v_scales, at::Tensor k,
               at::Tensor v, at::Tensor slot_mapping) {
   RECORD_FUNCTION("pagedllm::write_kv", std::vector<c10::IValue>({k_cache}));   // torch.profiler names it
-  check_caches(k_cache, v_cache, k_scales, v_scales, "write_kv");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.scalar_type() == v.scalar_type(),
-              "write_kv: K and V rows dense, of one dtype");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "write_kv: int64 slots");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
-    dispatch_cache_type<scalar_t>(k_cache.scalar_type(), "write_kv", [&](auto element) {
-      using cache_t = decltype(element);
-      write_rows<scalar_t, cache_t>(k_cache, v_cache, k_scales, v_scales, k, v, slot_mapping);
-    });
-  });
+  checked_write(k_cache, v_cache, k_scales, v_scales, k, v, slot_mapping, 0, k_cache.size(1), "write_kv",
+                [](int64_t tokens, int64_t grain, const auto& f) { at::parallel_for(0, tokens, grain, f); });
+}
+
+void write_kv_heads(const at::Tensor& k_cache, const at::Tensor& v_cache, const OptionalTensor& k_scales,
+                    const OptionalTensor& v_scales, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& slot_mapping, int64_t kv_first, int64_t kv_end) {
+  checked_write(k_cache, v_cache, k_scales, v_scales, k, v, slot_mapping, kv_first, kv_end, "write_kv_heads",
+                [](int64_t tokens, int64_t, const auto& f) { f(0, tokens); });
 }

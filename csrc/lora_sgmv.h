@@ -1,8 +1,8 @@
 // One layer's LoRA update for one step (lora_sgmv.cpp), checked and planned once, then run in shares: the shrink
 // (x . A) by ranges of its tasks, the expand (. B, added to out) by ranges of output columns. lora_sgmv runs the
 // two over the cores itself, a parallel region each; the compiled decode stack runs a one-row step's shares inside
-// the base matmul's parallel region instead (decode_layers.cpp), as a decode step's 120 updates spent more in
-// waking and joining threads than in reading the adapter.
+// the step's one parallel region instead (decode_layers.cpp), as a decode step's 120 updates spent more in waking
+// and joining threads than in reading the adapter.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -21,6 +21,13 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
                      std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
                      at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens, double scale,
                      int64_t sliding_window, double logit_softcap);
+// paged_attention's output for kv heads [kv_first, kv_end) (and their query heads) of every token, on the calling
+// thread alone: one thread's share, each head's result as paged_attention computes it.
+void paged_attention_heads(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const std::optional<at::Tensor>& k_scales,
+                           const std::optional<at::Tensor>& v_scales, const at::Tensor& block_tables,
+                           const at::Tensor& token_rows, const at::Tensor& kv_lens, double scale,
+                           int64_t sliding_window, double logit_softcap, int64_t kv_first, int64_t kv_end);
 
 // Prefill chunks: out, q as above; chunk c's query tokens are rows [query_starts[c], query_starts[c + 1])
 // at positions context_lens[c] onwards, its keys (all in the cache already) reached through
@@ -52,6 +59,10 @@ void cascade_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Ten
 // their dtype (rounded to nearest even; int8 quantized per slot and kv head, see paged_cache.h).
 void write_kv(at::Tensor k_cache, at::Tensor v_cache, std::optional<at::Tensor> k_scales,
               std::optional<at::Tensor> v_scales, at::Tensor k, at::Tensor v, at::Tensor slot_mapping);
+// The same for kv heads [kv_first, kv_end) only, on the calling thread alone (one thread's share).
+void write_kv_heads(const at::Tensor& k_cache, const at::Tensor& v_cache, const std::optional<at::Tensor>& k_scales,
+                    const std::optional<at::Tensor>& v_scales, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& slot_mapping, int64_t kv_first, int64_t kv_end);
 
 // out = weight * (x / rms(x)), row by row; x: [tokens, hidden].
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
@@ -97,6 +108,13 @@ void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, a
                              c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group);
 void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                            c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group);
+// quantized_linear_rows's output tiles [first_tile, last_tile) (columns 16 * first_tile onwards) on the calling
+// thread alone: one thread's share, for a caller that already runs on every core (the compiled decode stack's
+// one-row step). Each column comes out as quantized_linear_rows computes it.
+void quantized_linear_rows_share(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                                 const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                                 const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group,
+                                 int64_t first_tile, int64_t last_tile);
 
 // The weight as floats: out [rows, cols] = scale * q + min, exactly as gguf's dequantization computes it.
 void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,

@@ -226,21 +226,22 @@ void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, int64_t kv
 }
 
 template <typename scalar_t, typename cache_t>
-void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t>& cache,
-            const at::Tensor& block_tables, const at::Tensor& token_rows, const at::Tensor& kv_lens, double scale,
-            int64_t window, double softcap) {
-  const int64_t num_tokens = q.size(0);
-  const Problem<scalar_t, cache_t> p{cache, q.size(1) / cache.num_kv_heads, block_tables.size(1), q.stride(0),
-                                     window, static_cast<float>(scale), static_cast<float>(softcap),
-                                     q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                                     block_tables.data_ptr<int64_t>(), token_rows.data_ptr<int64_t>(),
-                                     kv_lens.data_ptr<int64_t>()};
+Problem<scalar_t, cache_t> problem_of(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t>& cache,
+                                      const at::Tensor& block_tables, const at::Tensor& token_rows,
+                                      const at::Tensor& kv_lens, double scale, int64_t window, double softcap) {
+  return {cache, q.size(1) / cache.num_kv_heads, block_tables.size(1), q.stride(0), window, static_cast<float>(scale),
+          static_cast<float>(softcap), q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+          block_tables.data_ptr<int64_t>(), token_rows.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>()};
+}
+
+template <typename scalar_t, typename cache_t>
+void attend(const Problem<scalar_t, cache_t>& p, int64_t num_tokens) {
   // Tokens are handed out one at a time: sequences differ in length, so equal shares of
   // tokens would leave one thread idle while another finishes long ones. With fewer than two tokens per
   // thread each kv head of a token is a task of its own (batch-1 decode ran on one thread of two).
   const int64_t threads = at::get_num_threads();
-  const int64_t parts = num_tokens < 2 * threads ? cache.num_kv_heads : 1;   // tasks per token
-  const int64_t tasks = num_tokens * parts, heads_per_part = cache.num_kv_heads / parts;
+  const int64_t parts = num_tokens < 2 * threads ? p.num_kv_heads : 1;   // tasks per token
+  const int64_t tasks = num_tokens * parts, heads_per_part = p.num_kv_heads / parts;
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(threads, tasks), 1, [&](int64_t, int64_t) {
     Scratch scratch;
@@ -251,26 +252,54 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
   });
 }
 
+// The checks both entry points make, then f(problem, number of tokens) with the problem in its C++ types.
+template <typename F>
+void with_problem(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const OptionalTensor& k_scales, const OptionalTensor& v_scales, const at::Tensor& block_tables,
+                  const at::Tensor& token_rows, const at::Tensor& kv_lens, double scale, int64_t sliding_window,
+                  double logit_softcap, const char* op, F&& f) {
+  check_caches(k_cache, v_cache, k_scales, v_scales, op);
+  TORCH_CHECK(out.is_contiguous() && block_tables.is_contiguous() && token_rows.is_contiguous() &&
+              kv_lens.is_contiguous(), op, ": tensors must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), op, ": each token's heads must be dense");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && token_rows.scalar_type() == at::kLong &&
+              kv_lens.scalar_type() == at::kLong, op, ": index tensors must be int64");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, op, ": heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 256, op, ": head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0, op, ": sliding_window and logit_softcap must be "
+              ">= 0 (0: none)");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    dispatch_cache_type<scalar_t>(k_cache.scalar_type(), op, [&](auto element) {
+      using cache_t = decltype(element);
+      f(problem_of<scalar_t>(out, q, paged_cache<cache_t>(k_cache, v_cache, k_scales, v_scales), block_tables,
+                             token_rows, kv_lens, scale, sliding_window, logit_softcap),
+        q.size(0));
+    });
+  });
+}
+
 }  // namespace
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, OptionalTensor k_scales,
                      OptionalTensor v_scales, at::Tensor block_tables, at::Tensor token_rows, at::Tensor kv_lens,
                      double scale, int64_t sliding_window, double logit_softcap) {
   RECORD_FUNCTION("pagedllm::paged_attention", std::vector<c10::IValue>({out}));   // torch.profiler names it
-  check_caches(k_cache, v_cache, k_scales, v_scales, "paged_attention");
-  TORCH_CHECK(out.is_contiguous() && block_tables.is_contiguous(), "paged_attention: tensors must be contiguous");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: each token's heads must be dense");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && token_rows.scalar_type() == at::kLong &&
-              kv_lens.scalar_type() == at::kLong, "paged_attention: index tensors must be int64");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads must be a multiple of kv heads");
-  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 256, "paged_attention: head_dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0, "paged_attention: sliding_window and logit_softcap must be "
-              ">= 0 (0: none)");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    dispatch_cache_type<scalar_t>(k_cache.scalar_type(), "paged_attention", [&](auto element) {
-      using cache_t = decltype(element);
-      attend<scalar_t>(out, q, paged_cache<cache_t>(k_cache, v_cache, k_scales, v_scales), block_tables,
-                       token_rows.contiguous(), kv_lens.contiguous(), scale, sliding_window, logit_softcap);
-    });
+  with_problem(out, q, k_cache, v_cache, k_scales, v_scales, block_tables, token_rows.contiguous(),
+               kv_lens.contiguous(), scale, sliding_window, logit_softcap, "paged_attention",
+               [](const auto& problem, int64_t num_tokens) { attend(problem, num_tokens); });
+}
+
+void paged_attention_heads(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const OptionalTensor& k_scales, const OptionalTensor& v_scales,
+                           const at::Tensor& block_tables, const at::Tensor& token_rows, const at::Tensor& kv_lens,
+                           double scale, int64_t sliding_window, double logit_softcap, int64_t kv_first,
+                           int64_t kv_end) {
+  TORCH_CHECK(0 <= kv_first && kv_first <= kv_end && kv_end <= k_cache.size(1),
+              "paged_attention_heads: kv heads must be a range within 0..", k_cache.size(1));
+  with_problem(out, q, k_cache, v_cache, k_scales, v_scales, block_tables, token_rows, kv_lens, scale,
+               sliding_window, logit_softcap, "paged_attention_heads", [&](const auto& problem, int64_t num_tokens) {
+    if (kv_first == kv_end) return;
+    Scratch scratch;
+    for (int64_t token = 0; token < num_tokens; ++token) attend_token(problem, token, kv_first, kv_end, scratch);
   });
 }

@@ -426,11 +426,15 @@ int64_t cache_rows(int64_t row_bytes) {
 
 }  // namespace
 
-void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
-                           c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
-  RECORD_FUNCTION("pagedllm::quantized_linear_rows", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
-  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_rows");
-  const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
+namespace {
+
+// quantized_linear_rows's work on tiles [first_tile_of_call, last_tile_of_call): split(first, last, f) runs f over
+// runs of those tiles, on the cores (at::parallel_for) or on the calling thread alone (a share).
+template <typename Split>
+void rows_matmul(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias, int64_t bits,
+                 int64_t group, int64_t first_tile_of_call, int64_t last_tile_of_call, Split&& split) {
+  const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1);
   const Weights weights = weights_of(qweight, scales, cols, group);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_rows", [&] {
     scalar_t* result = out.data_ptr<scalar_t>();
@@ -459,7 +463,7 @@ void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
       if constexpr (!kBf16) activations.x = as_floats<scalar_t>(x, floats);
       // Each thread an equal run of tiles (a decode step's 36-tile layers split 18/18, not 20/16 as chunks of
       // 4 did), walked kChunkTiles at a time: a chunk's weights stay in cache while every row block meets them.
-      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      split(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
         std::vector<float> block(kRowBlock * kChunkTiles * kTileRows);
         const int64_t ld_block = kChunkTiles * kTileRows;
         for (int64_t first_tile = begin; first_tile < end; first_tile += kChunkTiles) {
@@ -478,6 +482,28 @@ void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
       });
     });
   });
+}
+
+}  // namespace
+
+void quantized_linear_rows(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                           c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
+  RECORD_FUNCTION("pagedllm::quantized_linear_rows", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
+  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_rows");
+  rows_matmul(out, x, qweight, scales, mins, bias, bits, group, 0, qweight.size(0),
+              [](int64_t first, int64_t last, const auto& f) { at::parallel_for(first, last, 1, f); });
+}
+
+void quantized_linear_rows_share(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                                 const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                                 const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group,
+                                 int64_t first_tile, int64_t last_tile) {
+  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_rows_share");
+  TORCH_CHECK(0 <= first_tile && first_tile <= last_tile && last_tile <= qweight.size(0),
+              "quantized_linear_rows_share: tiles must be a range within 0..", qweight.size(0));
+  if (first_tile == last_tile) return;
+  rows_matmul(out, x, qweight, scales, mins, bias, bits, group, first_tile, last_tile,
+              [](int64_t first, int64_t last, const auto& f) { f(first, last); });
 }
 
 void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,

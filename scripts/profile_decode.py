@@ -7,6 +7,9 @@ request, the quantized matmuls split by weight shape; the bytes of weights one t
 memory read rate with 1 and 2 threads (a sum over 1 GiB), which together give the bandwidth floor of a step;
 and the rate the quantized matmuls alone reach streaming the model's own weights from memory, called in a
 decode step's order on one row, against a plain 2-thread read of the same number of bytes.
+A one-row step's 30 layers run in one parallel region (csrc/decode_layers.cpp), so the profiler shows them as one
+`pagedllm::decode_one_row` (the shares inside are not recorded; thread 0's norms, silu and rope still are); set
+PAGEDLLM_DECODE_STACK=0 for the per-kernel list of the Python layers.
 Run it in a benchmark window: `python scripts/profile_decode.py` (`--stream-only`: that last part alone).
 """
 import argparse

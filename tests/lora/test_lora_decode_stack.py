@@ -1,10 +1,11 @@
 """Adapters on the compiled decode stack (pagedllm/model/decode_stack.py) against the Python layers.
 
 The stack runs each adapter-wrapped projection's `lora_sgmv` right after its matmul, as LoRALinear does, on the same
-inputs (a one-row step runs the two in one parallel region, `pagedllm::lora_projection`): every token and top-5
-logprob of one adapter's request and of a mixed batch (three adapters of different ranks and targets, and base rows)
-must be bitwise those of PAGEDLLM_DECODE_STACK=0, and torch.profiler's counts show the stack served every decode step,
-through the one-row region where a step has one row. The Python layers' adapters are held to peft by test_lora_vs_peft.py.
+inputs (a one-row step runs all its layers, adapters included, in one parallel region, `pagedllm::decode_one_row`):
+every token and top-5 logprob of one adapter's request and of a mixed batch (three adapters of different ranks and
+targets, and base rows) must be bitwise those of PAGEDLLM_DECODE_STACK=0, with 1 and with 2 threads (the threads'
+shares and barriers), and torch.profiler's counts show the stack served every decode step, through the one-row region
+where a step has one row. The Python layers' adapters are held to peft by test_lora_vs_peft.py.
 """
 from __future__ import annotations
 
@@ -52,7 +53,17 @@ def greedy_run(monkeypatch, base, lora_requests, stack: bool, **engine_args):
                                          dict(quantization="int8", dtype="bfloat16")],
                          ids=["int4-float32", "int4-bfloat16", "int8-bfloat16"])
 @pytest.mark.parametrize("mix", ["one-adapter", "three-adapters-and-base"])
-def test_stack_with_adapters_equals_python_layers(mix, engine_args, base, loras, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stack_with_adapters_equals_python_layers(threads, mix, engine_args, base, loras, monkeypatch):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_stack_with_adapters(mix, engine_args, base, loras, monkeypatch)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def check_stack_with_adapters(mix, engine_args, base, loras, monkeypatch):
     lora_requests = [loras[0]] if mix == "one-adapter" else [loras[0], None, loras[1], loras[2], loras[0], None]
     stacked, stack_counts, llm = greedy_run(monkeypatch, base, lora_requests, stack=True, **engine_args)
     assert llm.llm_engine.runner.model.decode_stack() is not None
@@ -60,10 +71,9 @@ def test_stack_with_adapters_equals_python_layers(mix, engine_args, base, loras,
     assert layer_counts.get("pagedllm::decode_layers", 0) == 0
     stack_steps = stack_counts.get("pagedllm::decode_layers", 0)
     assert stack_steps >= MAX_TOKENS - 1   # every decode step of the run
-    # One row of the all-linear adapter: each of a step's 4 projections per layer in one region; several rows: none.
-    layers = llm.llm_engine.runner.model.decode_stack().stack.num_layers
-    one_row_regions = stack_counts.get("pagedllm::lora_projection", 0)
-    assert one_row_regions == (4 * layers * stack_steps if mix == "one-adapter" else 0)
+    # One row: every step's layers in one region; several rows: none.
+    one_row_regions = stack_counts.get("pagedllm::decode_one_row", 0)
+    assert one_row_regions == (stack_steps if mix == "one-adapter" else 0)
     assert stacked == layered
     # The adapters acted: an adapter's request does not give the base's tokens for the same prompt.
     base_alone, _, _ = greedy_run(monkeypatch, base, [None] * len(lora_requests), stack=True, **engine_args)

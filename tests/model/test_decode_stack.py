@@ -26,14 +26,16 @@ HEAD_DIM_32 = dict(hidden_size=128, intermediate_size=256)   # 4 heads of 32: th
 PROMPTS = [{"prompt_token_ids": [(7 * i + 13 * j) % 250 + 3 for j in range(5 + i)]} for i in range(12)]
 
 
-def greedy_run(monkeypatch, model: str, num_prompts: int, stack: bool, max_tokens: int = 40, **engine_args):
-    """Each prompt's tokens and top-5 logprobs, and how many steps ran the compiled stack."""
+def greedy_run(monkeypatch, model: str, num_prompts: int, stack: bool, max_tokens: int = 40,
+               event: str = "pagedllm::decode_layers", **engine_args):
+    """Each prompt's tokens and top-5 logprobs, and how many steps ran the compiled stack (by default; how many
+    times torch.profiler saw `event`)."""
     monkeypatch.setenv(FORCE_VARIABLE, "1" if stack else "0")
     llm = LLM(model, kv_cache_memory="16MiB", enable_prefix_caching=False, **engine_args)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5, ignore_eos=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         outputs = llm.generate(PROMPTS[:num_prompts], params, use_tqdm=False)
-    steps = sum(event.count for event in profiler.key_averages() if event.key == "pagedllm::decode_layers")
+    steps = sum(seen.count for seen in profiler.key_averages() if seen.key == event)
     results = [(list(o.outputs[0].token_ids),
                 [sorted((token, entry.logprob) for token, entry in position.items()) for position in o.outputs[0].logprobs])
                for o in outputs]
@@ -65,6 +67,37 @@ def test_stack_equals_python_layers(case, make_tiny_model_dir, tmp_path, monkeyp
     layered, layer_steps, _ = greedy_run(monkeypatch, folder, num_prompts, stack=False, **engine_args)
     assert layer_steps == 0
     assert stack_steps >= 39   # every decode step of the run
+    assert stacked == layered
+
+
+ONE_ROW_CASES = {
+    "int4-float32": ("llama", HEAD_DIM_32, dict(quantization="int4", dtype="float32")),
+    "int4-bfloat16": ("llama", HEAD_DIM_32, dict(quantization="int4", dtype="bfloat16")),
+    "int8-bfloat16": ("llama", HEAD_DIM_32, dict(quantization="int8", dtype="bfloat16")),
+    "qkv-bias-int8-cache": ("qwen2", HEAD_DIM_32, dict(quantization="int4", dtype="float32", kv_cache_dtype="int8")),
+    "window-fp8-cache": ("mistral-window", dict(HEAD_DIM_32, head_dim=32), dict(quantization="int4", dtype="bfloat16",
+                                                                                  kv_cache_dtype="fp8_e5m2")),
+    "partial-rotary": ("phi3", dict(hidden_size=256, intermediate_size=256), dict(quantization="int4", dtype="float32")),
+}
+
+
+@pytest.mark.parametrize("case", ONE_ROW_CASES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_row_steps_in_one_region_equal_python_layers(threads, case, make_tiny_model_dir, tmp_path, monkeypatch):
+    """A one-row step's layers run in one parallel region, each thread its share of every kernel, meeting at
+    barriers: bitwise the Python layers' results with 1 thread, 2, and 3 (more threads than the tiny models' kv heads,
+    so a thread with no heads of attention)."""
+    arch, overrides, engine_args = ONE_ROW_CASES[case]
+    folder = str(make_tiny_model_dir(tmp_path, arch, **overrides))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        stacked, one_row_steps, _ = greedy_run(monkeypatch, folder, 1, stack=True, event="pagedllm::decode_one_row",
+                                               **engine_args)
+        layered, _, _ = greedy_run(monkeypatch, folder, 1, stack=False, **engine_args)
+    finally:
+        torch.set_num_threads(previous)
+    assert one_row_steps >= 39   # every decode step of the run
     assert stacked == layered
 
 
