@@ -105,9 +105,13 @@ def _engine(args: argparse.Namespace, batch_sizes: list[int], quantization: str,
                speculative_config=speculative_config, **(lora_engine_settings([adapter]) if adapter else {}))
 
 
+def _speculative_label(speculative_config: dict | None) -> str:
+    return "none" if speculative_config is None else json.dumps(speculative_config)
+
+
 def _label(quantization: str, speculative_config: dict | None, adapter) -> str:
-    speculative = "none" if speculative_config is None else json.dumps(speculative_config)
-    return f"{quantization}, speculative {speculative}, LoRA {adapter.lora_name if adapter else 'none'}"
+    return (f"{quantization}, speculative {_speculative_label(speculative_config)}, "
+            f"LoRA {adapter.lora_name if adapter else 'none'}")
 
 
 def _alternate(args: argparse.Namespace, batch_sizes: list[int], datasets: list[str], configurations: list) -> None:
@@ -147,7 +151,7 @@ def _measure_configuration(args: argparse.Namespace, batch_sizes: list[int], dat
                            speculative_config: dict | None, adapter) -> None:
     """One engine's rows: every dataset and batch size; with an adapter, every request runs with it."""
     llm = _engine(args, batch_sizes, quantization, speculative_config, adapter)
-    speculative = "none" if speculative_config is None else json.dumps(speculative_config)
+    speculative = _speculative_label(speculative_config)
     lora_label = adapter.lora_name if adapter else "none"
     for dataset in datasets:
         for batch_size in batch_sizes:
