@@ -4,8 +4,9 @@ The stack runs each adapter-wrapped projection's `lora_sgmv` right after its mat
 inputs (a one-row step runs all its layers, adapters included, in one parallel region, `pagedllm::decode_one_row`):
 every token and top-5 logprob of one adapter's request and of a mixed batch (three adapters of different ranks and
 targets, and base rows) must be bitwise those of PAGEDLLM_DECODE_STACK=0, with 1, 2 and 3 threads (the threads'
-shares, each thread's own h and the barriers; 3 threads on 2 cores split the tiles unevenly), and torch.profiler's counts show the stack served every decode step, through the one-row region
-where a step has one row. The Python layers' adapters are held to peft by test_lora_vs_peft.py.
+shares, each thread's own h and the barriers; 3 threads on 2 cores split the tiles unevenly), and torch.profiler's
+counts show the stack served every decode step, through the one-row region where a step has one row. The Python
+layers' adapters are held to peft by test_lora_vs_peft.py.
 """
 from __future__ import annotations
 
