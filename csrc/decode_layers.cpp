@@ -13,6 +13,7 @@
 
 #include <ATen/record_function.h>
 
+#include <algorithm>
 #include <atomic>
 #include <exception>
 #include <memory>
@@ -105,30 +106,36 @@ void DecodeStack::layers_in_turn(const StepBuffers& b, const StepInputs& in) con
 //   o | norm (thread 0) | gate_up | silu (thread 0) | down
 // with a barrier after each. Shares are at::parallel_for's split (equal runs of tiles, the last shorter), and
 // each kernel's own parallel_for runs inline on its thread inside the region. An adapter-wrapped projection's
-// update runs in the same phase: the thread's share of the shrink before its matmul share, a barrier (the
-// expand needs all of h), then the expand over the columns the thread just wrote. Every output element is
-// computed the same way whichever thread computes it, so results are the kernels' own, bit for bit. The
-// adapters' plans are made before the region (their checks may throw); an error inside it stops the work but
-// not the barriers, and is rethrown after the region.
+// update runs in the same phase, with no barrier of its own: the thread runs the whole shrink into its own h
+// (every thread computes each element of h the same way), its matmul share, then the expand over the columns it
+// just wrote. Before the barrier that ends a projection's phase, the thread hints the CPU to fetch the next
+// adapter's A and its share of that adapter's B, so the wait at the barrier starts their cold streams. Every
+// output element is computed the same way whichever thread computes it, so results are the kernels' own, bit for
+// bit. The adapters' plans are made before the region (their checks may throw); an error inside it stops the
+// work but not the barriers, and is rethrown after the region.
 void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) const {
 #if defined(_OPENMP)
   RECORD_FUNCTION("pagedllm::decode_one_row", std::vector<c10::IValue>());   // torch.profiler names the path
   const size_t num_layers = layers_.size();
-  std::vector<std::unique_ptr<LoRAUpdate>> updates(4 * num_layers);   // [layer][qkv, o, gate_up, down]; null: none
-  if (in.lora != nullptr) {
-    for (size_t i = 0; i < num_layers; ++i) {
-      const DecodeLayer& layer = layers_[i];
-      const std::pair<const Projection*, std::pair<const at::Tensor*, const at::Tensor*>> projections[] = {
-          {&layer.qkv, {&b.qkv, &b.normed}}, {&layer.o, {&b.projected, &b.attention}},
-          {&layer.gate_up, {&b.gate_up, &b.normed}}, {&layer.down, {&b.out, &b.activated}}};
-      for (int p = 0; p < 4; ++p) {
-        const auto& [projection, out_x] = projections[p];
-        if (!projection->lora) continue;
-        const LoRASlots& slots = *projection->lora;
-        auto update = std::make_unique<LoRAUpdate>(*out_x.first, *out_x.second, slots.a, slots.b, slots.ranks,
-                                                   slots.column_starts, in.lora->rows, in.lora->segments);
-        if (!update->empty()) updates[4 * i + p] = std::move(update);
-      }
+  // [layer][qkv, o, gate_up, down], a step's projections in their order; a null update: no adapter there.
+  std::vector<const Projection*> projections;
+  std::vector<std::unique_ptr<LoRAUpdate>> updates(4 * num_layers);
+  int64_t h_size = 0;   // the largest update's h, each thread's own
+  for (size_t i = 0; i < num_layers; ++i) {
+    const DecodeLayer& layer = layers_[i];
+    const std::pair<const Projection*, std::pair<const at::Tensor*, const at::Tensor*>> in_layer[] = {
+        {&layer.qkv, {&b.qkv, &b.normed}}, {&layer.o, {&b.projected, &b.attention}},
+        {&layer.gate_up, {&b.gate_up, &b.normed}}, {&layer.down, {&b.out, &b.activated}}};
+    for (int p = 0; p < 4; ++p) {
+      const auto& [projection, out_x] = in_layer[p];
+      projections.push_back(projection);
+      if (in.lora == nullptr || !projection->lora) continue;
+      const LoRASlots& slots = *projection->lora;
+      auto update = std::make_unique<LoRAUpdate>(*out_x.first, *out_x.second, slots.a, slots.b, slots.ranks,
+                                                 slots.column_starts, in.lora->rows, in.lora->segments);
+      if (update->empty()) continue;
+      h_size = std::max(h_size, update->h_size());
+      updates[4 * i + p] = std::move(update);
     }
   }
   const int64_t group = num_heads_ / num_kv_heads_;
@@ -140,6 +147,12 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
     auto share = [&](int64_t total) {   // at::parallel_for's split: equal runs, the last one shorter
       const int64_t chunk = (total + threads - 1) / threads;
       return std::make_pair(std::min(total, thread * chunk), std::min(total, (thread + 1) * chunk));
+    };
+    // Projection n's output columns this thread writes: those of its share of the weight's tiles.
+    auto columns = [&](size_t n) {
+      const Projection& p = *projections[n];
+      const auto [first_tile, last_tile] = share(p.qweight.size(0));
+      return std::make_pair(first_tile * kTileRows, std::min(p.out_features, last_tile * kTileRows));
     };
     auto guarded = [&](auto&& work) {   // the work unless a thread failed; a failure kept for after the region
       if (failed.load(std::memory_order_relaxed)) return;
@@ -155,20 +168,27 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
       if (thread == 0) guarded(work);
 #pragma omp barrier
     };
-    auto project = [&](const at::Tensor& out, const at::Tensor& x, const Projection& p, LoRAUpdate* update) {
+    auto prefetch_adapter = [&](size_t n) {   // projection n's adapter, as this thread will read it
+      if (n < updates.size() && updates[n] != nullptr) {
+        const auto [begin, end] = columns(n);
+        updates[n]->prefetch(begin, end);
+      }
+    };
+    std::vector<float> h(h_size);
+    auto project = [&](const at::Tensor& out, const at::Tensor& x, size_t n) {   // projection n of the step
+      const Projection& p = *projections[n];
+      const LoRAUpdate* update = updates[n].get();
       const auto [first_tile, last_tile] = share(p.qweight.size(0));
       guarded([&] {
-        if (update != nullptr) {
-          const auto [first_shrink, last_shrink] = share(update->num_shrinks());
-          update->shrink(first_shrink, last_shrink);
-        }
+        if (update != nullptr) update->shrink_into(h.data());
         quantized_linear_rows_share(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group, first_tile,
                                     last_tile);
+        if (update != nullptr) {
+          const auto [begin, end] = columns(n);
+          update->expand_from(h.data(), begin, end);
+        }
+        prefetch_adapter(n + 1);
       });
-      if (update != nullptr) {
-#pragma omp barrier
-        guarded([&] { update->expand(first_tile * kTileRows, std::min(p.out_features, last_tile * kTileRows)); });
-      }
 #pragma omp barrier
     };
     // This thread's kv heads, and the views of its query and key heads.
@@ -179,6 +199,7 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
       k_mine = b.k_rotated.narrow(1, kv_first, kv_end - kv_first);
     });
 
+    guarded([&] { prefetch_adapter(0); });
     for (size_t i = 0; i < num_layers; ++i) {
       const DecodeLayer& layer = layers_[i];
       on_one_thread([&] {
@@ -188,7 +209,7 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
           add_rms_norm(b.normed, b.residual, b.out, layer.input_norm, eps_);
         }
       });
-      project(b.qkv, b.normed, layer.qkv, updates[4 * i].get());
+      project(b.qkv, b.normed, 4 * i);
       guarded([&] {
         if (kv_first == kv_end) return;
         rotary_embedding(q_mine, in.rope_rows, in.cos_sin);
@@ -200,11 +221,11 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
                               layer.sliding_window, layer.logit_softcap, kv_first, kv_end);
       });
 #pragma omp barrier
-      project(b.projected, b.attention, layer.o, updates[4 * i + 1].get());
+      project(b.projected, b.attention, 4 * i + 1);
       on_one_thread([&] { add_rms_norm(b.normed, b.residual, b.projected, layer.post_attention_norm, eps_); });
-      project(b.gate_up, b.normed, layer.gate_up, updates[4 * i + 2].get());
+      project(b.gate_up, b.normed, 4 * i + 2);
       on_one_thread([&] { silu_and_mul(b.activated, b.gate_up); });
-      project(b.out, b.activated, layer.down, updates[4 * i + 3].get());
+      project(b.out, b.activated, 4 * i + 3);
     }
   }
   if (error) std::rethrow_exception(error);

@@ -23,6 +23,7 @@ using namespace pagedllm;
 constexpr int64_t kTileRows = 4;         // rows of one slot sharing each weight vector loaded
 constexpr int64_t kRankChunk = 8;        // rank rows of one part per shrink task
 constexpr int64_t kColumnBlock = 128;    // output columns per expand task
+constexpr int64_t kCacheLine = 64;       // bytes per prefetch hint
 // Work per task that outweighs waking a thread, in multiply-adds; each weight element read counts kReadWork more,
 // as a decode step's few rows are bound by reading the adapter from memory, not by arithmetic: split that way,
 // one row's update of one layer runs on every core.
@@ -214,12 +215,17 @@ LoRAUpdate::LoRAUpdate(const at::Tensor& out, const at::Tensor& x, const at::Ten
                out.stride(0), rank_data, starts, row_data, h_.data()};
 }
 
-void LoRAUpdate::shrink(int64_t first, int64_t last) {
+void LoRAUpdate::shrink_into(float* h) const {
+  Step s = step_;
+  s.h = h;
+  shrink_tasks(s, 0, num_shrinks());
+}
+
+void LoRAUpdate::shrink_tasks(const Step& s, int64_t first, int64_t last) const {
   if (first >= last) return;
   with_types([&](auto x_type, auto lora_type) {
     using scalar_t = decltype(x_type);
     using lora_t = decltype(lora_type);
-    const Step& s = step_;
     const lora_t* a_data = a_.data_ptr<lora_t>();
     const int64_t rank_rows = s.parts * s.max_rank, a_slot = rank_rows * s.in;
     WidenedRows<scalar_t> xs(x_.data_ptr<scalar_t>(), s);
@@ -234,20 +240,44 @@ void LoRAUpdate::shrink(int64_t first, int64_t last) {
   });
 }
 
-void LoRAUpdate::expand_tile(const Tile& tile, int64_t begin, int64_t end) const {
+void LoRAUpdate::expand_tile(const Step& s, const Tile& tile, int64_t begin, int64_t end) const {
   with_types([&](auto x_type, auto lora_type) {
     using scalar_t = decltype(x_type);
     using lora_t = decltype(lora_type);
-    const lora_t* b_slot = b_.data_ptr<lora_t>() + tile.slot * step_.max_rank * step_.out;
+    const lora_t* b_slot = b_.data_ptr<lora_t>() + tile.slot * s.max_rank * s.out;
     with_rows(tile.end - tile.begin, [&](auto count) {
-      ::expand_tile<decltype(count)::value>(out_.data_ptr<scalar_t>(), tile, b_slot, begin, end, step_);
+      ::expand_tile<decltype(count)::value>(out_.data_ptr<scalar_t>(), tile, b_slot, begin, end, s);
     });
   });
 }
 
-void LoRAUpdate::expand(int64_t begin, int64_t end) const {
+void LoRAUpdate::expand_from(const float* h, int64_t begin, int64_t end) const {
   if (begin >= end) return;
-  for (const Tile& tile : tiles_) expand_tile(tile, begin, end);
+  Step s = step_;
+  s.h = const_cast<float*>(h);   // the expand only reads h
+  for (const Tile& tile : tiles_) expand_tile(s, tile, begin, end);
+}
+
+void LoRAUpdate::prefetch(int64_t begin, int64_t end) const {
+  const Step& s = step_;
+  const int64_t element = a_.element_size();
+  const char* a_data = static_cast<const char*>(a_.data_ptr());
+  const char* b_data = static_cast<const char*>(b_.data_ptr());
+  auto fetch = [](const char* data, int64_t bytes) {
+    for (int64_t offset = 0; offset < bytes; offset += kCacheLine) __builtin_prefetch(data + offset, 0, 2);
+  };
+  int64_t fetched_slot = -1;
+  for (const Tile& tile : tiles_) {
+    if (tile.slot == fetched_slot) continue;   // one row's tiles, or a segment's, share their slot
+    fetched_slot = tile.slot;
+    for (int64_t p = 0; p < s.parts; ++p) {
+      const int64_t rank = s.rank_of(tile.slot, p);
+      fetch(a_data + ((tile.slot * s.parts + p) * s.max_rank * s.in) * element, rank * s.in * element);
+      const int64_t first = std::max(begin, s.column_starts[p]), last = std::min(end, s.column_starts[p + 1]);
+      for (int64_t k = 0; k < rank && first < last; ++k)
+        fetch(b_data + ((tile.slot * s.max_rank + k) * s.out + first) * element, (last - first) * element);
+    }
+  }
 }
 
 void LoRAUpdate::run() {
@@ -255,13 +285,13 @@ void LoRAUpdate::run() {
   const Step& s = step_;
   const int64_t tile_rows = std::min<int64_t>(kTileRows, tiles_.front().end - tiles_.front().begin);
   at::parallel_for(0, num_shrinks(), grain(kRankChunk * s.in * (tile_rows + kReadWork)),
-                   [&](int64_t first, int64_t last) { shrink(first, last); });
+                   [&](int64_t first, int64_t last) { shrink_tasks(s, first, last); });
   const int64_t blocks = (s.out + kColumnBlock - 1) / kColumnBlock;
   at::parallel_for(0, static_cast<int64_t>(tiles_.size()) * blocks, grain(s.max_rank * kColumnBlock * (tile_rows + kReadWork)),
                    [&](int64_t first, int64_t last) {
     for (int64_t index = first; index < last; ++index) {
       const int64_t begin = index % blocks * kColumnBlock;
-      expand_tile(tiles_[index / blocks], begin, std::min(s.out, begin + kColumnBlock));
+      expand_tile(s, tiles_[index / blocks], begin, std::min(s.out, begin + kColumnBlock));
     }
   });
 }

@@ -1,8 +1,8 @@
-// One layer's LoRA update for one step (lora_sgmv.cpp), checked and planned once, then run in shares: the shrink
-// (x . A) by ranges of its tasks, the expand (. B, added to out) by ranges of output columns. lora_sgmv runs the
-// two over the cores itself, a parallel region each; the compiled decode stack runs a one-row step's shares inside
-// the step's one parallel region instead (decode_layers.cpp), as a decode step's 120 updates spent more in waking
-// and joining threads than in reading the adapter.
+// One layer's LoRA update for one step (lora_sgmv.cpp), checked and planned once, then run: the shrink (x . A)
+// and the expand (. B, added to out). lora_sgmv runs the two over the cores itself, a parallel region each; the
+// compiled decode stack runs a one-row step's update inside the step's one parallel region instead
+// (decode_layers.cpp), each thread the whole shrink and its share of the expand's columns, as a decode step's
+// 120 updates spent more in waking, joining and waiting for threads than in reading the adapter.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -25,10 +25,16 @@ class LoRAUpdate {
   bool empty() const { return tiles_.empty(); }   // no row's adapter changes this layer
   int64_t num_shrinks() const { return static_cast<int64_t>(shrinks_.size()); }
 
-  // The shrink's tasks [first, last): their rank rows of h for their tile's rows.
-  void shrink(int64_t first, int64_t last);
-  // out's columns [begin, end) of every adapter row += h . B; only once every shrink task has run.
-  void expand(int64_t begin, int64_t end) const;
+  // A one-row decode step's thread runs the whole shrink (x . A) into its own h (h_size() floats; A is tens of
+  // KB and both threads read it at once, so the second read is nearly free), then the expand of its columns
+  // (out's columns [begin, end) of every adapter row += h . B) from it: no barrier between the two, where a
+  // shared h needed one per projection (decode_layers.cpp).
+  int64_t h_size() const { return static_cast<int64_t>(h_.size()); }
+  void shrink_into(float* h) const;
+  void expand_from(const float* h, int64_t begin, int64_t end) const;
+  // Hints the CPU to fetch what shrink_into and expand_from(.., begin, end) will read (all of A, B's columns
+  // [begin, end)) into L2, so a thread waiting at a barrier starts the next projection's cold adapter streams.
+  void prefetch(int64_t begin, int64_t end) const;
   // All of it, the shrink and then the expand each split over the cores (what lora_sgmv runs).
   void run();
 
@@ -49,7 +55,10 @@ class LoRAUpdate {
   };
 
  private:
-  void expand_tile(const Tile& tile, int64_t begin, int64_t end) const;
+  // The shrink's tasks [first, last): their rank rows of s.h for their tile's rows.
+  void shrink_tasks(const Step& s, int64_t first, int64_t last) const;
+  // The tile's rows' columns [begin, end) += s.h . B.
+  void expand_tile(const Step& s, const Tile& tile, int64_t begin, int64_t end) const;
   template <typename F>
   void with_types(F&& f) const;   // f(x's element, the adapter's element)
 

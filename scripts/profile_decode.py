@@ -10,7 +10,9 @@ decode step's order on one row, against a plain 2-thread read of the same number
 A one-row step's 30 layers run in one parallel region (csrc/decode_layers.cpp), so the profiler shows them as one
 `pagedllm::decode_one_row` (the shares inside are not recorded; thread 0's norms, silu and rope still are); set
 PAGEDLLM_DECODE_STACK=0 for the per-kernel list of the Python layers.
-Run it in a benchmark window: `python scripts/profile_decode.py` (`--stream-only`: that last part alone).
+Run it in a benchmark window: `python scripts/profile_decode.py` (`--stream-only`: that last part alone;
+`--num-loras 1`: every request with a random rank-16 adapter over every linear layer, as `bench latency
+--num-loras 1` serves it, to set its step beside the base's).
 """
 import argparse
 import collections
@@ -20,6 +22,7 @@ import time
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.lora_adapters import add_lora_arguments, lora_engine_settings, lora_requests_from_args
 from pagedllm.bench.workload import random_workload
 from pagedllm.model.linear import Linear, QuantizedLinear
 
@@ -88,8 +91,16 @@ def print_stream_rate(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stream-only", action="store_true", help="only the matmuls' stream rate")
+    add_lora_arguments(parser)
     args = parser.parse_args()
-    llm = LLM(enable_prefix_caching=False, max_num_seqs=1)
+    args.model = None   # the bundled model, whose shapes the random adapters take
+    with lora_requests_from_args(args) as adapters:
+        profile(args, adapters[0] if adapters else None)
+
+
+def profile(args: argparse.Namespace, adapter) -> None:
+    """The parts above, every request with `adapter` (None: the base alone)."""
+    llm = LLM(enable_prefix_caching=False, max_num_seqs=1, **(lora_engine_settings([adapter]) if adapter else {}))
     engine = llm.llm_engine
     if args.stream_only:
         print_stream_rate(engine.runner.model, engine.dtype)
@@ -101,7 +112,7 @@ def main() -> None:
     def run(seed: int) -> None:
         item = random_workload(num=1, in_min=INPUT_LEN, in_max=INPUT_LEN, vocab=engine.model_config.vocab_size,
                                seed=seed)[0]
-        engine.add_request(f"r{seed}", {"prompt_token_ids": item.prompt_token_ids}, params)
+        engine.add_request(f"r{seed}", {"prompt_token_ids": item.prompt_token_ids}, params, lora_request=adapter)
         engine.step()   # the prefill
         while engine.has_unfinished_requests():
             started = time.perf_counter()
@@ -120,7 +131,8 @@ def main() -> None:
     for seed in (1, 2, 3):
         run(seed)
     print(f"\n=== batch-1 decode step, {torch.get_num_threads()} threads, "
-          f"{engine.model_config.num_hidden_layers} layers (ms, p50 over {len(parts['prepare'])} steps)")
+          f"{engine.model_config.num_hidden_layers} layers, adapter {adapter.lora_name if adapter else 'none'} "
+          f"(ms, p50 over {len(parts['prepare'])} steps)")
     for name, times in parts.items():
         print(f"  {name}: {statistics.median(times) * 1e3:.3f}")
 

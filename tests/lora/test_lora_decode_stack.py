@@ -3,9 +3,10 @@
 The stack runs each adapter-wrapped projection's `lora_sgmv` right after its matmul, as LoRALinear does, on the same
 inputs (a one-row step runs all its layers, adapters included, in one parallel region, `pagedllm::decode_one_row`):
 every token and top-5 logprob of one adapter's request and of a mixed batch (three adapters of different ranks and
-targets, and base rows) must be bitwise those of PAGEDLLM_DECODE_STACK=0, with 1 and with 2 threads (the threads'
-shares and barriers), and torch.profiler's counts show the stack served every decode step, through the one-row region
-where a step has one row. The Python layers' adapters are held to peft by test_lora_vs_peft.py.
+targets, and base rows) must be bitwise those of PAGEDLLM_DECODE_STACK=0, with 1, 2 and 3 threads (the threads'
+shares, each thread's own h and the barriers; 3 threads on 2 cores split the tiles unevenly), and torch.profiler's
+counts show the stack served every decode step, through the one-row region where a step has one row. The Python
+layers' adapters are held to peft by test_lora_vs_peft.py.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def greedy_run(monkeypatch, base, lora_requests, stack: bool, **engine_args):
                                          dict(quantization="int8", dtype="bfloat16")],
                          ids=["int4-float32", "int4-bfloat16", "int8-bfloat16"])
 @pytest.mark.parametrize("mix", ["one-adapter", "three-adapters-and-base"])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_stack_with_adapters_equals_python_layers(threads, mix, engine_args, base, loras, monkeypatch):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
