@@ -32,6 +32,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__F16C__) || defined(__AVX512F__)
@@ -424,6 +425,32 @@ int64_t cache_rows(int64_t row_bytes) {
   return std::max<int64_t>(1, kCacheBytes / row_bytes / kBlockRows) * kBlockRows;
 }
 
+// Scratch of `elements` for the calling thread, kept from call to call (tag: which scratch): a fresh vector was
+// zero-filled on every call, and one over glibc's mmap threshold faulted its pages in again: a many-row call
+// re-allocated its 0.3 MB of per-thread blocks and, past kCacheBytes of rows, the whole weight's (up to 3.5 MB).
+// Scratch over kKeptBytes (an LM head's 57 MB at many rows) is not kept: it lives as long as the call.
+constexpr int64_t kKeptBytes = 8 << 20;
+
+template <typename T, int tag>
+class KeptScratch {
+ public:
+  explicit KeptScratch(int64_t elements) {
+    thread_local std::vector<T> kept;
+    if (elements * static_cast<int64_t>(sizeof(T)) > kKeptBytes) {
+      own_.reset(new T[elements]);
+      data_ = own_.get();
+      return;
+    }
+    if (static_cast<int64_t>(kept.size()) < elements) kept.resize(elements);
+    data_ = kept.data();
+  }
+  T* data() const { return data_; }
+
+ private:
+  std::unique_ptr<T[]> own_;
+  T* data_;
+};
+
 }  // namespace
 
 namespace {
@@ -534,25 +561,25 @@ void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, a
         return std::array<int64_t, 4>{first_tile, num_tiles, width, std::min(width, out_features - first_out)};
       };
       // Activation rows [first, last) against block nb's dequantized weights b, kBlockRows rows per brgemm call.
-      auto multiply = [&](const scalar_t* b, int64_t nb, int64_t first, int64_t last, std::vector<float>& c) {
+      auto multiply = [&](const scalar_t* b, int64_t nb, int64_t first, int64_t last, float* c) {
         const auto [first_tile, num_tiles, width, valid] = block_shape(nb);
         for (int64_t r = first; r < last; r += kBlockRows) {
           const int64_t block_rows = std::min(kBlockRows, last - r);
           at::native::cpublas::brgemm(block_rows, width, cols, cols, width, width, false, activations + r * cols,
-                                      b, c.data(), kVnni);
-          store(result + r * out_features + first_tile * kTileRows, out_features, c.data(), width, block_rows, valid,
+                                      b, c, kVnni);
+          store(result + r * out_features + first_tile * kTileRows, out_features, c, width, block_rows, valid,
                 bias_values ? bias_values + first_tile * kTileRows : nullptr);
         }
       };
       const int64_t fits = cache_rows(cols * static_cast<int64_t>(sizeof(scalar_t)));
       if (rows <= fits) {   // the activations stay in cache: each block dequantized, then met by every row
         at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-          std::vector<scalar_t> b(cols * kBlockTiles * kTileRows);
-          std::vector<float> c(kBlockRows * kBlockTiles * kTileRows);
+          const KeptScratch<scalar_t, 0> b(cols * kBlockTiles * kTileRows);
+          const KeptScratch<float, 1> c(kBlockRows * kBlockTiles * kTileRows);
           for (int64_t nb = begin; nb < end; ++nb) {
             const auto [first_tile, num_tiles, width, valid] = block_shape(nb);
             dequantize_block<kBits, scale_t, scalar_t>(b.data(), weights, all_scales, all_mins, first_tile, num_tiles);
-            multiply(b.data(), nb, 0, rows, c);
+            multiply(b.data(), nb, 0, rows, c.data());
           }
           at::native::cpublas::brgemm_release(kVnni);
         });
@@ -564,7 +591,7 @@ void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, a
       const int64_t share = ((rows + threads - 1) / threads + kBlockRows - 1) / kBlockRows * kBlockRows;
       const int64_t chunk_rows = std::min(fits, share);   // at least one chunk per thread
       const int64_t block_size = cols * kBlockTiles * kTileRows;
-      std::vector<scalar_t> all_blocks(num_blocks * block_size);
+      const KeptScratch<scalar_t, 2> all_blocks(num_blocks * block_size);
       at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t nb = begin; nb < end; ++nb) {
           const auto [first_tile, num_tiles, width, valid] = block_shape(nb);
@@ -573,11 +600,11 @@ void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, a
         }
       });
       at::parallel_for(0, (rows + chunk_rows - 1) / chunk_rows, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> c(kBlockRows * kBlockTiles * kTileRows);
+        const KeptScratch<float, 1> c(kBlockRows * kBlockTiles * kTileRows);
         for (int64_t chunk = begin; chunk < end; ++chunk) {
           for (int64_t nb = 0; nb < num_blocks; ++nb) {
             multiply(all_blocks.data() + nb * block_size, nb, chunk * chunk_rows,
-                     std::min(rows, (chunk + 1) * chunk_rows), c);
+                     std::min(rows, (chunk + 1) * chunk_rows), c.data());
           }
         }
         at::native::cpublas::brgemm_release(kVnni);
