@@ -16,7 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
-#include <memory>
+#include <optional>
 #include <utility>
 #if defined(_OPENMP)
 #include <omp.h>
@@ -119,23 +119,30 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
   const size_t num_layers = layers_.size();
   // [layer][qkv, o, gate_up, down], a step's projections in their order; a null update: no adapter there.
   std::vector<const Projection*> projections;
-  std::vector<std::unique_ptr<LoRAUpdate>> updates(4 * num_layers);
+  projections.reserve(4 * num_layers);
+  std::vector<std::optional<LoRAUpdate>> updates(4 * num_layers);   // made in place: no allocation per plan
   int64_t h_size = 0;   // the largest update's h, each thread's own
-  for (size_t i = 0; i < num_layers; ++i) {
-    const DecodeLayer& layer = layers_[i];
-    const std::pair<const Projection*, std::pair<const at::Tensor*, const at::Tensor*>> in_layer[] = {
-        {&layer.qkv, {&b.qkv, &b.normed}}, {&layer.o, {&b.projected, &b.attention}},
-        {&layer.gate_up, {&b.gate_up, &b.normed}}, {&layer.down, {&b.out, &b.activated}}};
-    for (int p = 0; p < 4; ++p) {
-      const auto& [projection, out_x] = in_layer[p];
-      projections.push_back(projection);
-      if (in.lora == nullptr || !projection->lora) continue;
-      const LoRASlots& slots = *projection->lora;
-      auto update = std::make_unique<LoRAUpdate>(*out_x.first, *out_x.second, slots.a, slots.b, slots.ranks,
-                                                 slots.column_starts, in.lora->rows, in.lora->segments);
-      if (update->empty()) continue;
-      h_size = std::max(h_size, update->h_size());
-      updates[4 * i + p] = std::move(update);
+  {   // made serially before the region, every step
+    RECORD_FUNCTION("pagedllm::decode_lora_plans", std::vector<c10::IValue>());   // the plans' cost, apart
+    for (size_t i = 0; i < num_layers; ++i) {
+      const DecodeLayer& layer = layers_[i];
+      const std::pair<const Projection*, std::pair<const at::Tensor*, const at::Tensor*>> in_layer[] = {
+          {&layer.qkv, {&b.qkv, &b.normed}}, {&layer.o, {&b.projected, &b.attention}},
+          {&layer.gate_up, {&b.gate_up, &b.normed}}, {&layer.down, {&b.out, &b.activated}}};
+      for (int p = 0; p < 4; ++p) {
+        const auto& [projection, out_x] = in_layer[p];
+        projections.push_back(projection);
+        if (in.lora == nullptr || !projection->lora) continue;
+        const LoRASlots& slots = *projection->lora;
+        std::optional<LoRAUpdate>& update = updates[4 * i + p];
+        update.emplace(*out_x.first, *out_x.second, slots.a, slots.b, slots.ranks, slots.column_starts,
+                       in.lora->rows, in.lora->segments);
+        if (update->empty()) {
+          update.reset();
+          continue;
+        }
+        h_size = std::max(h_size, update->h_size());
+      }
     }
   }
   const int64_t group = num_heads_ / num_kv_heads_;
@@ -169,7 +176,7 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
 #pragma omp barrier
     };
     auto prefetch_adapter = [&](size_t n) {   // projection n's adapter, as this thread will read it
-      if (n < updates.size() && updates[n] != nullptr) {
+      if (n < updates.size() && updates[n]) {
         const auto [begin, end] = columns(n);
         updates[n]->prefetch(begin, end);
       }
@@ -177,7 +184,7 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
     std::vector<float> h(h_size);
     auto project = [&](const at::Tensor& out, const at::Tensor& x, size_t n) {   // projection n of the step
       const Projection& p = *projections[n];
-      const LoRAUpdate* update = updates[n].get();
+      const LoRAUpdate* update = updates[n] ? &*updates[n] : nullptr;
       const auto [first_tile, last_tile] = share(p.qweight.size(0));
       guarded([&] {
         if (update != nullptr) update->shrink_into(h.data());

@@ -210,9 +210,9 @@ LoRAUpdate::LoRAUpdate(const at::Tensor& out, const at::Tensor& x, const at::Ten
     for (int64_t p = 0; p < parts; ++p)
       for (int64_t j = 0, rank = rank_data[tiles_[t].slot * parts + p]; j < rank; j += kRankChunk)
         shrinks_.push_back({t, p, j, std::min(rank, j + kRankChunk)});
-  h_.resize(rows.numel() * parts * max_rank);
+  h_size_ = rows.numel() * parts * max_rank;
   step_ = Step{x.size(1), (x.size(1) + kLanes - 1) / kLanes * kLanes, out.size(1), parts, max_rank, x.stride(0),
-               out.stride(0), rank_data, starts, row_data, h_.data()};
+               out.stride(0), rank_data, starts, row_data, nullptr};
 }
 
 void LoRAUpdate::shrink_into(float* h) const {
@@ -282,7 +282,9 @@ void LoRAUpdate::prefetch(int64_t begin, int64_t end) const {
 
 void LoRAUpdate::run() {
   if (empty()) return;
-  const Step& s = step_;
+  std::vector<float> h(h_size_);
+  Step s = step_;
+  s.h = h.data();
   const int64_t tile_rows = std::min<int64_t>(kTileRows, tiles_.front().end - tiles_.front().begin);
   at::parallel_for(0, num_shrinks(), grain(kRankChunk * s.in * (tile_rows + kReadWork)),
                    [&](int64_t first, int64_t last) { shrink_tasks(s, first, last); });

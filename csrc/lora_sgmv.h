@@ -6,20 +6,21 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/SmallVector.h>
 
 #include <cstdint>
-#include <vector>
 
 namespace pagedllm {
 
 class LoRAUpdate {
  public:
   // lora_sgmv's arguments, checked (errors name the argument); rows cut into tiles of one slot. The tensors must
-  // outlive the update.
+  // outlive the update. A one-row plan (one tile, a few shrink tasks) allocates nothing: a one-row decode step
+  // makes 120 of them every step, serially before its parallel region.
   LoRAUpdate(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
              const at::Tensor& ranks, const at::Tensor& column_starts, const at::Tensor& rows,
              const at::Tensor& segments);
-  LoRAUpdate(const LoRAUpdate&) = delete;   // h's address is in step_
+  LoRAUpdate(const LoRAUpdate&) = delete;   // a plan for one step's tensors, made in place
   LoRAUpdate& operator=(const LoRAUpdate&) = delete;
 
   bool empty() const { return tiles_.empty(); }   // no row's adapter changes this layer
@@ -29,7 +30,7 @@ class LoRAUpdate {
   // KB and both threads read it at once, so the second read is nearly free), then the expand of its columns
   // (out's columns [begin, end) of every adapter row += h . B) from it: no barrier between the two, where a
   // shared h needed one per projection (decode_layers.cpp).
-  int64_t h_size() const { return static_cast<int64_t>(h_.size()); }
+  int64_t h_size() const { return h_size_; }
   void shrink_into(float* h) const;
   void expand_from(const float* h, int64_t begin, int64_t end) const;
   // Hints the CPU to fetch what shrink_into and expand_from(.., begin, end) will read (all of A, B's columns
@@ -50,7 +51,7 @@ class LoRAUpdate {
     const int64_t* ranks;           // [slots, parts]
     const int64_t* column_starts;   // [parts + 1]
     const int64_t* rows;            // the step row at each position
-    float* h;                       // [positions, parts * max_rank]: the shrink's results
+    float* h;                       // [positions, parts * max_rank]: the shrink's results (run's own, or a thread's)
     int64_t rank_of(int64_t slot, int64_t part) const { return ranks[slot * parts + part]; }
   };
 
@@ -63,9 +64,10 @@ class LoRAUpdate {
   void with_types(F&& f) const;   // f(x's element, the adapter's element)
 
   const at::Tensor &out_, &x_, &a_, &b_;
-  std::vector<Tile> tiles_;
-  std::vector<ShrinkTask> shrinks_;
-  std::vector<float> h_;
+  // Inline room for one row of rank up to 16 over three parts (2 rank chunks each); more spills to the heap.
+  c10::SmallVector<Tile, 1> tiles_;
+  c10::SmallVector<ShrinkTask, 6> shrinks_;
+  int64_t h_size_ = 0;
   Step step_{};
 };
 

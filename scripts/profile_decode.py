@@ -12,7 +12,8 @@ A one-row step's 30 layers run in one parallel region (csrc/decode_layers.cpp), 
 PAGEDLLM_DECODE_STACK=0 for the per-kernel list of the Python layers.
 Run it in a benchmark window: `python scripts/profile_decode.py` (`--stream-only`: that last part alone;
 `--num-loras 1`: every request with a random rank-16 adapter over every linear layer, as `bench latency
---num-loras 1` serves it, to set its step beside the base's).
+--num-loras 1` serves it, to set its step beside the base's; `--steps-only`: without the bytes and read rates).
+The one-row step's adapter plans, made before its region, show as `pagedllm::decode_lora_plans`.
 """
 import argparse
 import collections
@@ -91,6 +92,9 @@ def print_stream_rate(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stream-only", action="store_true", help="only the matmuls' stream rate")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="only the step's parts and the profile, not the weights' bytes and read rates "
+                             "(to set trees or adapters side by side in a short window)")
     add_lora_arguments(parser)
     args = parser.parse_args()
     args.model = None   # the bundled model, whose shapes the random adapters take
@@ -145,6 +149,9 @@ def profile(args: argparse.Namespace, adapter) -> None:
     for event in rows[:30]:
         print(f"  {event.key:<40} {str(event.input_shapes)[:70]:<70} calls {event.count:>6} "
               f"self {event.self_cpu_time_total / 1e3 / (steps - 1):8.3f}")
+    if args.steps_only:
+        engine.shutdown()
+        return
 
     model = engine.runner.model
     kinds = weight_bytes_per_token(model)
