@@ -6,7 +6,8 @@ wall time, each operator's self CPU time over the run (the C++ kernels are regis
 model's labelled ranges, e.g. `pagedllm::decode_attention`, count only their own Python between the kernels), and
 what no operator covers (Python, scheduling, sampling's Python); then the operators of both engines side by side.
 Run it in a benchmark window:
-`python scripts/profile_workload.py --dataset /work/notes/s31/w1.jsonl` (`--num-prompts 64` for its first 64 requests).
+`python scripts/profile_workload.py --dataset w1.jsonl` (`w1.jsonl` from `python ../shared/bench/make_workload.py`;
+`--num-prompts 64` for its first 64 requests).
 """
 import argparse
 import time
@@ -86,6 +87,7 @@ def main() -> None:
     print_side_by_side(labels, walls, [by_name for _, by_name, _ in results], args.top)
     if args.by_shape:
         print_side_by_side(labels, walls, [by_shape for _, _, by_shape in results], args.top)
+
 
 if __name__ == "__main__":
     main()
