@@ -7,7 +7,6 @@
 // adapter on every projection the adapter's one-row update was smaller than the regions around it.
 #include "decode_layers.h"
 
-#include "lora_sgmv.h"
 #include "ops.h"
 #include "quant_format.h"
 
@@ -41,18 +40,12 @@ Projection projection(const ProjectionArgs& args, int64_t out_features) {
   return {qweight, scales, mins, bias, bits, group, out_features, std::nullopt};
 }
 
-// The step's rows with an adapter, grouped by slot (lora_sgmv's rows and segments).
-struct LoRARows {
-  at::Tensor rows, segments;
-};
-
 // out = x . projection, plus each adapter row's update where the projection has adapter slots: the Python
 // LoRALinear's two kernels, in its order.
-void run(Matmul matmul, const at::Tensor& out, const at::Tensor& x, const Projection& p, const LoRARows* lora) {
+void run(Matmul matmul, const at::Tensor& out, const at::Tensor& x, const Projection& p, const LoRARowGroups* lora) {
   matmul(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group);
   if (lora == nullptr || !p.lora) return;
-  const LoRASlots& slots = *p.lora;
-  LoRAUpdate update(out, x, slots.a, slots.b, slots.ranks, slots.column_starts, lora->rows, lora->segments);
+  const LoRAUpdate update(out, x, p.lora->weights, *lora);
   if (update.empty()) return;
   RECORD_FUNCTION("pagedllm::lora_sgmv", std::vector<c10::IValue>({out}));   // as lora_sgmv labels it
   update.run();
@@ -72,7 +65,7 @@ struct StepInputs {
   const std::vector<at::Tensor>&k_caches, &v_caches;
   const std::vector<std::optional<at::Tensor>>&k_scales, &v_scales;
   Matmul matmul;
-  const LoRARows* lora;   // nullptr: no adapter rows this step
+  const LoRARowGroups* lora;   // nullptr: no adapter rows this step
 };
 
 void DecodeStack::layers_in_turn(const StepBuffers& b, const StepInputs& in) const {
@@ -117,26 +110,25 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
 #if defined(_OPENMP)
   RECORD_FUNCTION("pagedllm::decode_one_row", std::vector<c10::IValue>());   // torch.profiler names the path
   const size_t num_layers = layers_.size();
-  // [layer][qkv, o, gate_up, down], a step's projections in their order; a null update: no adapter there.
-  std::vector<const Projection*> projections;
-  projections.reserve(4 * num_layers);
-  std::vector<std::optional<LoRAUpdate>> updates(4 * num_layers);   // made in place: no allocation per plan
+  // Projection n of the step: [layer][qkv, o, gate_up, down], in their order.
+  auto projection_at = [&](size_t n) -> const Projection& {
+    const DecodeLayer& layer = layers_[n / 4];
+    const Projection* in_layer[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    return *in_layer[n % 4];
+  };
+  // Projection n's adapter update (none where updates[n] is empty, and no updates on a step without adapter rows).
+  std::vector<std::optional<LoRAUpdate>> updates(in.lora == nullptr ? 0 : 4 * num_layers);   // made in place
   int64_t h_size = 0;   // the largest update's h, each thread's own
-  {   // made serially before the region, every step
+  if (in.lora != nullptr) {   // made serially before the region, every step
     RECORD_FUNCTION("pagedllm::decode_lora_plans", std::vector<c10::IValue>());   // the plans' cost, apart
     for (size_t i = 0; i < num_layers; ++i) {
-      const DecodeLayer& layer = layers_[i];
-      const std::pair<const Projection*, std::pair<const at::Tensor*, const at::Tensor*>> in_layer[] = {
-          {&layer.qkv, {&b.qkv, &b.normed}}, {&layer.o, {&b.projected, &b.attention}},
-          {&layer.gate_up, {&b.gate_up, &b.normed}}, {&layer.down, {&b.out, &b.activated}}};
-      for (int p = 0; p < 4; ++p) {
-        const auto& [projection, out_x] = in_layer[p];
-        projections.push_back(projection);
-        if (in.lora == nullptr || !projection->lora) continue;
-        const LoRASlots& slots = *projection->lora;
+      const std::pair<const at::Tensor*, const at::Tensor*> out_x[] = {
+          {&b.qkv, &b.normed}, {&b.projected, &b.attention}, {&b.gate_up, &b.normed}, {&b.out, &b.activated}};
+      for (size_t p = 0; p < 4; ++p) {
+        const Projection& projection = projection_at(4 * i + p);
+        if (!projection.lora) continue;
         std::optional<LoRAUpdate>& update = updates[4 * i + p];
-        update.emplace(*out_x.first, *out_x.second, slots.a, slots.b, slots.ranks, slots.column_starts,
-                       in.lora->rows, in.lora->segments);
+        update.emplace(*out_x[p].first, *out_x[p].second, projection.lora->weights, *in.lora);
         if (update->empty()) {
           update.reset();
           continue;
@@ -157,7 +149,7 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
     };
     // Projection n's output columns this thread writes: those of its share of the weight's tiles.
     auto columns = [&](size_t n) {
-      const Projection& p = *projections[n];
+      const Projection& p = projection_at(n);
       const auto [first_tile, last_tile] = share(p.qweight.size(0));
       return std::make_pair(first_tile * kTileRows, std::min(p.out_features, last_tile * kTileRows));
     };
@@ -183,8 +175,8 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
     };
     std::vector<float> h(h_size);
     auto project = [&](const at::Tensor& out, const at::Tensor& x, size_t n) {   // projection n of the step
-      const Projection& p = *projections[n];
-      const LoRAUpdate* update = updates[n] ? &*updates[n] : nullptr;
+      const Projection& p = projection_at(n);
+      const LoRAUpdate* update = n < updates.size() && updates[n] ? &*updates[n] : nullptr;
       const auto [first_tile, last_tile] = share(p.qweight.size(0));
       guarded([&] {
         if (update != nullptr) update->shrink_into(h.data());
@@ -276,7 +268,7 @@ void DecodeStack::set_lora(int64_t layer, int64_t projection, at::Tensor a, at::
   Projection* projections[] = {&target.qkv, &target.o, &target.gate_up, &target.down};
   TORCH_CHECK(b.dim() == 3 && b.size(2) == projections[projection]->out_features,
               "DecodeStack.set_lora: b must be [slots, max_rank, the projection's out_features]");
-  projections[projection]->lora = LoRASlots{a, b, ranks, column_starts};
+  projections[projection]->lora = LoRASlots{a, b, ranks, column_starts, LoRAWeights(a, b, ranks, column_starts)};
 }
 
 std::tuple<at::Tensor, at::Tensor> DecodeStack::forward(
@@ -300,9 +292,9 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::forward(
   const Matmul matmul = matmul_for(path);
   TORCH_CHECK(lora_rows.has_value() == lora_segments.has_value(),
               "DecodeStack.forward: lora_rows and lora_segments come together");
-  const std::optional<LoRARows> lora_step =
-      lora_rows ? std::optional<LoRARows>(LoRARows{*lora_rows, *lora_segments}) : std::nullopt;
-  const LoRARows* lora = lora_step ? &*lora_step : nullptr;
+  std::optional<LoRARowGroups> lora_step;   // checked once for every projection's update
+  if (lora_rows) lora_step.emplace(*lora_rows, *lora_segments, tokens);
+  const LoRARowGroups* lora = lora_step ? &*lora_step : nullptr;
 
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   auto buffer = [&](int64_t columns) { return at::empty({tokens, columns}, hidden.options()); };

@@ -3,6 +3,8 @@
 // boundary or a new output tensor between them. pagedllm/model/decode_stack.py says when it serves.
 #pragma once
 
+#include "lora_sgmv.h"
+
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -20,8 +22,10 @@ using ProjectionArgs = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tens
 
 // An adapter-wrapped projection's adapter slots (pagedllm/lora/punica.py StackedLoRA, updated in place as adapters
 // become resident): lora_sgmv adds each row's update to the projection's output, as the Python LoRALinear does.
+// The tensors are held here; `weights` views them, checked once.
 struct LoRASlots {
   at::Tensor a, b, ranks, column_starts;
+  LoRAWeights weights;
 };
 
 struct Projection {

@@ -55,7 +55,7 @@ void shrink_block(float* h, int64_t h_stride, const float* xs, const lora_t* a, 
 // The task's rank rows of h for its tile's rows (xs: those rows in float).
 template <int T, typename lora_t>
 void shrink_task(float* h, const float* xs, const lora_t* a_slot, const ShrinkTask& task, const Step& s) {
-  const int64_t h_stride = s.parts * s.max_rank, base = task.part * s.max_rank;
+  const int64_t h_stride = s.h_stride(), base = task.part * s.max_rank;
   int64_t j = task.first;
   for (; j + 4 <= task.last; j += 4) shrink_block<T, 4>(h + base + j, h_stride, xs, a_slot + (base + j) * s.in, s);
   for (; j < task.last; ++j) shrink_block<T, 1>(h + base + j, h_stride, xs, a_slot + (base + j) * s.in, s);
@@ -90,13 +90,14 @@ void expand_block(scalar_t* const* out_rows, const float* h, int64_t h_stride, c
 
 // The tile's update of columns [begin, end), part by part.
 template <int T, typename scalar_t, typename lora_t>
-void expand_tile(scalar_t* out, const Tile& tile, const lora_t* b_slot, int64_t begin, int64_t end, const Step& s) {
-  const int64_t h_stride = s.parts * s.max_rank;
+void expand_tile(scalar_t* out, const float* h_tile, const Tile& tile, const lora_t* b_slot, int64_t begin, int64_t end,
+                 const Step& s) {
+  const int64_t h_stride = s.h_stride();
   for (int64_t p = 0; p < s.parts; ++p) {
     const int64_t rank = s.rank_of(tile.slot, p);
     const int64_t first = std::max(begin, s.column_starts[p]), last = std::min(end, s.column_starts[p + 1]);
     if (rank == 0 || first >= last) continue;
-    const float* h = s.h + tile.begin * h_stride + p * s.max_rank;
+    const float* h = h_tile + p * s.max_rank;
     scalar_t* rows[T];
     auto at = [&](int64_t column) {
       for (int t = 0; t < T; ++t) rows[t] = out + s.rows[tile.begin + t] * s.out_stride + column;
@@ -133,27 +134,35 @@ void with_float_type(at::ScalarType type, const char* name, F&& f) {
   }
 }
 
-// The x row widened to float at each position of a shrink task range, cached per tile: consecutive tasks mostly
-// share one.
+// The x rows of a shrink task range's tiles widened to float (zero-padded to whole vectors), cached per tile:
+// consecutive tasks mostly share one. The floats live in a buffer of the thread's kept from call to call, as a
+// decode step's 120 updates each allocated and zero-filled one on every thread.
 template <typename scalar_t>
 class WidenedRows {
  public:
-  WidenedRows(const scalar_t* x, const Step& s) : x_(x), s_(s), floats_(kTileRows * s.in_padded, 0.f) {}
+  WidenedRows(const scalar_t* x, const Step& s) : x_(x), s_(s) {
+    thread_local std::vector<float> kept;
+    const size_t size = kTileRows * s.in_padded;
+    if (kept.size() < size) kept.resize(size);
+    floats_ = kept.data();
+  }
   const float* of(const Tile& tile, int64_t index) {
     if (index != widened_) {
       for (int64_t t = 0; t < tile.end - tile.begin; ++t) {
         const scalar_t* row = x_ + s_.rows[tile.begin + t] * s_.x_stride;
-        std::transform(row, row + s_.in, floats_.data() + t * s_.in_padded, [](scalar_t v) { return static_cast<float>(v); });
+        float* floats = floats_ + t * s_.in_padded;
+        std::transform(row, row + s_.in, floats, [](scalar_t v) { return static_cast<float>(v); });
+        std::fill(floats + s_.in, floats + s_.in_padded, 0.f);
       }
       widened_ = index;
     }
-    return floats_.data();
+    return floats_;
   }
 
  private:
   const scalar_t* x_;
   const Step& s_;
-  std::vector<float> floats_;
+  float* floats_;
   int64_t widened_ = -1;
 };
 
@@ -163,106 +172,131 @@ namespace pagedllm {
 
 template <typename F>
 void LoRAUpdate::with_types(F&& f) const {
-  with_float_type(x_.scalar_type(), "x", [&](auto x_type) {
-    with_float_type(a_.scalar_type(), "a", [&](auto lora_type) { f(x_type, lora_type); });
+  with_float_type(x_type_, "x", [&](auto x_type) {
+    with_float_type(lora_type_, "a", [&](auto lora_type) { f(x_type, lora_type); });
   });
 }
 
-LoRAUpdate::LoRAUpdate(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-                       const at::Tensor& ranks, const at::Tensor& column_starts, const at::Tensor& rows,
-                       const at::Tensor& segments)
-    : out_(out), x_(x), a_(a), b_(b) {
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "lora_sgmv: x, out must be [rows, features]");
-  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "lora_sgmv: x, out rows must be contiguous");
-  TORCH_CHECK(out.scalar_type() == x.scalar_type() && b.scalar_type() == a.scalar_type(),
-              "lora_sgmv: out must have x's dtype and b a's");
+LoRAWeights::LoRAWeights(const at::Tensor& a, const at::Tensor& b, const at::Tensor& ranks,
+                         const at::Tensor& column_starts) {
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.is_contiguous() && b.is_contiguous() && a.size(0) == b.size(0),
               "lora_sgmv: a [slots, parts * max_rank, in] and b [slots, max_rank, out], contiguous");
-  const int64_t slots = a.size(0), max_rank = b.size(1), parts = ranks.size(1);
-  TORCH_CHECK(a.size(2) == x.size(1) && b.size(2) == out.size(1) && a.size(1) == parts * max_rank,
-              "lora_sgmv: a, b do not fit x, out and ranks");
-  for (const at::Tensor* index : {&ranks, &column_starts, &rows, &segments})
+  TORCH_CHECK(b.scalar_type() == a.scalar_type(), "lora_sgmv: b must have a's dtype");
+  for (const at::Tensor* index : {&ranks, &column_starts})
     TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous(), "lora_sgmv: index tensors must be int64");
-  TORCH_CHECK(ranks.dim() == 2 && ranks.size(0) == slots && column_starts.numel() == parts + 1 &&
-              segments.dim() == 2 && segments.size(1) == 3, "lora_sgmv: ranks [slots, parts], column_starts "
-              "[parts + 1], segments [n, 3]");
-  const int64_t* starts = column_starts.data_ptr<int64_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[parts] == out.size(1), "lora_sgmv: column_starts must span out's columns");
-  const int64_t* rank_data = ranks.data_ptr<int64_t>();
-  for (int64_t i = 0; i < ranks.numel(); ++i)
-    TORCH_CHECK(rank_data[i] >= 0 && rank_data[i] <= max_rank, "lora_sgmv: a rank over b's max_rank");
-  const int64_t* row_data = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows.numel(); ++i)
-    TORCH_CHECK(row_data[i] >= 0 && row_data[i] < x.size(0), "lora_sgmv: row ", row_data[i], " out of range");
-  with_types([](auto, auto) {});   // refuses other dtypes here, before any thread runs a share
+  slots = a.size(0);
+  max_rank = b.size(1);
+  parts = ranks.dim() == 2 ? ranks.size(1) : 0;
+  in = a.size(2);
+  out = b.size(2);
+  type = a.scalar_type();
+  TORCH_CHECK(ranks.dim() == 2 && ranks.size(0) == slots && column_starts.numel() == parts + 1,
+              "lora_sgmv: ranks [slots, parts], column_starts [parts + 1]");
+  TORCH_CHECK(a.size(1) == parts * max_rank, "lora_sgmv: a's rows must be parts * b's max_rank");
+  this->column_starts = column_starts.data_ptr<int64_t>();
+  TORCH_CHECK(this->column_starts[0] == 0 && this->column_starts[parts] == out,
+              "lora_sgmv: column_starts must span b's columns");
+  this->a = a.data_ptr();
+  this->b = b.data_ptr();
+  this->ranks = ranks.data_ptr<int64_t>();
+  with_float_type(type, "a", [](auto) {});   // refuses other dtypes here, before any thread reads them
+}
 
-  const int64_t* segment = segments.data_ptr<int64_t>();
-  for (int64_t i = 0; i < segments.size(0); ++i, segment += 3) {
+LoRARowGroups::LoRARowGroups(const at::Tensor& rows, const at::Tensor& segments, int64_t step_rows) {
+  for (const at::Tensor* index : {&rows, &segments})
+    TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous(), "lora_sgmv: index tensors must be int64");
+  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 3, "lora_sgmv: segments [n, 3]");
+  this->rows = rows.data_ptr<int64_t>();
+  this->segments = segments.data_ptr<int64_t>();
+  num_rows = rows.numel();
+  num_segments = segments.size(0);
+  for (int64_t i = 0; i < num_rows; ++i)
+    TORCH_CHECK(this->rows[i] >= 0 && this->rows[i] < step_rows, "lora_sgmv: row ", this->rows[i], " out of range");
+  for (int64_t i = 0; i < num_segments; ++i) {
+    const int64_t* segment = this->segments + 3 * i;
+    TORCH_CHECK(segment[0] >= 0 && 0 <= segment[1] && segment[1] <= segment[2] && segment[2] <= num_rows,
+                "lora_sgmv: segment ", i, " (slot ", segment[0], ", ", segment[1], "-", segment[2], ") out of range");
+  }
+}
+
+LoRAUpdate::LoRAUpdate(const at::Tensor& out, const at::Tensor& x, const LoRAWeights& weights,
+                       const LoRARowGroups& groups)
+    : out_(out.data_ptr()), x_(x.data_ptr()), a_(weights.a), b_(weights.b), x_type_(x.scalar_type()),
+      lora_type_(weights.type) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "lora_sgmv: x, out must be [rows, features]");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "lora_sgmv: x, out rows must be contiguous");
+  TORCH_CHECK(out.scalar_type() == x_type_, "lora_sgmv: out must have x's dtype");
+  TORCH_CHECK(weights.in == x.size(1) && weights.out == out.size(1), "lora_sgmv: a, b do not fit x, out");
+  with_float_type(x_type_, "x", [](auto) {});   // refuses other dtypes here, before any thread runs a share
+
+  const int64_t parts = weights.parts;
+  for (int64_t i = 0; i < groups.num_segments; ++i) {
+    const int64_t* segment = groups.segments + 3 * i;
     const int64_t slot = segment[0], begin = segment[1], end = segment[2];
-    TORCH_CHECK(slot >= 0 && slot < slots && 0 <= begin && begin <= end && end <= rows.numel(),
-                "lora_sgmv: segment ", i, " (slot ", slot, ", ", begin, "-", end, ") out of range");
-    if (std::all_of(rank_data + slot * parts, rank_data + (slot + 1) * parts, [](int64_t r) { return r == 0; }))
+    TORCH_CHECK(slot < weights.slots, "lora_sgmv: segment ", i, " (slot ", slot, ", ", begin, "-", end,
+                ") out of range");
+    const int64_t* slot_ranks = weights.ranks + slot * parts;
+    for (int64_t p = 0; p < parts; ++p)
+      TORCH_CHECK(slot_ranks[p] >= 0 && slot_ranks[p] <= weights.max_rank, "lora_sgmv: a rank over b's max_rank");
+    if (std::all_of(slot_ranks, slot_ranks + parts, [](int64_t r) { return r == 0; }))
       continue;   // the adapter leaves this layer alone
     for (int64_t first = begin; first < end; first += kTileRows) tiles_.push_back({slot, first, std::min(end, first + kTileRows)});
   }
   if (tiles_.empty()) return;
   for (int64_t t = 0; t < static_cast<int64_t>(tiles_.size()); ++t)
     for (int64_t p = 0; p < parts; ++p)
-      for (int64_t j = 0, rank = rank_data[tiles_[t].slot * parts + p]; j < rank; j += kRankChunk)
+      for (int64_t j = 0, rank = weights.ranks[tiles_[t].slot * parts + p]; j < rank; j += kRankChunk)
         shrinks_.push_back({t, p, j, std::min(rank, j + kRankChunk)});
-  h_size_ = rows.numel() * parts * max_rank;
-  step_ = Step{x.size(1), (x.size(1) + kLanes - 1) / kLanes * kLanes, out.size(1), parts, max_rank, x.stride(0),
-               out.stride(0), rank_data, starts, row_data, nullptr};
+  h_size_ = groups.num_rows * parts * weights.max_rank;
+  step_ = Step{weights.in, (weights.in + kLanes - 1) / kLanes * kLanes, weights.out, parts, weights.max_rank,
+               x.stride(0), out.stride(0), weights.ranks, weights.column_starts, groups.rows};
 }
 
-void LoRAUpdate::shrink_into(float* h) const {
-  Step s = step_;
-  s.h = h;
-  shrink_tasks(s, 0, num_shrinks());
-}
+void LoRAUpdate::shrink_into(float* h) const { shrink_tasks(h, 0, num_shrinks()); }
 
-void LoRAUpdate::shrink_tasks(const Step& s, int64_t first, int64_t last) const {
+void LoRAUpdate::shrink_tasks(float* h, int64_t first, int64_t last) const {
   if (first >= last) return;
+  const Step& s = step_;
   with_types([&](auto x_type, auto lora_type) {
     using scalar_t = decltype(x_type);
     using lora_t = decltype(lora_type);
-    const lora_t* a_data = a_.data_ptr<lora_t>();
-    const int64_t rank_rows = s.parts * s.max_rank, a_slot = rank_rows * s.in;
-    WidenedRows<scalar_t> xs(x_.data_ptr<scalar_t>(), s);
+    const lora_t* a_data = static_cast<const lora_t*>(a_);
+    const int64_t a_slot = s.h_stride() * s.in;
+    WidenedRows<scalar_t> xs(static_cast<const scalar_t*>(x_), s);
     for (int64_t index = first; index < last; ++index) {
       const ShrinkTask& task = shrinks_[index];
       const Tile& tile = tiles_[task.tile];
       const float* rows = xs.of(tile, task.tile);
       with_rows(tile.end - tile.begin, [&](auto count) {
-        shrink_task<decltype(count)::value>(s.h + tile.begin * rank_rows, rows, a_data + tile.slot * a_slot, task, s);
+        shrink_task<decltype(count)::value>(h + tile.begin * s.h_stride(), rows, a_data + tile.slot * a_slot, task, s);
       });
     }
   });
 }
 
-void LoRAUpdate::expand_tile(const Step& s, const Tile& tile, int64_t begin, int64_t end) const {
+void LoRAUpdate::expand_tile(const float* h, const Tile& tile, int64_t begin, int64_t end) const {
+  const Step& s = step_;
   with_types([&](auto x_type, auto lora_type) {
     using scalar_t = decltype(x_type);
     using lora_t = decltype(lora_type);
-    const lora_t* b_slot = b_.data_ptr<lora_t>() + tile.slot * s.max_rank * s.out;
+    const lora_t* b_slot = static_cast<const lora_t*>(b_) + tile.slot * s.max_rank * s.out;
     with_rows(tile.end - tile.begin, [&](auto count) {
-      ::expand_tile<decltype(count)::value>(out_.data_ptr<scalar_t>(), tile, b_slot, begin, end, s);
+      ::expand_tile<decltype(count)::value>(static_cast<scalar_t*>(out_), h + tile.begin * s.h_stride(), tile, b_slot,
+                                            begin, end, s);
     });
   });
 }
 
 void LoRAUpdate::expand_from(const float* h, int64_t begin, int64_t end) const {
   if (begin >= end) return;
-  Step s = step_;
-  s.h = const_cast<float*>(h);   // the expand only reads h
-  for (const Tile& tile : tiles_) expand_tile(s, tile, begin, end);
+  for (const Tile& tile : tiles_) expand_tile(h, tile, begin, end);
 }
 
 void LoRAUpdate::prefetch(int64_t begin, int64_t end) const {
   const Step& s = step_;
-  const int64_t element = a_.element_size();
-  const char* a_data = static_cast<const char*>(a_.data_ptr());
-  const char* b_data = static_cast<const char*>(b_.data_ptr());
+  const int64_t element = c10::elementSize(lora_type_);
+  const char* a_data = static_cast<const char*>(a_);
+  const char* b_data = static_cast<const char*>(b_);
   auto fetch = [](const char* data, int64_t bytes) {
     for (int64_t offset = 0; offset < bytes; offset += kCacheLine) __builtin_prefetch(data + offset, 0, 2);
   };
@@ -280,20 +314,19 @@ void LoRAUpdate::prefetch(int64_t begin, int64_t end) const {
   }
 }
 
-void LoRAUpdate::run() {
+void LoRAUpdate::run() const {
   if (empty()) return;
+  const Step& s = step_;
   std::vector<float> h(h_size_);
-  Step s = step_;
-  s.h = h.data();
   const int64_t tile_rows = std::min<int64_t>(kTileRows, tiles_.front().end - tiles_.front().begin);
   at::parallel_for(0, num_shrinks(), grain(kRankChunk * s.in * (tile_rows + kReadWork)),
-                   [&](int64_t first, int64_t last) { shrink_tasks(s, first, last); });
+                   [&](int64_t first, int64_t last) { shrink_tasks(h.data(), first, last); });
   const int64_t blocks = (s.out + kColumnBlock - 1) / kColumnBlock;
   at::parallel_for(0, static_cast<int64_t>(tiles_.size()) * blocks, grain(s.max_rank * kColumnBlock * (tile_rows + kReadWork)),
                    [&](int64_t first, int64_t last) {
     for (int64_t index = first; index < last; ++index) {
       const int64_t begin = index % blocks * kColumnBlock;
-      expand_tile(s, tiles_[index / blocks], begin, std::min(s.out, begin + kColumnBlock));
+      expand_tile(h.data(), tiles_[index / blocks], begin, std::min(s.out, begin + kColumnBlock));
     }
   });
 }
@@ -303,5 +336,7 @@ void LoRAUpdate::run() {
 void lora_sgmv(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor ranks, at::Tensor column_starts,
                at::Tensor rows, at::Tensor segments) {
   RECORD_FUNCTION("pagedllm::lora_sgmv", std::vector<c10::IValue>({out}));   // torch.profiler names it
-  pagedllm::LoRAUpdate(out, x, a, b, ranks, column_starts, rows, segments).run();
+  const pagedllm::LoRAWeights weights(a, b, ranks, column_starts);
+  const pagedllm::LoRARowGroups groups(rows, segments, x.size(0));
+  pagedllm::LoRAUpdate(out, x, weights, groups).run();
 }

@@ -12,14 +12,36 @@
 
 namespace pagedllm {
 
+// A layer's adapter slots (lora_sgmv's a, b, ranks and column_starts) checked once, as the plans read them: raw
+// pointers and sizes. A one-row decode step makes 120 plans serially before its region; reaching each slot
+// tensor's metadata (cold after the step's weights streamed through the caches) cost them ~1.2 us each. The
+// tensors must outlive the view; their contents (an adapter loaded into a slot) may change, not their storage.
+struct LoRAWeights {
+  LoRAWeights(const at::Tensor& a, const at::Tensor& b, const at::Tensor& ranks, const at::Tensor& column_starts);
+
+  const void* a;                  // [slots, parts * max_rank, in]
+  const void* b;                  // [slots, max_rank, out]
+  const int64_t* ranks;           // [slots, parts]
+  const int64_t* column_starts;   // [parts + 1]
+  int64_t slots, parts, max_rank, in, out;
+  at::ScalarType type;            // a's and b's
+};
+
+// A step's rows grouped by adapter slot (lora_sgmv's rows and segments), checked once a step against its rows.
+struct LoRARowGroups {
+  LoRARowGroups(const at::Tensor& rows, const at::Tensor& segments, int64_t step_rows);
+
+  const int64_t* rows;       // the step row at each position
+  const int64_t* segments;   // [num_segments, 3]: slot, first position, end position
+  int64_t num_rows, num_segments;
+};
+
 class LoRAUpdate {
  public:
-  // lora_sgmv's arguments, checked (errors name the argument); rows cut into tiles of one slot. The tensors must
-  // outlive the update. A one-row plan (one tile, a few shrink tasks) allocates nothing: a one-row decode step
-  // makes 120 of them every step, serially before its parallel region.
-  LoRAUpdate(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-             const at::Tensor& ranks, const at::Tensor& column_starts, const at::Tensor& rows,
-             const at::Tensor& segments);
+  // out (x's rows) += the update of the rows in `groups`, checked (errors name the argument); rows cut into tiles
+  // of one slot. out, x and what weights and groups view must outlive the update. A one-row plan (one tile, a few
+  // shrink tasks) allocates nothing.
+  LoRAUpdate(const at::Tensor& out, const at::Tensor& x, const LoRAWeights& weights, const LoRARowGroups& groups);
   LoRAUpdate(const LoRAUpdate&) = delete;   // a plan for one step's tensors, made in place
   LoRAUpdate& operator=(const LoRAUpdate&) = delete;
 
@@ -37,7 +59,7 @@ class LoRAUpdate {
   // [begin, end)) into L2, so a thread waiting at a barrier starts the next projection's cold adapter streams.
   void prefetch(int64_t begin, int64_t end) const;
   // All of it, the shrink and then the expand each split over the cores (what lora_sgmv runs).
-  void run();
+  void run() const;
 
   // The plan's parts, as the kernels in lora_sgmv.cpp read them.
   struct Tile {
@@ -51,19 +73,23 @@ class LoRAUpdate {
     const int64_t* ranks;           // [slots, parts]
     const int64_t* column_starts;   // [parts + 1]
     const int64_t* rows;            // the step row at each position
-    float* h;                       // [positions, parts * max_rank]: the shrink's results (run's own, or a thread's)
+    int64_t h_stride() const { return parts * max_rank; }   // h: [positions, parts * max_rank], the shrink's results
     int64_t rank_of(int64_t slot, int64_t part) const { return ranks[slot * parts + part]; }
   };
 
  private:
-  // The shrink's tasks [first, last): their rank rows of s.h for their tile's rows.
-  void shrink_tasks(const Step& s, int64_t first, int64_t last) const;
-  // The tile's rows' columns [begin, end) += s.h . B.
-  void expand_tile(const Step& s, const Tile& tile, int64_t begin, int64_t end) const;
+  // The shrink's tasks [first, last): their rank rows of h for their tile's rows.
+  void shrink_tasks(float* h, int64_t first, int64_t last) const;
+  // The tile's rows' columns [begin, end) += h . B.
+  void expand_tile(const float* h, const Tile& tile, int64_t begin, int64_t end) const;
   template <typename F>
   void with_types(F&& f) const;   // f(x's element, the adapter's element)
 
-  const at::Tensor &out_, &x_, &a_, &b_;
+  void* out_;
+  const void* x_;
+  const void* a_;
+  const void* b_;
+  at::ScalarType x_type_, lora_type_;
   // Inline room for one row of rank up to 16 over three parts (2 rank chunks each); more spills to the heap.
   c10::SmallVector<Tile, 1> tiles_;
   c10::SmallVector<ShrinkTask, 6> shrinks_;
