@@ -54,13 +54,15 @@ struct QuantizedRows {
   int64_t rows, cols, group;
   std::vector<int8_t> q;
   std::vector<float> scale, scaled_sum;   // [rows, groups]
+  std::vector<int32_t> sum;               // [rows, groups]: sum(q), for the tiles kernel's 8-bit weights
 };
 
+// padded_rows (>= rows): rows past `rows` are zeros, so a kernel may compute whole row blocks.
 template <typename scalar_t>
-QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64_t group) {
+QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64_t group, int64_t padded_rows) {
   const int64_t groups = cols / group;
-  QuantizedRows out{rows, cols, group, std::vector<int8_t>(rows * cols), std::vector<float>(rows * groups),
-                    std::vector<float>(rows * groups)};
+  QuantizedRows out{rows, cols, group, std::vector<int8_t>(padded_rows * cols), std::vector<float>(padded_rows * groups),
+                    std::vector<float>(padded_rows * groups), std::vector<int32_t>(padded_rows * groups)};
   at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t rg = begin; rg < end; ++rg) {
       const int64_t start = rg * group;   // rows are contiguous, so group rg starts at rg * group
@@ -74,6 +76,7 @@ QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64
         sum += q;
       }
       out.scale[rg] = absmax / 127.f;
+      out.sum[rg] = sum;
       out.scaled_sum[rg] = out.scale[rg] * static_cast<float>(sum);
     }
   });
@@ -140,6 +143,91 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
   }
   for (int r = 0; r < block; ++r) _mm512_storeu_ps(out[r], acc[r]);
 }
+
+// The many-row kernel (quantized_linear_int8_tiles): the same sums as tile_dots, register-blocked. A panel of
+// kPanelTiles tiles is unpacked once per call into unsigned bytes in the slot order (4 bits: q; 8 bits: q + 128,
+// each group's int32 sums starting from -128 sum(q_x) so they come out as tile_dots's) and float scales and mins;
+// then kBlockRows activation rows at a time meet it, kBlockRows x kPanelTiles int32 sums per group (each
+// activation broadcast once per slot, each weight vector loaded once per slot), each group folded into float
+// sums exactly as tile_dots folds it, so every output is bitwise tile_dots's.
+constexpr int kPanelTiles = 2;
+constexpr int kBlockRows = 6;
+
+struct Panel {
+  std::vector<uint8_t> q;           // [kPanelTiles, slots, 64]
+  std::vector<float> scales, mins;  // [kPanelTiles, groups * 16]; a missing last tile is zeros
+};
+
+template <int bits, typename scale_t>
+void unpack_panel(Panel& panel, const uint8_t* tiles, int64_t tile_bytes, const scale_t* scales, const scale_t* mins,
+                  int64_t params_per_tile, int count, int64_t slots) {
+  panel.q.assign(kPanelTiles * slots * 64, 0);
+  panel.scales.assign(kPanelTiles * params_per_tile, 0.f);
+  panel.mins.assign(mins != nullptr ? kPanelTiles * params_per_tile : 0, 0.f);
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), sign_bits = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int t = 0; t < count; ++t) {
+    const uint8_t* tile = tiles + t * tile_bytes;
+    uint8_t* q = panel.q.data() + t * slots * 64;
+    for (int64_t s = 0; s < slots; s += 2) {
+      __m512i even, odd;
+      if constexpr (bits == 4) {
+        const __m512i packed = _mm512_loadu_si512(tile + (s / 2) * 64);
+        even = _mm512_and_si512(packed, low_nibbles);
+        odd = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      } else {
+        even = _mm512_xor_si512(_mm512_loadu_si512(tile + s * 64), sign_bits);
+        odd = _mm512_xor_si512(_mm512_loadu_si512(tile + (s + 1) * 64), sign_bits);
+      }
+      _mm512_storeu_si512(q + s * 64, even);
+      _mm512_storeu_si512(q + (s + 1) * 64, odd);
+    }
+    for (int64_t i = 0; i < params_per_tile; ++i) {
+      panel.scales[t * params_per_tile + i] = static_cast<float>(scales[t * params_per_tile + i]);
+      if (mins != nullptr) panel.mins[t * params_per_tile + i] = static_cast<float>(mins[t * params_per_tile + i]);
+    }
+  }
+}
+
+// out[r][v * 16 + n] for activation rows first_row.. first_row + kBlockRows against the panel's tile v.
+template <bool offset, bool with_mins>
+void panel_dots(float (*out)[kPanelTiles * kTileRows], const Panel& panel, int64_t slots, int64_t params_per_tile,
+                const QuantizedRows& a, int64_t first_row) {
+  const int64_t groups = a.cols / a.group, slots_per_group = a.group / 4;
+  __m512 acc[kBlockRows][kPanelTiles];
+  for (int r = 0; r < kBlockRows; ++r) {
+    for (int v = 0; v < kPanelTiles; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sums[kBlockRows][kPanelTiles];
+    for (int r = 0; r < kBlockRows; ++r) {
+      const __m512i start = offset ? _mm512_set1_epi32(-128 * a.sum[(first_row + r) * groups + g]) : _mm512_setzero_si512();
+      for (int v = 0; v < kPanelTiles; ++v) sums[r][v] = start;
+    }
+    for (int64_t s = g * slots_per_group; s < (g + 1) * slots_per_group; ++s) {
+      __m512i w[kPanelTiles];
+      for (int v = 0; v < kPanelTiles; ++v) w[v] = _mm512_loadu_si512(panel.q.data() + (v * slots + s) * 64);
+      for (int r = 0; r < kBlockRows; ++r) {
+        const __m512i x = broadcast4(a.q.data() + (first_row + r) * a.cols + s * 4);
+        for (int v = 0; v < kPanelTiles; ++v) sums[r][v] = _mm512_dpbusd_epi32(sums[r][v], w[v], x);
+      }
+    }
+    for (int v = 0; v < kPanelTiles; ++v) {
+      const __m512 w_scales = _mm512_loadu_ps(panel.scales.data() + v * params_per_tile + g * kTileRows);
+      const __m512 w_mins = with_mins ? _mm512_loadu_ps(panel.mins.data() + v * params_per_tile + g * kTileRows)
+                                      : _mm512_setzero_ps();
+      for (int r = 0; r < kBlockRows; ++r) {
+        const int64_t ag = (first_row + r) * groups + g;
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][v]), _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag])),
+                                    acc[r][v]);
+        if (with_mins) acc[r][v] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(a.scaled_sum[ag]), acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < kBlockRows; ++r) {
+    for (int v = 0; v < kPanelTiles; ++v) _mm512_storeu_ps(out[r] + v * kTileRows, acc[r][v]);
+  }
+}
+#define PAGEDLLM_INT8_TILES 1
 #elif defined(__AVX2__)
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -253,7 +341,7 @@ void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
   check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_int8");
   const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int8", [&] {
-    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, cols, group);
+    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, cols, group, rows);
     scalar_t* result = out.data_ptr<scalar_t>();
     const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
     dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
@@ -280,6 +368,53 @@ void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
       });
     });
   });
+}
+
+void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                                 c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits,
+                                 int64_t group) {
+#if defined(PAGEDLLM_INT8_TILES)
+  RECORD_FUNCTION("pagedllm::quantized_linear_int8_tiles", std::vector<c10::IValue>({x, qweight}));
+  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_int8_tiles");
+  const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
+  const int64_t slots = cols / 4, panels = (tiles + kPanelTiles - 1) / kPanelTiles;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int8_tiles", [&] {
+    const int64_t padded_rows = (rows + kBlockRows - 1) / kBlockRows * kBlockRows;
+    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, cols, group, padded_rows);
+    scalar_t* result = out.data_ptr<scalar_t>();
+    const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
+      constexpr int kBits = decltype(bits_constant)::value;
+      using scale_t = scale_type_of<decltype(all_scales)>;
+      const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
+      const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
+      const auto dots_of = all_mins != nullptr ? &panel_dots<kBits == 8, true> : &panel_dots<kBits == 8, false>;
+      at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+        thread_local Panel panel;   // kept from call to call: no allocation per call
+        float dots[kBlockRows][kPanelTiles * kTileRows];
+        for (int64_t p = begin; p < end; ++p) {
+          const int64_t first_tile = p * kPanelTiles;
+          const int count = static_cast<int>(std::min<int64_t>(kPanelTiles, tiles - first_tile));
+          unpack_panel<kBits>(panel, weights + first_tile * tile_bytes, tile_bytes, all_scales + first_tile * params_per_tile,
+                              all_mins ? all_mins + first_tile * params_per_tile : nullptr, params_per_tile, count, slots);
+          const int64_t first_out = first_tile * kTileRows;
+          const int64_t valid = std::min<int64_t>(count * kTileRows, out_features - first_out);
+          for (int64_t r = 0; r < rows; r += kBlockRows) {
+            dots_of(dots, panel, slots, params_per_tile, a, r);
+            for (int64_t b = 0; b < std::min<int64_t>(kBlockRows, rows - r); ++b) {
+              for (int64_t n = 0; n < valid; ++n) {
+                const float value = dots[b][n] + (bias_values ? static_cast<float>(bias_values[first_out + n]) : 0.f);
+                result[(r + b) * out_features + first_out + n] = static_cast<scalar_t>(value);
+              }
+            }
+          }
+        }
+      });
+    });
+  });
+#else   // no VNNI in this build: the int8 kernel (the same sums)
+  quantized_linear_int8(out, x, qweight, scales, mins, bias, bits, group);
+#endif
 }
 
 void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,
