@@ -188,11 +188,13 @@ void unpack_panel(Panel& panel, const uint8_t* tiles, int64_t tile_bytes, const 
   }
 }
 
-// out[r][v * 16 + n] for activation rows first_row.. first_row + kBlockRows against the panel's tile v.
-template <bool offset, bool with_mins>
+// out[r][v * 16 + n] for activation rows first_row.. first_row + kBlockRows against the panel's tile v. The group's
+// slots are a constant so that the slot loop unrolls: in a run-time loop GCC copied every sum in and out of the
+// register vpdpbusd accumulates into, two moves per dot product.
+template <int slots_per_group, bool offset, bool with_mins>
 void panel_dots(float (*out)[kPanelTiles * kTileRows], const Panel& panel, int64_t slots, int64_t params_per_tile,
                 const QuantizedRows& a, int64_t first_row) {
-  const int64_t groups = a.cols / a.group, slots_per_group = a.group / 4;
+  const int64_t groups = a.cols / a.group;
   __m512 acc[kBlockRows][kPanelTiles];
   for (int r = 0; r < kBlockRows; ++r) {
     for (int v = 0; v < kPanelTiles; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -203,7 +205,9 @@ void panel_dots(float (*out)[kPanelTiles * kTileRows], const Panel& panel, int64
       const __m512i start = offset ? _mm512_set1_epi32(-128 * a.sum[(first_row + r) * groups + g]) : _mm512_setzero_si512();
       for (int v = 0; v < kPanelTiles; ++v) sums[r][v] = start;
     }
-    for (int64_t s = g * slots_per_group; s < (g + 1) * slots_per_group; ++s) {
+#pragma GCC unroll 8
+    for (int i = 0; i < slots_per_group; ++i) {
+      const int64_t s = g * slots_per_group + i;
       __m512i w[kPanelTiles];
       for (int v = 0; v < kPanelTiles; ++v) w[v] = _mm512_loadu_si512(panel.q.data() + (v * slots + s) * 64);
       for (int r = 0; r < kBlockRows; ++r) {
@@ -388,7 +392,9 @@ void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweigh
       using scale_t = scale_type_of<decltype(all_scales)>;
       const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
       const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
-      const auto dots_of = all_mins != nullptr ? &panel_dots<kBits == 8, true> : &panel_dots<kBits == 8, false>;
+      // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
+      const auto dots_of = group == 32 ? (all_mins != nullptr ? &panel_dots<8, kBits == 8, true> : &panel_dots<8, kBits == 8, false>)
+                                       : (all_mins != nullptr ? &panel_dots<4, kBits == 8, true> : &panel_dots<4, kBits == 8, false>);
       at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
         thread_local Panel panel;   // kept from call to call: no allocation per call
         float dots[kBlockRows][kPanelTiles * kTileRows];
