@@ -32,6 +32,7 @@ using pagedllm::broadcast;
 using pagedllm::kLanes;
 using pagedllm::narrow;
 using pagedllm::vfloat;
+using pagedllm::widen;
 
 using pagedllm::check_format;
 using pagedllm::check_matmul;
@@ -49,38 +50,75 @@ constexpr int kRowBlock = 4;
 #endif
 
 // Activation rows quantized per group: q in -127..127 (so negating one cannot overflow), scale =
-// absmax / 127, and scale * sum(q) for the weights' min term.
+// absmax / 127, and scale * sum(q) for the weights' min term. The arrays live in storage the calling thread
+// keeps from call to call: fresh vectors were zero-filled on every call, and past glibc's mmap threshold (a
+// 2,048-row prefill's 3 MB) faulted their pages in again.
 struct QuantizedRows {
   int64_t rows, cols, group;
-  std::vector<int8_t> q;
-  std::vector<float> scale, scaled_sum;   // [rows, groups]
-  std::vector<int32_t> sum;               // [rows, groups]: sum(q), for the tiles kernel's 8-bit weights
+  const int8_t* q;                             // [rows, cols]
+  const float *scale, *scaled_sum;             // [rows, groups]
+  const int32_t* sum;                          // [rows, groups]: sum(q), for the tiles kernel's 8-bit weights
 };
 
-// padded_rows (>= rows): rows past `rows` are zeros, so a kernel may compute whole row blocks.
+// One group's q (x * 127 / absmax rounded to nearest, ties to even); returns sum(q), sets *scale.
+template <typename scalar_t>
+int32_t quantize_group(const scalar_t* x, int64_t group, int8_t* q, float* scale) {
+#if defined(__AVX512F__)
+  // The scalar loop's arithmetic, 16 lanes at a time: the same float products, rounded by the current mode
+  // (nearest even) as nearbyint rounds them. Groups are 16 or 32 columns.
+  __m512 absmax_lanes = _mm512_setzero_ps();
+  for (int64_t i = 0; i < group; i += kLanes) absmax_lanes = _mm512_max_ps(absmax_lanes, _mm512_abs_ps((__m512)widen(x + i)));
+  const float absmax = _mm512_reduce_max_ps(absmax_lanes);
+  const __m512 inverse = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+  __m512i sums = _mm512_setzero_si512();
+  for (int64_t i = 0; i < group; i += kLanes) {
+    const __m512i values = _mm512_cvtps_epi32(_mm512_mul_ps((__m512)widen(x + i), inverse));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(values));
+    sums = _mm512_add_epi32(sums, values);
+  }
+  *scale = absmax / 127.f;
+  return _mm512_reduce_add_epi32(sums);
+#else
+  float absmax = 0.f;
+  for (int64_t i = 0; i < group; ++i) absmax = std::max(absmax, std::abs(static_cast<float>(x[i])));
+  const float inverse = absmax > 0.f ? 127.f / absmax : 0.f;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < group; ++i) {
+    const int32_t value = static_cast<int32_t>(std::nearbyint(static_cast<float>(x[i]) * inverse));
+    q[i] = static_cast<int8_t>(value);
+    sum += value;
+  }
+  *scale = absmax / 127.f;
+  return sum;
+#endif
+}
+
+// padded_rows (>= rows): room for whole row blocks; the rows past `rows` hold whatever the storage held (a
+// kernel computes them and writes nothing of them).
 template <typename scalar_t>
 QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64_t group, int64_t padded_rows) {
   const int64_t groups = cols / group;
-  QuantizedRows out{rows, cols, group, std::vector<int8_t>(padded_rows * cols), std::vector<float>(padded_rows * groups),
-                    std::vector<float>(padded_rows * groups), std::vector<int32_t>(padded_rows * groups)};
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> scale, scaled_sum;
+  thread_local std::vector<int32_t> sum;
+  if (static_cast<int64_t>(q.size()) < padded_rows * cols) q.resize(padded_rows * cols);
+  if (static_cast<int64_t>(scale.size()) < padded_rows * groups) {
+    scale.resize(padded_rows * groups);
+    scaled_sum.resize(padded_rows * groups);
+    sum.resize(padded_rows * groups);
+  }
+  // The calling thread's storage, by pointer: inside the workers, the names would be their own thread_locals.
+  int8_t* q_data = q.data();
+  float *scale_data = scale.data(), *scaled_sum_data = scaled_sum.data();
+  int32_t* sum_data = sum.data();
   at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t rg = begin; rg < end; ++rg) {
       const int64_t start = rg * group;   // rows are contiguous, so group rg starts at rg * group
-      float absmax = 0.f;
-      for (int64_t i = 0; i < group; ++i) absmax = std::max(absmax, std::abs(static_cast<float>(x[start + i])));
-      const float inverse = absmax > 0.f ? 127.f / absmax : 0.f;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < group; ++i) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(static_cast<float>(x[start + i]) * inverse));
-        out.q[start + i] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      out.scale[rg] = absmax / 127.f;
-      out.sum[rg] = sum;
-      out.scaled_sum[rg] = out.scale[rg] * static_cast<float>(sum);
+      sum_data[rg] = quantize_group(x + start, group, q_data + start, &scale_data[rg]);
+      scaled_sum_data[rg] = scale_data[rg] * static_cast<float>(sum_data[rg]);
     }
   });
-  return out;
+  return QuantizedRows{rows, cols, group, q_data, scale_data, scaled_sum_data, sum_data};
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -122,7 +160,7 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
         w1 = _mm512_abs_epi8(signed1);
       }
       for (int r = 0; r < block; ++r) {
-        const int8_t* activations = a.q.data() + (first_row + r) * a.cols + s * 4;
+        const int8_t* activations = a.q + (first_row + r) * a.cols + s * 4;
         __m512i a0 = broadcast4(activations), a1 = broadcast4(activations + 4);
         if constexpr (bits == 8) {
           a0 = _mm512_mask_sub_epi8(a0, negative0, _mm512_setzero_si512(), a0);
@@ -211,7 +249,7 @@ void panel_dots(float (*out)[kPanelTiles * kTileRows], const Panel& panel, int64
       __m512i w[kPanelTiles];
       for (int v = 0; v < kPanelTiles; ++v) w[v] = _mm512_loadu_si512(panel.q.data() + (v * slots + s) * 64);
       for (int r = 0; r < kBlockRows; ++r) {
-        const __m512i x = broadcast4(a.q.data() + (first_row + r) * a.cols + s * 4);
+        const __m512i x = broadcast4(a.q + (first_row + r) * a.cols + s * 4);
         for (int v = 0; v < kPanelTiles; ++v) sums[r][v] = _mm512_dpbusd_epi32(sums[r][v], w[v], x);
       }
     }
@@ -267,7 +305,7 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
           w1 = _mm256_sign_epi8(signed1, signed1);
         }
         for (int r = 0; r < block; ++r) {
-          const int8_t* activations = a.q.data() + (first_row + r) * a.cols + s * 4;
+          const int8_t* activations = a.q + (first_row + r) * a.cols + s * 4;
           __m256i a0 = broadcast4(activations), a1 = broadcast4(activations + 4);
           if constexpr (bits == 8) {
             a0 = _mm256_sign_epi8(a0, signed0);

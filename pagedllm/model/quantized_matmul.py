@@ -42,7 +42,7 @@ BRGEMM_FROM_ROWS = {
 
 # The row count from which int8_tiles beats int8 (docs/quantized_matmul.md has the figures). Both give the same
 # bits for a row, so this is speed only: batch invariance holds across it.
-INT8_TILES_FROM_ROWS = 16
+INT8_TILES_FROM_ROWS = 9
 
 
 def brgemm_isa(dtype: torch.dtype) -> str | None:
