@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -51,13 +52,22 @@ constexpr int kRowBlock = 4;
 
 // Activation rows quantized per group: q in -127..127 (so negating one cannot overflow), scale =
 // absmax / 127, and scale * sum(q) for the weights' min term. The arrays live in storage the calling thread
-// keeps from call to call: fresh vectors were zero-filled on every call, and past glibc's mmap threshold (a
-// 2,048-row prefill's 3 MB) faulted their pages in again.
+// keeps from call to call (up to kKeptBytes; larger, as a long prefill's, only for the call): fresh vectors were
+// zero-filled on every call, and past glibc's mmap threshold (a 2,048-row down projection's 3 MB) faulted their
+// pages in again.
+struct RowStorage {
+  std::vector<int8_t> q;                       // [rows, cols]
+  std::vector<float> scale, scaled_sum;        // [rows, groups]
+  std::vector<int32_t> sum;                    // [rows, groups]: sum(q), for the tiles kernel's 8-bit weights
+};
+constexpr int64_t kKeptBytes = 8 << 20;
+
 struct QuantizedRows {
   int64_t rows, cols, group;
-  const int8_t* q;                             // [rows, cols]
-  const float *scale, *scaled_sum;             // [rows, groups]
-  const int32_t* sum;                          // [rows, groups]: sum(q), for the tiles kernel's 8-bit weights
+  const int8_t* q;
+  const float *scale, *scaled_sum;
+  const int32_t* sum;
+  std::unique_ptr<RowStorage> own;   // storage for this call alone, where the kept storage would be too large
 };
 
 // One group's q (x * 127 / absmax rounded to nearest, ties to even); returns sum(q), sets *scale.
@@ -98,19 +108,21 @@ int32_t quantize_group(const scalar_t* x, int64_t group, int8_t* q, float* scale
 template <typename scalar_t>
 QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64_t group, int64_t padded_rows) {
   const int64_t groups = cols / group;
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> scale, scaled_sum;
-  thread_local std::vector<int32_t> sum;
-  if (static_cast<int64_t>(q.size()) < padded_rows * cols) q.resize(padded_rows * cols);
-  if (static_cast<int64_t>(scale.size()) < padded_rows * groups) {
-    scale.resize(padded_rows * groups);
-    scaled_sum.resize(padded_rows * groups);
-    sum.resize(padded_rows * groups);
+  thread_local RowStorage kept;
+  std::unique_ptr<RowStorage> own;
+  const bool too_large = padded_rows * (cols + 12 * groups) > kKeptBytes;
+  if (too_large) own = std::make_unique<RowStorage>();
+  RowStorage& storage = too_large ? *own : kept;
+  if (static_cast<int64_t>(storage.q.size()) < padded_rows * cols) storage.q.resize(padded_rows * cols);
+  if (static_cast<int64_t>(storage.scale.size()) < padded_rows * groups) {
+    storage.scale.resize(padded_rows * groups);
+    storage.scaled_sum.resize(padded_rows * groups);
+    storage.sum.resize(padded_rows * groups);
   }
-  // The calling thread's storage, by pointer: inside the workers, the names would be their own thread_locals.
-  int8_t* q_data = q.data();
-  float *scale_data = scale.data(), *scaled_sum_data = scaled_sum.data();
-  int32_t* sum_data = sum.data();
+  // By pointer: inside the workers, `kept` would name their own thread_local.
+  int8_t* q_data = storage.q.data();
+  float *scale_data = storage.scale.data(), *scaled_sum_data = storage.scaled_sum.data();
+  int32_t* sum_data = storage.sum.data();
   at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t rg = begin; rg < end; ++rg) {
       const int64_t start = rg * group;   // rows are contiguous, so group rg starts at rg * group
@@ -118,7 +130,7 @@ QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64
       scaled_sum_data[rg] = scale_data[rg] * static_cast<float>(sum_data[rg]);
     }
   });
-  return QuantizedRows{rows, cols, group, q_data, scale_data, scaled_sum_data, sum_data};
+  return QuantizedRows{rows, cols, group, q_data, scale_data, scaled_sum_data, sum_data, std::move(own)};
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)

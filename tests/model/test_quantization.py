@@ -309,6 +309,19 @@ def test_int8_tiles_gives_the_int8_kernels_bits(dtype, shape):
                 assert torch.equal(*outs), (num_rows, weight.source, layer_bias is None)
 
 
+@pytest.mark.kernels
+def test_int8_activations_past_the_kept_storage_equal_smaller_calls(monkeypatch):
+    """The quantized activations live in storage the calling thread keeps, up to 8 MiB; past it (4,100 rows of
+    2,048 columns: 8.4 MB of int8 values) a call quantizes into storage of its own. Each row's result is its
+    own, so the large call equals the same rows in calls that fit, on both int8 kernels."""
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(4100, 2048, generator=generator)
+    weight = quantize(torch.randn(40, 2048, generator=generator), 4)
+    for path in ("int8", "int8_tiles"):
+        layer = QuantizedLinear(weight, None, forced(path, monkeypatch))
+        assert torch.equal(layer(x), torch.cat([layer(x[start:start + 512]) for start in range(0, 4100, 512)]))
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_round_to_nearest_error_is_at_most_half_a_step(bits):
     weight = torch.randn(16, 128, generator=torch.Generator().manual_seed(bits))
