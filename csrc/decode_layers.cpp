@@ -32,7 +32,8 @@ Matmul matmul_for(const std::string& path) {
   if (path == "rows") return &quantized_linear_rows;
   if (path == "brgemm") return &quantized_linear_brgemm;
   if (path == "int8") return &quantized_linear_int8;
-  TORCH_CHECK(false, "decode_layers: path must be rows, brgemm or int8, got ", path);
+  if (path == "int8_tiles") return &quantized_linear_int8_tiles;
+  TORCH_CHECK(false, "decode_layers: path must be rows, brgemm, int8 or int8_tiles, got ", path);
 }
 
 Projection projection(const ProjectionArgs& args, int64_t out_features) {

@@ -108,6 +108,11 @@ void quantized_linear_brgemm(at::Tensor out, at::Tensor x, at::Tensor qweight, a
                              c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group);
 void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                            c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group);
+// _int8_tiles: _int8's sums, bitwise, register-blocked for many rows (weights unpacked once per call; VNNI builds,
+// elsewhere it is _int8).
+void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                                 c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits,
+                                 int64_t group);
 // quantized_linear_rows's output tiles [first_tile, last_tile) (columns 16 * first_tile onwards) on the calling
 // thread alone: one thread's share, for a caller that already runs on every core (the compiled decode stack's
 // one-row step). Each column comes out as quantized_linear_rows computes it.

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -32,6 +33,7 @@ using pagedllm::broadcast;
 using pagedllm::kLanes;
 using pagedllm::narrow;
 using pagedllm::vfloat;
+using pagedllm::widen;
 
 using pagedllm::check_format;
 using pagedllm::check_matmul;
@@ -49,35 +51,86 @@ constexpr int kRowBlock = 4;
 #endif
 
 // Activation rows quantized per group: q in -127..127 (so negating one cannot overflow), scale =
-// absmax / 127, and scale * sum(q) for the weights' min term.
+// absmax / 127, and scale * sum(q) for the weights' min term. The arrays live in storage the calling thread
+// keeps from call to call (up to kKeptBytes; larger, as a long prefill's, only for the call): fresh vectors were
+// zero-filled on every call, and past glibc's mmap threshold (a 2,048-row down projection's 3 MB) faulted their
+// pages in again.
+struct RowStorage {
+  std::vector<int8_t> q;                       // [rows, cols]
+  std::vector<float> scale, scaled_sum;        // [rows, groups]
+  std::vector<int32_t> sum;                    // [rows, groups]: sum(q), for the tiles kernel's 8-bit weights
+};
+constexpr int64_t kKeptBytes = 8 << 20;
+
 struct QuantizedRows {
   int64_t rows, cols, group;
-  std::vector<int8_t> q;
-  std::vector<float> scale, scaled_sum;   // [rows, groups]
+  const int8_t* q;
+  const float *scale, *scaled_sum;
+  const int32_t* sum;
+  std::unique_ptr<RowStorage> own;   // storage for this call alone, where the kept storage would be too large
 };
 
+// One group's q (x * 127 / absmax rounded to nearest, ties to even); returns sum(q), sets *scale.
 template <typename scalar_t>
-QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64_t group) {
+int32_t quantize_group(const scalar_t* x, int64_t group, int8_t* q, float* scale) {
+#if defined(__AVX512F__)
+  // The scalar loop's arithmetic, 16 lanes at a time: the same float products, rounded by the current mode
+  // (nearest even) as nearbyint rounds them. Groups are 16 or 32 columns.
+  __m512 absmax_lanes = _mm512_setzero_ps();
+  for (int64_t i = 0; i < group; i += kLanes) absmax_lanes = _mm512_max_ps(absmax_lanes, _mm512_abs_ps((__m512)widen(x + i)));
+  const float absmax = _mm512_reduce_max_ps(absmax_lanes);
+  const __m512 inverse = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+  __m512i sums = _mm512_setzero_si512();
+  for (int64_t i = 0; i < group; i += kLanes) {
+    const __m512i values = _mm512_cvtps_epi32(_mm512_mul_ps((__m512)widen(x + i), inverse));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(values));
+    sums = _mm512_add_epi32(sums, values);
+  }
+  *scale = absmax / 127.f;
+  return _mm512_reduce_add_epi32(sums);
+#else
+  float absmax = 0.f;
+  for (int64_t i = 0; i < group; ++i) absmax = std::max(absmax, std::abs(static_cast<float>(x[i])));
+  const float inverse = absmax > 0.f ? 127.f / absmax : 0.f;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < group; ++i) {
+    const int32_t value = static_cast<int32_t>(std::nearbyint(static_cast<float>(x[i]) * inverse));
+    q[i] = static_cast<int8_t>(value);
+    sum += value;
+  }
+  *scale = absmax / 127.f;
+  return sum;
+#endif
+}
+
+// padded_rows (>= rows): room for whole row blocks; the rows past `rows` hold whatever the storage held (a
+// kernel computes them and writes nothing of them).
+template <typename scalar_t>
+QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64_t group, int64_t padded_rows) {
   const int64_t groups = cols / group;
-  QuantizedRows out{rows, cols, group, std::vector<int8_t>(rows * cols), std::vector<float>(rows * groups),
-                    std::vector<float>(rows * groups)};
+  thread_local RowStorage kept;
+  std::unique_ptr<RowStorage> own;
+  const bool too_large = padded_rows * (cols + 12 * groups) > kKeptBytes;
+  if (too_large) own = std::make_unique<RowStorage>();
+  RowStorage& storage = too_large ? *own : kept;
+  if (static_cast<int64_t>(storage.q.size()) < padded_rows * cols) storage.q.resize(padded_rows * cols);
+  if (static_cast<int64_t>(storage.scale.size()) < padded_rows * groups) {
+    storage.scale.resize(padded_rows * groups);
+    storage.scaled_sum.resize(padded_rows * groups);
+    storage.sum.resize(padded_rows * groups);
+  }
+  // By pointer: inside the workers, `kept` would name their own thread_local.
+  int8_t* q_data = storage.q.data();
+  float *scale_data = storage.scale.data(), *scaled_sum_data = storage.scaled_sum.data();
+  int32_t* sum_data = storage.sum.data();
   at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t rg = begin; rg < end; ++rg) {
       const int64_t start = rg * group;   // rows are contiguous, so group rg starts at rg * group
-      float absmax = 0.f;
-      for (int64_t i = 0; i < group; ++i) absmax = std::max(absmax, std::abs(static_cast<float>(x[start + i])));
-      const float inverse = absmax > 0.f ? 127.f / absmax : 0.f;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < group; ++i) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(static_cast<float>(x[start + i]) * inverse));
-        out.q[start + i] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      out.scale[rg] = absmax / 127.f;
-      out.scaled_sum[rg] = out.scale[rg] * static_cast<float>(sum);
+      sum_data[rg] = quantize_group(x + start, group, q_data + start, &scale_data[rg]);
+      scaled_sum_data[rg] = scale_data[rg] * static_cast<float>(sum_data[rg]);
     }
   });
-  return out;
+  return QuantizedRows{rows, cols, group, q_data, scale_data, scaled_sum_data, sum_data, std::move(own)};
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -119,7 +172,7 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
         w1 = _mm512_abs_epi8(signed1);
       }
       for (int r = 0; r < block; ++r) {
-        const int8_t* activations = a.q.data() + (first_row + r) * a.cols + s * 4;
+        const int8_t* activations = a.q + (first_row + r) * a.cols + s * 4;
         __m512i a0 = broadcast4(activations), a1 = broadcast4(activations + 4);
         if constexpr (bits == 8) {
           a0 = _mm512_mask_sub_epi8(a0, negative0, _mm512_setzero_si512(), a0);
@@ -140,6 +193,95 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
   }
   for (int r = 0; r < block; ++r) _mm512_storeu_ps(out[r], acc[r]);
 }
+
+// The many-row kernel (quantized_linear_int8_tiles): the same sums as tile_dots, register-blocked. A panel of
+// kPanelTiles tiles is unpacked once per call into unsigned bytes in the slot order (4 bits: q; 8 bits: q + 128,
+// each group's int32 sums starting from -128 sum(q_x) so they come out as tile_dots's) and float scales and mins;
+// then kBlockRows activation rows at a time meet it, kBlockRows x kPanelTiles int32 sums per group (each
+// activation broadcast once per slot, each weight vector loaded once per slot), each group folded into float
+// sums exactly as tile_dots folds it, so every output is bitwise tile_dots's.
+constexpr int kPanelTiles = 2;
+constexpr int kBlockRows = 6;
+
+struct Panel {
+  std::vector<uint8_t> q;           // [kPanelTiles, slots, 64]
+  std::vector<float> scales, mins;  // [kPanelTiles, groups * 16]; a missing last tile is zeros
+};
+
+template <int bits, typename scale_t>
+void unpack_panel(Panel& panel, const uint8_t* tiles, int64_t tile_bytes, const scale_t* scales, const scale_t* mins,
+                  int64_t params_per_tile, int count, int64_t slots) {
+  panel.q.assign(kPanelTiles * slots * 64, 0);
+  panel.scales.assign(kPanelTiles * params_per_tile, 0.f);
+  panel.mins.assign(mins != nullptr ? kPanelTiles * params_per_tile : 0, 0.f);
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), sign_bits = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int t = 0; t < count; ++t) {
+    const uint8_t* tile = tiles + t * tile_bytes;
+    uint8_t* q = panel.q.data() + t * slots * 64;
+    for (int64_t s = 0; s < slots; s += 2) {
+      __m512i even, odd;
+      if constexpr (bits == 4) {
+        const __m512i packed = _mm512_loadu_si512(tile + (s / 2) * 64);
+        even = _mm512_and_si512(packed, low_nibbles);
+        odd = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      } else {
+        even = _mm512_xor_si512(_mm512_loadu_si512(tile + s * 64), sign_bits);
+        odd = _mm512_xor_si512(_mm512_loadu_si512(tile + (s + 1) * 64), sign_bits);
+      }
+      _mm512_storeu_si512(q + s * 64, even);
+      _mm512_storeu_si512(q + (s + 1) * 64, odd);
+    }
+    for (int64_t i = 0; i < params_per_tile; ++i) {
+      panel.scales[t * params_per_tile + i] = static_cast<float>(scales[t * params_per_tile + i]);
+      if (mins != nullptr) panel.mins[t * params_per_tile + i] = static_cast<float>(mins[t * params_per_tile + i]);
+    }
+  }
+}
+
+// out[r][v * 16 + n] for activation rows first_row.. first_row + kBlockRows against the panel's tile v. The group's
+// slots are a constant so that the slot loop unrolls: in a run-time loop GCC copied every sum in and out of the
+// register vpdpbusd accumulates into, two moves per dot product.
+template <int slots_per_group, bool offset, bool with_mins>
+void panel_dots(float (*out)[kPanelTiles * kTileRows], const Panel& panel, int64_t slots, int64_t params_per_tile,
+                const QuantizedRows& a, int64_t first_row) {
+  const int64_t groups = a.cols / a.group;
+  __m512 acc[kBlockRows][kPanelTiles];
+  for (int r = 0; r < kBlockRows; ++r) {
+    for (int v = 0; v < kPanelTiles; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sums[kBlockRows][kPanelTiles];
+    for (int r = 0; r < kBlockRows; ++r) {
+      const __m512i start = offset ? _mm512_set1_epi32(-128 * a.sum[(first_row + r) * groups + g]) : _mm512_setzero_si512();
+      for (int v = 0; v < kPanelTiles; ++v) sums[r][v] = start;
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < slots_per_group; ++i) {
+      const int64_t s = g * slots_per_group + i;
+      __m512i w[kPanelTiles];
+      for (int v = 0; v < kPanelTiles; ++v) w[v] = _mm512_loadu_si512(panel.q.data() + (v * slots + s) * 64);
+      for (int r = 0; r < kBlockRows; ++r) {
+        const __m512i x = broadcast4(a.q + (first_row + r) * a.cols + s * 4);
+        for (int v = 0; v < kPanelTiles; ++v) sums[r][v] = _mm512_dpbusd_epi32(sums[r][v], w[v], x);
+      }
+    }
+    for (int v = 0; v < kPanelTiles; ++v) {
+      const __m512 w_scales = _mm512_loadu_ps(panel.scales.data() + v * params_per_tile + g * kTileRows);
+      const __m512 w_mins = with_mins ? _mm512_loadu_ps(panel.mins.data() + v * params_per_tile + g * kTileRows)
+                                      : _mm512_setzero_ps();
+      for (int r = 0; r < kBlockRows; ++r) {
+        const int64_t ag = (first_row + r) * groups + g;
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][v]), _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag])),
+                                    acc[r][v]);
+        if (with_mins) acc[r][v] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(a.scaled_sum[ag]), acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < kBlockRows; ++r) {
+    for (int v = 0; v < kPanelTiles; ++v) _mm512_storeu_ps(out[r] + v * kTileRows, acc[r][v]);
+  }
+}
+#define PAGEDLLM_INT8_TILES 1
 #elif defined(__AVX2__)
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -175,7 +317,7 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
           w1 = _mm256_sign_epi8(signed1, signed1);
         }
         for (int r = 0; r < block; ++r) {
-          const int8_t* activations = a.q.data() + (first_row + r) * a.cols + s * 4;
+          const int8_t* activations = a.q + (first_row + r) * a.cols + s * 4;
           __m256i a0 = broadcast4(activations), a1 = broadcast4(activations + 4);
           if constexpr (bits == 8) {
             a0 = _mm256_sign_epi8(a0, signed0);
@@ -253,7 +395,7 @@ void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
   check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_int8");
   const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int8", [&] {
-    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, cols, group);
+    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, cols, group, rows);
     scalar_t* result = out.data_ptr<scalar_t>();
     const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
     dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
@@ -280,6 +422,55 @@ void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
       });
     });
   });
+}
+
+void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                                 c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits,
+                                 int64_t group) {
+#if defined(PAGEDLLM_INT8_TILES)
+  RECORD_FUNCTION("pagedllm::quantized_linear_int8_tiles", std::vector<c10::IValue>({x, qweight}));
+  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_int8_tiles");
+  const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
+  const int64_t slots = cols / 4, panels = (tiles + kPanelTiles - 1) / kPanelTiles;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int8_tiles", [&] {
+    const int64_t padded_rows = (rows + kBlockRows - 1) / kBlockRows * kBlockRows;
+    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, cols, group, padded_rows);
+    scalar_t* result = out.data_ptr<scalar_t>();
+    const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
+      constexpr int kBits = decltype(bits_constant)::value;
+      using scale_t = scale_type_of<decltype(all_scales)>;
+      const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
+      const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
+      // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
+      const auto dots_of = group == 32 ? (all_mins != nullptr ? &panel_dots<8, kBits == 8, true> : &panel_dots<8, kBits == 8, false>)
+                                       : (all_mins != nullptr ? &panel_dots<4, kBits == 8, true> : &panel_dots<4, kBits == 8, false>);
+      at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+        thread_local Panel panel;   // kept from call to call: no allocation per call
+        float dots[kBlockRows][kPanelTiles * kTileRows];
+        for (int64_t p = begin; p < end; ++p) {
+          const int64_t first_tile = p * kPanelTiles;
+          const int count = static_cast<int>(std::min<int64_t>(kPanelTiles, tiles - first_tile));
+          unpack_panel<kBits>(panel, weights + first_tile * tile_bytes, tile_bytes, all_scales + first_tile * params_per_tile,
+                              all_mins ? all_mins + first_tile * params_per_tile : nullptr, params_per_tile, count, slots);
+          const int64_t first_out = first_tile * kTileRows;
+          const int64_t valid = std::min<int64_t>(count * kTileRows, out_features - first_out);
+          for (int64_t r = 0; r < rows; r += kBlockRows) {
+            dots_of(dots, panel, slots, params_per_tile, a, r);
+            for (int64_t b = 0; b < std::min<int64_t>(kBlockRows, rows - r); ++b) {
+              for (int64_t n = 0; n < valid; ++n) {
+                const float value = dots[b][n] + (bias_values ? static_cast<float>(bias_values[first_out + n]) : 0.f);
+                result[(r + b) * out_features + first_out + n] = static_cast<scalar_t>(value);
+              }
+            }
+          }
+        }
+      });
+    });
+  });
+#else   // no VNNI in this build: the int8 kernel (the same sums)
+  quantized_linear_int8(out, x, qweight, scales, mins, bias, bits, group);
+#endif
 }
 
 void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,

@@ -2,7 +2,7 @@
 with --attention, each prefill attention path (tiles, brgemm: model/attention/prefill_path.py) per prompt length.
 
 For each of the model's layer shapes, weight format and row count, times every compiled path this CPU
-runs (quantized_matmul.py: rows, brgemm, int8) and the float layer the model would otherwise run
+runs (quantized_matmul.py: rows, brgemm, int8, int8_tiles) and the float layer the model would otherwise run
 (Linear: prepacked oneDNN on CPU, in bfloat16 where the CPU has it fast), all in the same run, and names
 the path the engine chose for that row count (PAGEDLLM_MATMUL_PATH, if set, forces it). The header says which oneDNN ISA brgemm and the float
 layer run on: oneDNN's own start-up line (ONEDNN_VERBOSE, read from a child process) and the ISA
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> None:
     shapes = layer_matmul_shapes(config) + [(config.vocab_size, config.hidden_size)]
     rows_list = [int(r) for r in args.rows.split(",")]
     chosen = QuantizedMatmul()
-    paths = ["rows", "int8"] + (["brgemm"] if brgemm_isa(dtype) else [])
+    paths = ["rows", "int8", "int8_tiles"] + (["brgemm"] if brgemm_isa(dtype) else [])
     print(f"CPU kernels {kernels.variant}, activations {dtype_name}, {torch.get_num_threads()} threads; "
           f"brgemm's ISA (from the CPU's features): {brgemm_isa(dtype) or 'not used'}; "
           f"engine's choice: {chosen.describe(dtype)}")

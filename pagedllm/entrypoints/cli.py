@@ -89,7 +89,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--activation-dtype", choices=ACTIVATION_DTYPES, default=_UNSET,
                        help="what quantized layers multiply: auto, --dtype's activations against the weights "
                             "dequantized on the fly; int8, activations quantized to int8 per row and 32 columns "
-                            "(less accurate, and no faster today: docs/quantization.md) "
+                            "(less accurate, faster at many rows: docs/quantization.md) "
                             f"{_default(EngineConfig, 'activation_dtype')}")
     group.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=_UNSET,
                        help="a request's results bitwise independent of the batch it shares (quantized weights: "

@@ -7,7 +7,9 @@ The paths (csrc/quant_matmul.cpp, csrc/quant_linear.cpp):
   brgemm  blocks of weights dequantized to bfloat16 or float32, oneDNN's brgemm micro-kernel (many rows:
           prefill, large batches); oneDNN generates it for AMX, AVX-512 (BF16) or AVX2
   int8    activations quantized to int8 per row and 32-column group, integer dot products: the opt-in
-          activation_dtype="int8" (faster for small decode batches, less accurate; docs/quantized_matmul.md)
+          activation_dtype="int8" (less accurate; docs/quantized_matmul.md), up to 8 rows per pass (few rows)
+  int8_tiles  int8's sums, bit for bit, register-blocked for many rows over weights unpacked once per call
+          (VNNI builds; elsewhere it runs int8's kernel)
   torch   the weight dequantized per call and F.linear: where the kernels are not built, or not on CPU (the
           model's device, given when the model is built: no call checks it)
 PAGEDLLM_MATMUL_PATH=<path> forces one path for every row count (tests use it to check each).
@@ -23,7 +25,7 @@ from pagedllm.model import kernels
 from pagedllm.model.kernels import kernel_for
 
 ACTIVATION_DTYPES = ("auto", "int8")   # auto: the model dtype
-PATHS = ("rows", "brgemm", "int8", "torch")
+PATHS = ("rows", "brgemm", "int8", "int8_tiles", "torch")
 FORCE_VARIABLE = "PAGEDLLM_MATMUL_PATH"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -37,6 +39,10 @@ BRGEMM_FROM_ROWS = {
     (torch.float32, "avx512_core"): 10,
     (torch.float32, "avx2"): 10,
 }
+
+# The row count from which int8_tiles beats int8 (docs/quantized_matmul.md has the figures). Both give the same
+# bits for a row, so this is speed only: batch invariance holds across it.
+INT8_TILES_FROM_ROWS = 9
 
 
 def brgemm_isa(dtype: torch.dtype) -> str | None:
@@ -76,9 +82,9 @@ class Route:
 
 
 class QuantizedMatmul:
-    """The kernels of one model's quantized layers. batch_invariant: one path for every row count (the rows
-    kernel, or int8), so a row's result is bitwise the same whatever batch it shares. device: the model's
-    (off CPU every route is torch)."""
+    """The kernels of one model's quantized layers. batch_invariant: a row's result is bitwise the same whatever
+    batch it shares: the rows kernel at every row count, or int8 and int8_tiles (the same bits per row).
+    device: the model's (off CPU every route is torch)."""
 
     def __init__(self, activation_dtype: str = "auto", batch_invariant: bool = False,
                  device: torch.device = torch.device("cpu")):
@@ -108,7 +114,7 @@ class QuantizedMatmul:
         if kernels.kernels is None or self.device.type != "cpu":
             return Route("torch", "torch", 1, None)
         if self.activation_dtype == "int8":
-            return Route("int8", "int8", 1, None)
+            return Route("int8", "int8_tiles", INT8_TILES_FROM_ROWS, None)
         if self.batch_invariant or isa is None:
             return Route("rows", "rows", 1, None)
         return Route("rows", "brgemm", BRGEMM_FROM_ROWS[dtype, isa], isa)

@@ -17,7 +17,8 @@ from pagedllm.model import linear
 from pagedllm.model.kernels import kernels as compiled
 from pagedllm.model.linear import ConcatLinear, Embedding, QuantizedLinear, fused_linear
 from pagedllm.model.quantization import GGUF_QUANTIZED_TYPES, QuantizedWeight, from_gguf, quantize
-from pagedllm.model.quantized_matmul import BRGEMM_FROM_ROWS, FORCE_VARIABLE, QuantizedMatmul, brgemm_isa
+from pagedllm.model.quantized_matmul import (BRGEMM_FROM_ROWS, FORCE_VARIABLE, INT8_TILES_FROM_ROWS, QuantizedMatmul,
+                                             brgemm_isa)
 
 # Byte offsets of each block type's float16 scale fields (gguf.quants' layouts): random bytes elsewhere
 # are valid quants, random float16 scales would be NaN or huge.
@@ -133,7 +134,7 @@ def path_bound(path: str, x: torch.Tensor, weight: QuantizedWeight, bias: torch.
         bound = reference + gamma(group_size + cols // group_size + 3 + 3) * scaled_terms(x, weight, bias)
     else:
         bound = 2 * reference
-    if path == "int8":
+    if path.startswith("int8"):
         bound = bound + dot_product_bound(x, dense, group_size)
     if path == "brgemm" and x.dtype == torch.bfloat16:
         bound = bound + BFLOAT16_UNIT * products
@@ -155,7 +156,7 @@ def runnable_paths(dtype: torch.dtype) -> list[str]:
     """The compiled matmul paths this machine runs for activations of dtype."""
     if compiled is None:
         return []
-    return ["rows", "int8"] + (["brgemm"] if brgemm_isa(dtype) is not None else [])
+    return ["rows", "int8", "int8_tiles"] + (["brgemm"] if brgemm_isa(dtype) is not None else [])
 
 
 def forced(path: str, monkeypatch) -> QuantizedMatmul:
@@ -283,6 +284,44 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch_they_share(dtype, activ
         assert torch.equal(layer(rows[:count])[::37], alone[:len(range(0, count, 37))])
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(33, 256), (96, 512), (7, 32)])
+def test_int8_tiles_gives_the_int8_kernels_bits(dtype, shape):
+    """The many-row int8 kernel sums each group in integers and folds it into floats in the int8 kernel's order
+    (8-bit weights offset by 128 and corrected in the integer sum), so below and past the crossover, at row counts
+    off its 6-row blocks and tile counts off its 2-tile panels, every format, with and without bias, its outputs
+    are the int8 kernel's bit for bit: the int8 mode stays batch invariant across the switch. (Builds without
+    VNNI run the int8 kernel for both.)"""
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(out_features)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    for num_rows in (1, 5, 6, 7, INT8_TILES_FROM_ROWS, 33, 200):
+        x = torch.randn(num_rows, in_features, generator=generator).to(dtype)
+        x[0, :7] *= 20
+        for weight in quantized_weights(num_rows, out_features, in_features):
+            for layer_bias in (None, bias):
+                outs = []
+                for kernel in (compiled.quantized_linear_int8, compiled.quantized_linear_int8_tiles):
+                    out = torch.empty(num_rows, out_features, dtype=dtype)
+                    kernel(out, x, weight.qweight, weight.scales, weight.mins, layer_bias, weight.bits, weight.group_size)
+                    outs.append(out)
+                assert torch.equal(*outs), (num_rows, weight.source, layer_bias is None)
+
+
+@pytest.mark.kernels
+def test_int8_activations_past_the_kept_storage_equal_smaller_calls(monkeypatch):
+    """The quantized activations live in storage the calling thread keeps, up to 8 MiB; past it (4,100 rows of
+    2,048 columns: 8.4 MB of int8 values) a call quantizes into storage of its own. Each row's result is its
+    own, so the large call equals the same rows in calls that fit, on both int8 kernels."""
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(4100, 2048, generator=generator)
+    weight = quantize(torch.randn(40, 2048, generator=generator), 4)
+    for path in ("int8", "int8_tiles"):
+        layer = QuantizedLinear(weight, None, forced(path, monkeypatch))
+        assert torch.equal(layer(x), torch.cat([layer(x[start:start + 512]) for start in range(0, 4100, 512)]))
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_round_to_nearest_error_is_at_most_half_a_step(bits):
     weight = torch.randn(16, 128, generator=torch.Generator().manual_seed(bits))
@@ -387,14 +426,15 @@ def test_the_path_is_chosen_once_per_dtype_and_row_count(dtype, monkeypatch):
         assert matmul.describe(dtype).startswith(f"rows below {crossover} rows, brgemm (oneDNN {isa}) from {crossover}")
     invariant = QuantizedMatmul(batch_invariant=True)
     assert invariant.kernel(dtype, 1) is invariant.kernel(dtype, 4096) is compiled.quantized_linear_rows
-    int8 = QuantizedMatmul("int8")
-    assert int8.kernel(dtype, 1) is int8.kernel(dtype, 4096) is compiled.quantized_linear_int8
-    assert int8.describe(dtype) == "int8 for every row count"
+    for int8 in (QuantizedMatmul("int8"), QuantizedMatmul("int8", batch_invariant=True)):   # the same bits per row
+        assert int8.kernel(dtype, 1) is int8.kernel(dtype, INT8_TILES_FROM_ROWS - 1) is compiled.quantized_linear_int8
+        assert int8.kernel(dtype, INT8_TILES_FROM_ROWS) is int8.kernel(dtype, 4096) is compiled.quantized_linear_int8_tiles
+        assert int8.describe(dtype) == (f"int8 below {INT8_TILES_FROM_ROWS} rows, int8_tiles from {INT8_TILES_FROM_ROWS}")
 
 
 def test_forcing_a_path(monkeypatch):
     monkeypatch.setenv(FORCE_VARIABLE, "tiles")
-    with pytest.raises(ValueError, match="PAGEDLLM_MATMUL_PATH must be one of rows, brgemm, int8, torch, got 'tiles'"):
+    with pytest.raises(ValueError, match="PAGEDLLM_MATMUL_PATH must be one of rows, brgemm, int8, int8_tiles, torch, got 'tiles'"):
         QuantizedMatmul()
     monkeypatch.setenv(FORCE_VARIABLE, "torch")
     assert QuantizedMatmul().kernel(torch.float32, 1) is None   # dequantized per call, F.linear
@@ -433,9 +473,11 @@ def test_int8_activations_run_on_request(make_tiny_model_dir, tmp_path, caplog):
     folder = str(make_tiny_model_dir(tmp_path, "llama"))
     with caplog.at_level(logging.INFO, logger="pagedllm.engine.llm_engine"):
         llm = LLM(folder, quantization="int8", activation_dtype="int8", dtype="float32", kv_cache_memory="8MiB")
-    assert "quantized matmuls (float32 activations): int8 for every row count" in caplog.text
+    assert (f"quantized matmuls (float32 activations): int8 below {INT8_TILES_FROM_ROWS} rows, int8_tiles from "
+            f"{INT8_TILES_FROM_ROWS}") in caplog.text
     layer = llm.llm_engine.runner.model.layers[0].qkv_proj
     assert layer.matmul.kernel(torch.float32, 1) is compiled.quantized_linear_int8
+    assert layer.matmul.kernel(torch.float32, INT8_TILES_FROM_ROWS) is compiled.quantized_linear_int8_tiles
 
 
 def test_the_default_answers_as_the_float_path_does():
