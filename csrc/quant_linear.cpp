@@ -211,9 +211,14 @@ struct Panel {
 template <int bits, typename scale_t>
 void unpack_panel(Panel& panel, const uint8_t* tiles, int64_t tile_bytes, const scale_t* scales, const scale_t* mins,
                   int64_t params_per_tile, int count, int64_t slots) {
-  panel.q.assign(kPanelTiles * slots * 64, 0);
-  panel.scales.assign(kPanelTiles * params_per_tile, 0.f);
-  panel.mins.assign(mins != nullptr ? kPanelTiles * params_per_tile : 0, 0.f);
+  panel.q.resize(kPanelTiles * slots * 64);
+  panel.scales.resize(kPanelTiles * params_per_tile);
+  panel.mins.resize(mins != nullptr ? kPanelTiles * params_per_tile : 0);
+  for (int t = count; t < kPanelTiles; ++t) {   // a layer's last panel may lack tiles: their sums must be finite
+    std::fill_n(panel.q.data() + t * slots * 64, slots * 64, uint8_t{0});
+    std::fill_n(panel.scales.data() + t * params_per_tile, params_per_tile, 0.f);
+    if (mins != nullptr) std::fill_n(panel.mins.data() + t * params_per_tile, params_per_tile, 0.f);
+  }
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F), sign_bits = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int t = 0; t < count; ++t) {
     const uint8_t* tile = tiles + t * tile_bytes;
@@ -387,39 +392,60 @@ void untile(uint8_t* dst, const uint8_t* tile, int64_t cols) {
   }
 }
 
+// Both int8 entries' set-up: the checks, the activations quantized (room for rows_padded_to rows), and the weight
+// format dispatched; run(a, result, bias_values, bits_constant, scales, mins) multiplies.
+template <typename Run>
+void with_int8_operands(const char* name, at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                        c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group,
+                        int64_t rows_padded_to, Run run) {
+  check_matmul(out, x, qweight, scales, mins, bias, bits, group, name);
+  const int64_t rows = x.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int8", [&] {
+    const int64_t padded_rows = (rows + rows_padded_to - 1) / rows_padded_to * rows_padded_to;
+    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, x.size(1), group, padded_rows);
+    const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
+      run(a, out.data_ptr<scalar_t>(), bias_values, bits_constant, all_scales, all_mins);
+    });
+  });
+}
+
+// count rows of float sums (width per row) plus the bias into the output, columns first_out.. first_out + valid.
+template <int width, typename scalar_t>
+void store_sums(scalar_t* result, const float (*sums)[width], const scalar_t* bias_values, int64_t first_row,
+                int64_t count, int64_t first_out, int64_t valid, int64_t out_features) {
+  for (int64_t b = 0; b < count; ++b) {
+    for (int64_t n = 0; n < valid; ++n) {
+      const float value = sums[b][n] + (bias_values ? static_cast<float>(bias_values[first_out + n]) : 0.f);
+      result[(first_row + b) * out_features + first_out + n] = static_cast<scalar_t>(value);
+    }
+  }
+}
+
 }  // namespace
 
 void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                            c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
   RECORD_FUNCTION("pagedllm::quantized_linear_int8", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
-  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_int8");
-  const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int8", [&] {
-    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, cols, group, rows);
-    scalar_t* result = out.data_ptr<scalar_t>();
-    const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
-      constexpr int kBits = decltype(bits_constant)::value;
-      using scale_t = scale_type_of<decltype(all_scales)>;
-      const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
-      const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
-      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-        float dots[kRowBlock][kTileRows];
-        for (int64_t t = begin; t < end; ++t) {
-          const int64_t first_out = t * kTileRows, valid = std::min(kTileRows, out_features - first_out);
-          for (int64_t r = 0; r < rows; r += kRowBlock) {
-            const int block = static_cast<int>(std::min<int64_t>(kRowBlock, rows - r));
-            tile_dots<kBits, scale_t>(dots, weights + t * tile_bytes, all_scales + t * params_per_tile,
-                                      all_mins ? all_mins + t * params_per_tile : nullptr, a, r, block);
-            for (int b = 0; b < block; ++b) {
-              for (int64_t n = 0; n < valid; ++n) {
-                const float value = dots[b][n] + (bias_values ? static_cast<float>(bias_values[first_out + n]) : 0.f);
-                result[(r + b) * out_features + first_out + n] = static_cast<scalar_t>(value);
-              }
-            }
-          }
+  const int64_t rows = x.size(0), out_features = out.size(1), tiles = qweight.size(0);
+  const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
+  const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
+  with_int8_operands("quantized_linear_int8", out, x, qweight, scales, mins, bias, bits, group, 1,
+                     [&](const QuantizedRows& a, auto* result, auto* bias_values, auto bits_constant, auto all_scales,
+                         auto all_mins) {
+    constexpr int kBits = decltype(bits_constant)::value;
+    using scale_t = scale_type_of<decltype(all_scales)>;
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      float dots[kRowBlock][kTileRows];
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t first_out = t * kTileRows, valid = std::min(kTileRows, out_features - first_out);
+        for (int64_t r = 0; r < rows; r += kRowBlock) {
+          const int block = static_cast<int>(std::min<int64_t>(kRowBlock, rows - r));
+          tile_dots<kBits, scale_t>(dots, weights + t * tile_bytes, all_scales + t * params_per_tile,
+                                    all_mins ? all_mins + t * params_per_tile : nullptr, a, r, block);
+          store_sums(result, dots, bias_values, r, block, first_out, valid, out_features);
         }
-      });
+      }
     });
   });
 }
@@ -429,43 +455,32 @@ void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweigh
                                  int64_t group) {
 #if defined(PAGEDLLM_INT8_TILES)
   RECORD_FUNCTION("pagedllm::quantized_linear_int8_tiles", std::vector<c10::IValue>({x, qweight}));
-  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_int8_tiles");
   const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
   const int64_t slots = cols / 4, panels = (tiles + kPanelTiles - 1) / kPanelTiles;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int8_tiles", [&] {
-    const int64_t padded_rows = (rows + kBlockRows - 1) / kBlockRows * kBlockRows;
-    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, cols, group, padded_rows);
-    scalar_t* result = out.data_ptr<scalar_t>();
-    const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
-      constexpr int kBits = decltype(bits_constant)::value;
-      using scale_t = scale_type_of<decltype(all_scales)>;
-      const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
-      const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
-      // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
-      const auto dots_of = group == 32 ? (all_mins != nullptr ? &panel_dots<8, kBits == 8, true> : &panel_dots<8, kBits == 8, false>)
-                                       : (all_mins != nullptr ? &panel_dots<4, kBits == 8, true> : &panel_dots<4, kBits == 8, false>);
-      at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-        thread_local Panel panel;   // kept from call to call: no allocation per call
-        float dots[kBlockRows][kPanelTiles * kTileRows];
-        for (int64_t p = begin; p < end; ++p) {
-          const int64_t first_tile = p * kPanelTiles;
-          const int count = static_cast<int>(std::min<int64_t>(kPanelTiles, tiles - first_tile));
-          unpack_panel<kBits>(panel, weights + first_tile * tile_bytes, tile_bytes, all_scales + first_tile * params_per_tile,
-                              all_mins ? all_mins + first_tile * params_per_tile : nullptr, params_per_tile, count, slots);
-          const int64_t first_out = first_tile * kTileRows;
-          const int64_t valid = std::min<int64_t>(count * kTileRows, out_features - first_out);
-          for (int64_t r = 0; r < rows; r += kBlockRows) {
-            dots_of(dots, panel, slots, params_per_tile, a, r);
-            for (int64_t b = 0; b < std::min<int64_t>(kBlockRows, rows - r); ++b) {
-              for (int64_t n = 0; n < valid; ++n) {
-                const float value = dots[b][n] + (bias_values ? static_cast<float>(bias_values[first_out + n]) : 0.f);
-                result[(r + b) * out_features + first_out + n] = static_cast<scalar_t>(value);
-              }
-            }
-          }
+  const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
+  const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
+  with_int8_operands("quantized_linear_int8_tiles", out, x, qweight, scales, mins, bias, bits, group, kBlockRows,
+                     [&](const QuantizedRows& a, auto* result, auto* bias_values, auto bits_constant, auto all_scales,
+                         auto all_mins) {
+    constexpr int kBits = decltype(bits_constant)::value;
+    // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
+    const auto dots_of = group == 32 ? (all_mins != nullptr ? &panel_dots<8, kBits == 8, true> : &panel_dots<8, kBits == 8, false>)
+                                     : (all_mins != nullptr ? &panel_dots<4, kBits == 8, true> : &panel_dots<4, kBits == 8, false>);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      thread_local Panel panel;   // kept from call to call: no allocation per call
+      float dots[kBlockRows][kPanelTiles * kTileRows];
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t first_tile = p * kPanelTiles;
+        const int count = static_cast<int>(std::min<int64_t>(kPanelTiles, tiles - first_tile));
+        unpack_panel<kBits>(panel, weights + first_tile * tile_bytes, tile_bytes, all_scales + first_tile * params_per_tile,
+                            all_mins ? all_mins + first_tile * params_per_tile : nullptr, params_per_tile, count, slots);
+        const int64_t first_out = first_tile * kTileRows;
+        const int64_t valid = std::min<int64_t>(count * kTileRows, out_features - first_out);
+        for (int64_t r = 0; r < rows; r += kBlockRows) {
+          dots_of(dots, panel, slots, params_per_tile, a, r);
+          store_sums(result, dots, bias_values, r, std::min<int64_t>(kBlockRows, rows - r), first_out, valid, out_features);
         }
-      });
+      }
     });
   });
 #else   // no VNNI in this build: the int8 kernel (the same sums)

@@ -12,7 +12,8 @@ The paths (csrc/quant_matmul.cpp, csrc/quant_linear.cpp):
           (VNNI builds; elsewhere it runs int8's kernel)
   torch   the weight dequantized per call and F.linear: where the kernels are not built, or not on CPU (the
           model's device, given when the model is built: no call checks it)
-PAGEDLLM_MATMUL_PATH=<path> forces one path for every row count (tests use it to check each).
+PAGEDLLM_MATMUL_PATH=<path> forces one path for every row count (tests use it to check each); forced brgemm leaves
+the activation dtypes it does not run here (float16; bfloat16 without AVX512-BF16 or AMX) on the rows kernel.
 """
 from __future__ import annotations
 
@@ -106,9 +107,9 @@ class QuantizedMatmul:
         if forced is not None:
             if forced != "torch" and kernels.kernels is None:
                 raise ValueError(f"{FORCE_VARIABLE}={forced}: the C++ kernels are not built")
-            if forced == "brgemm" and isa is None and dtype != torch.float16:
-                raise ValueError(f"{FORCE_VARIABLE}=brgemm: oneDNN's brgemm does not run {dtype} on this CPU")
-            if forced == "brgemm" and isa is None:   # float16 activations: no brgemm anywhere; the rows kernel
+            if forced == "brgemm" and brgemm_isa(torch.float32) is None:
+                raise ValueError(f"{FORCE_VARIABLE}=brgemm: oneDNN's brgemm runs no activation dtype on this CPU")
+            if forced == "brgemm" and isa is None:   # float16 anywhere, bfloat16 without AVX512-BF16: the rows kernel
                 return Route("rows", "rows", 1, None)
             return Route(forced, forced, 1, isa)
         if kernels.kernels is None or self.device.type != "cpu":
