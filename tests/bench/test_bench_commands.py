@@ -45,11 +45,15 @@ def run_bench(capsys, *argv: str) -> str:
     return capsys.readouterr().out
 
 
-def test_throughput_prints_a_row_per_quantization(tiny_dir, capsys, tmp_path):
+def test_throughput_prints_a_row_per_quantization_and_kv_cache_dtype(tiny_dir, capsys, tmp_path):
     out = run_bench(capsys, "throughput", tiny_dir, "--dataset", str(tiny_workload(tmp_path)),
-                    "--dtype", "float32", "--quantization", "none,int8", "--kv-cache-memory", "8MiB")
+                    "--dtype", "float32", "--quantization", "none,int8", "--kv-cache-dtype", "auto,bfloat16",
+                    "--kv-cache-memory", "8MiB")
     rows = table_rows(out, "| backend | dtype | wall s | req/s | output tok/s | total tok/s |")
-    assert len(rows) == 2 and all(row.split("|")[1].strip().startswith("pagedllm") for row in rows)
+    backends = [row.split("|")[1].strip() for row in rows]
+    assert len(backends) == 4 and all(backend.startswith("pagedllm") for backend in backends)
+    assert [("quantization=int8" in b, "kv_cache_dtype=bfloat16" in b) for b in backends] == [
+        (False, False), (False, True), (True, False), (True, True)]
 
 
 def test_memory_prints_its_utilisation_tables(capsys):
