@@ -392,7 +392,7 @@ void untile(uint8_t* dst, const uint8_t* tile, int64_t cols) {
   }
 }
 
-// Both int8 entries' set-up: the checks, the activations quantized (room for rows_padded_to rows), and the weight
+// Both int8 entries' set-up: the checks (before any size is read), the activations quantized (room for rows_padded_to rows), and the weight
 // format dispatched; run(a, result, bias_values, bits_constant, scales, mins) multiplies.
 template <typename Run>
 void with_int8_operands(const char* name, at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
@@ -427,14 +427,14 @@ void store_sums(scalar_t* result, const float (*sums)[width], const scalar_t* bi
 void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                            c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
   RECORD_FUNCTION("pagedllm::quantized_linear_int8", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
-  const int64_t rows = x.size(0), out_features = out.size(1), tiles = qweight.size(0);
-  const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
-  const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
   with_int8_operands("quantized_linear_int8", out, x, qweight, scales, mins, bias, bits, group, 1,
                      [&](const QuantizedRows& a, auto* result, auto* bias_values, auto bits_constant, auto all_scales,
                          auto all_mins) {
     constexpr int kBits = decltype(bits_constant)::value;
     using scale_t = scale_type_of<decltype(all_scales)>;
+    const int64_t rows = x.size(0), out_features = out.size(1), tiles = qweight.size(0);
+    const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
+    const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       float dots[kRowBlock][kTileRows];
       for (int64_t t = begin; t < end; ++t) {
@@ -455,14 +455,14 @@ void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweigh
                                  int64_t group) {
 #if defined(PAGEDLLM_INT8_TILES)
   RECORD_FUNCTION("pagedllm::quantized_linear_int8_tiles", std::vector<c10::IValue>({x, qweight}));
-  const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
-  const int64_t slots = cols / 4, panels = (tiles + kPanelTiles - 1) / kPanelTiles;
-  const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
-  const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
   with_int8_operands("quantized_linear_int8_tiles", out, x, qweight, scales, mins, bias, bits, group, kBlockRows,
                      [&](const QuantizedRows& a, auto* result, auto* bias_values, auto bits_constant, auto all_scales,
                          auto all_mins) {
     constexpr int kBits = decltype(bits_constant)::value;
+    const int64_t rows = x.size(0), out_features = out.size(1), tiles = qweight.size(0);
+    const int64_t slots = x.size(1) / 4, panels = (tiles + kPanelTiles - 1) / kPanelTiles;
+    const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
+    const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
     // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
     const auto dots_of = group == 32 ? (all_mins != nullptr ? &panel_dots<8, kBits == 8, true> : &panel_dots<8, kBits == 8, false>)
                                      : (all_mins != nullptr ? &panel_dots<4, kBits == 8, true> : &panel_dots<4, kBits == 8, false>);
