@@ -91,8 +91,8 @@ def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantiz
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-              block_size=args.block_size,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=args.kv_cache_memory, enable_cascade_attention=CASCADE_VALUES[cascade],
               enable_prefix_caching=args.prefix_caching, **(lora_engine_settings(adapters) if adapters else {}))
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
@@ -127,6 +127,7 @@ def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantiz
     kv = f", kv_cache_dtype={kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
     return _figures(f"pagedllm (quantization={quantization}{kv}, cascade={cascade}{loras})", workload, generated, elapsed,
                     dtype=str(engine.dtype).removeprefix("torch."),
+                    kv_cache_dtype=str(engine.kv_cache_dtype).removeprefix("torch."),
                     weights_mib=round(engine.model_info().weight_bytes / 2**20, 1),
                     preemptions=stats.num_preemptions, matmul_gflops=round(rate / 1e9, 1),
                     compute_floor_s=round(floor, 2), floor_fraction=round(floor / elapsed, 3),

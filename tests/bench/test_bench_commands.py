@@ -46,14 +46,16 @@ def run_bench(capsys, *argv: str) -> str:
 
 
 def test_throughput_prints_a_row_per_quantization_and_kv_cache_dtype(tiny_dir, capsys, tmp_path):
+    """Each row's engine was built with its values: the KV cache dtype is the one the engine resolved."""
+    figures = tmp_path / "figures.json"
     out = run_bench(capsys, "throughput", tiny_dir, "--dataset", str(tiny_workload(tmp_path)),
                     "--dtype", "float32", "--quantization", "none,int8", "--kv-cache-dtype", "auto,bfloat16",
-                    "--kv-cache-memory", "8MiB")
+                    "--kv-cache-memory", "8MiB", "--output-json", str(figures))
     rows = table_rows(out, "| backend | dtype | wall s | req/s | output tok/s | total tok/s |")
-    backends = [row.split("|")[1].strip() for row in rows]
-    assert len(backends) == 4 and all(backend.startswith("pagedllm") for backend in backends)
-    assert [("quantization=int8" in b, "kv_cache_dtype=bfloat16" in b) for b in backends] == [
-        (False, False), (False, True), (True, False), (True, True)]
+    assert len(rows) == 4 and all(row.split("|")[1].strip().startswith("pagedllm") for row in rows)
+    results = json.loads(figures.read_text())
+    assert [("quantization=int8" in r["backend"], r["kv_cache_dtype"]) for r in results] == [
+        (False, "float32"), (False, "bfloat16"), (True, "float32"), (True, "bfloat16")]
 
 
 def test_memory_prints_its_utilisation_tables(capsys):
