@@ -7,8 +7,8 @@
 // no shuffles), then scale * sum + min * sum(x) is added once per group and output, each row's sum(x) per group
 // computed once per call: one multiply-add per weight instead of two. With 16 lanes a nibble becomes its float
 // by a table lookup (vpermps); with AVX512-BF16 and bfloat16 activations, 4-bit q values (exact in bfloat16)
-// meet pairs of activations in vdpbf16ps, two weights per lane and instruction. Up to 8 activation rows meet
-// a tile's q values together. Each output's sums run in one order over the columns, whatever the rows or
+// meet pairs of activations in vdpbf16ps, two weights per lane and instruction. Up to 8 activation rows (2 on
+// AVX2) meet a tile's q values together. Each output's sums run in one order over the columns, whatever the rows or
 // tiles it was computed with: a row's result does not depend on the batch it shares.
 //
 // quantized_linear_brgemm, for many rows (prefill, large batches): blocks of 64 weight rows are
@@ -54,7 +54,9 @@ constexpr int kLanes = 16;
 constexpr int kLanes = 8;
 #endif
 constexpr int kParts = kTileRows / kLanes;
-constexpr int kRowBlock = 8;   // activation rows that meet a tile's dequantized weights together
+// Activation rows that meet a tile's q values together: as many as keep every accumulator in a register (AVX2's
+// 16 registers hold 2 rows' worth; 8 rows there spilled and took 3x 4 rows' time, measured on the LM head).
+constexpr int kRowBlock = kLanes == 16 ? 8 : 2;
 constexpr int64_t kChunkTiles = 4;   // tiles met by every row block in turn
 typedef float wfloat __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint32_t wuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -81,6 +83,10 @@ inline wfloat load_params(const c10::Half* p) {
   return load<wfloat>(&v);
 }
 
+// Lanes below 2^31 as floats, converted as signed integers: without AVX-512 there is no unsigned conversion
+// instruction, and the compiler's unsigned one takes six (which made the AVX2 rows kernel compute-bound).
+inline wfloat small_to_float(wuint v) { return __builtin_convertvector(reinterpret_cast<wint>(v), wfloat); }
+
 // The dequantized weights of 8 consecutive columns c0..c0+7 (c0 a multiple of 8, one group), rows
 // part * kLanes onwards of the tile: w[c] lane n = scale * q + min of (row, c0 + c).
 template <int bits>
@@ -91,8 +97,8 @@ inline void dequantize_8_columns(wfloat (&w)[8], const uint8_t* tile, int64_t c0
     const wuint packed = load<wuint>(tile + (c0 / 8) * 64 + lanes_at);
     const wuint low = packed & 0x0F0F0F0Fu, high = (packed >> 4) & 0x0F0F0F0Fu;
     for (int c = 0; c < 4; ++c) {
-      w[c] = __builtin_convertvector((low >> (8 * c)) & 0xFFu, wfloat) * scale + min;
-      w[c + 4] = __builtin_convertvector((high >> (8 * c)) & 0xFFu, wfloat) * scale + min;
+      w[c] = small_to_float((low >> (8 * c)) & 0xFFu) * scale + min;
+      w[c + 4] = small_to_float((high >> (8 * c)) & 0xFFu) * scale + min;
     }
   } else {   // signed bytes: shifted to the top of the lane, then arithmetically back down
     for (int half = 0; half < 2; ++half) {
@@ -135,7 +141,7 @@ inline void q_values_8_columns(wfloat (&q)[8], const uint8_t* tile, int64_t c0, 
       q[k / 2 + 4 * (k % 2)] = load<wfloat>(&values);
     }
 #else
-    for (int k = 0; k < 8; ++k) q[k / 2 + 4 * (k % 2)] = __builtin_convertvector((packed >> (4 * k)) & 0x0Fu, wfloat);
+    for (int k = 0; k < 8; ++k) q[k / 2 + 4 * (k % 2)] = small_to_float((packed >> (4 * k)) & 0x0Fu);
 #endif
   } else {   // signed bytes: shifted to the top of the lane, then arithmetically back down
     for (int half = 0; half < 2; ++half) {
@@ -154,11 +160,9 @@ inline void prefetch_line(const void* p, int64_t ahead_bytes) {
   __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + ahead_bytes), 0, 3);
 }
 
-// The lines of `tile` a pass reads at columns c0..c0+7, kTiles tiles ahead (part 0 only: a second part
-// re-reads the lines the first one brought into cache).
+// The lines of `tile` a pass reads at columns c0..c0+7, kTiles tiles ahead.
 template <int bits, int kTiles>
-inline void prefetch_ahead(const uint8_t* tile, const Weights& weights, int64_t c0, int part) {
-  if (part != 0) return;
+inline void prefetch_ahead(const uint8_t* tile, const Weights& weights, int64_t c0) {
   const int64_t ahead = kTiles * weights.tile_bytes;
   if constexpr (bits == 4) {   // one 64-byte line of each tile per 8 columns
     prefetch_line(tile + (c0 / 8) * 64, ahead);
@@ -168,8 +172,10 @@ inline void prefetch_ahead(const uint8_t* tile, const Weights& weights, int64_t 
   }
 }
 
-// Partial sums per group and output: two independent chains, so one row's few outputs keep the FMA units busy.
-constexpr int kChains = 2;
+// Partial sums per group and output: independent chains, so one row's few outputs keep the FMA units busy. AVX2
+// takes 4 and one tile at a time (2 chains over 2 tiles left the FMAs waiting on spilled accumulators: 1.4x the
+// time of 4 chains over one on the LM head, measured); AVX-512 takes 2 over up to 4 tiles (row_block).
+constexpr int kChains = kLanes == 16 ? 2 : 4;
 
 // acc += scale * (sum of q x over the group) + min * (sum of x over the group), once per group and output,
 // in this order for every output (whatever rows or tiles share the call: batch invariance).
@@ -186,7 +192,9 @@ inline void close_group(wfloat (&acc)[kTiles][kRows], const wfloat (&sum)[kTiles
     const wfloat min = mins != nullptr ? load_params(mins + at) : wfloat{};
     for (int r = 0; r < kRows; ++r) {
       if (mins != nullptr) acc[t][r] = acc[t][r] + min * x.sums[r * x.groups + g];
-      acc[t][r] = acc[t][r] + scale * (sum[t][r][0] + sum[t][r][1]);
+      wfloat total = sum[t][r][0];
+      for (int k = 1; k < kChains; ++k) total += sum[t][r][k];
+      acc[t][r] = acc[t][r] + scale * total;
     }
   }
 }
@@ -213,7 +221,9 @@ void rows_times_tiles(float* out, int64_t ld_out, const Activations& x, const We
         for (int t = 0; t < kTiles; ++t) {
           wfloat q[8];
           const uint8_t* tile = weights.q + (first_tile + t) * weights.tile_bytes;
-          prefetch_ahead<bits, kTiles>(tile, weights, c0, part);
+          // Part 0 only: a second part re-reads the lines the first one brought into cache. (Tested here rather
+          // than by an early return inside: GCC then dropped the prefetches of every part in the AVX2 build.)
+          if (part == 0) prefetch_ahead<bits, kTiles>(tile, weights, c0);
           q_values_8_columns<bits>(q, tile, c0, part);
           for (int c = 0; c < 8; ++c) {
             for (int r = 0; r < kRows; ++r) sum[t][r][c % kChains] += q[c] * x.x[r * cols + c0 + c];
@@ -249,7 +259,7 @@ void rows_times_tiles_bf16(float* out, int64_t ld_out, const Activations& x, con
     for (int64_t c0 = g * group; c0 < (g + 1) * group; c0 += 8) {
       for (int t = 0; t < kTiles; ++t) {
         const uint8_t* tile = weights.q + (first_tile + t) * weights.tile_bytes;
-        prefetch_ahead<4, kTiles>(tile, weights, c0, 0);
+        prefetch_ahead<4, kTiles>(tile, weights, c0);
         const __m512i packed = _mm512_loadu_si512(tile + (c0 / 8) * 64);
         for (int s = 0; s < 4; ++s) {
           const __m512bh q = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(packed, 4 * s), table);
@@ -293,7 +303,7 @@ void tiles_in_groups(float* out, int64_t ld_out, const Activations& x, const Wei
 template <bool kBf16, int bits, typename scale_t, int kRows>
 void row_block(float* out, int64_t ld_out, const Activations& x, const Weights& weights, const scale_t* scales,
                const scale_t* mins, int64_t first_tile, int64_t tiles) {
-  constexpr int kTiles = kRows >= 4 ? 1 : (kRows == 1 && kLanes == 16) ? 4 : 2;
+  constexpr int kTiles = (kRows >= 4 || kLanes == 8) ? 1 : kRows == 1 ? 4 : 2;
   tiles_in_groups<kBf16, bits, scale_t, kRows, kTiles>(out, ld_out, x, weights, scales, mins, first_tile, tiles);
 }
 

@@ -3,7 +3,7 @@ when a model is built, and logged; a call only looks its row count up.
 
 The paths (csrc/quant_matmul.cpp, csrc/quant_linear.cpp):
   rows    float or bfloat16 activations against weights dequantized in registers, 8 rows per pass over
-          the weights; each row's result independent of the batch (few rows: decode)
+          the weights (2 on AVX2); each row's result independent of the batch (few rows: decode)
   brgemm  blocks of weights dequantized to bfloat16 or float32, oneDNN's brgemm micro-kernel (many rows:
           prefill, large batches); oneDNN generates it for AMX, AVX-512 (BF16) or AVX2
   int8    activations quantized to int8 per row and 32-column group, integer dot products: the opt-in
@@ -34,11 +34,13 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # brgemm for (`pagedllm bench kernels` measures both; docs/quantized_matmul.md has the figures). Both costs
 # grow with the weight's size, so the crossover is the same for every layer shape. bfloat16 on AVX512-BF16:
 # re-measured after the rows kernel took llama.cpp's order (brgemm 1.23x slower at 16 rows, 0.95x at 32).
+# float32 on AVX2 (2 rows per pass there), over a step's 30 layers and LM head: brgemm 1.72x the rows kernel's time
+# at 4 rows, 0.71x at 5.
 BRGEMM_FROM_ROWS = {
     (torch.bfloat16, "avx512_core_amx"): 5,
     (torch.bfloat16, "avx512_core_bf16"): 32,
     (torch.float32, "avx512_core"): 10,
-    (torch.float32, "avx2"): 10,
+    (torch.float32, "avx2"): 5,
 }
 
 # The row count from which int8_tiles beats int8 (docs/quantized_matmul.md has the figures). Both give the same
