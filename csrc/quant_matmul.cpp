@@ -55,7 +55,7 @@ constexpr int kLanes = 8;
 #endif
 constexpr int kParts = kTileRows / kLanes;
 // Activation rows that meet a tile's q values together: as many as keep every accumulator in a register (AVX2's
-// 16 registers hold 2 rows' worth; 8 rows there spilled and took 3x 4 rows' time, measured on the LM head).
+// 16 registers hold 2 rows' worth; 8 rows there spilled and took 4.7x 4 rows' time, measured on the LM head).
 constexpr int kRowBlock = kLanes == 16 ? 8 : 2;
 constexpr int64_t kChunkTiles = 4;   // tiles met by every row block in turn
 typedef float wfloat __attribute__((vector_size(kLanes * sizeof(float))));
