@@ -50,12 +50,19 @@ struct Scratch {
   std::vector<float> query, scores, acc;   // [heads][head_dim], [heads][padded_len], [heads][head_dim]
 };
 
-// Calls f(std::integral_constant<int, Heads>{}, first) for the query heads [0, group) in tiles
-// of up to 8, so each tile keeps one accumulator register per head.
+// Query heads per tile: each keeps two accumulator registers (even and odd dimensions), 16 of AVX-512's 32
+// registers at 8 heads, 8 of AVX2's 16 at 4.
+#if defined(__AVX512F__)
+constexpr int64_t kHeadTile = 8;
+#else
+constexpr int64_t kHeadTile = 4;
+#endif
+
+// Calls f(std::integral_constant<int, Heads>{}, first) for the query heads [0, group) in tiles of up to kHeadTile.
 template <typename F>
 void for_head_tiles(int64_t group, F&& f) {
   for (int64_t first = 0; first < group;) {
-    const int64_t tile = std::min<int64_t>(8, group - first);
+    const int64_t tile = std::min<int64_t>(kHeadTile, group - first);
     switch (tile) {
       case 1: f(std::integral_constant<int, 1>{}, first); break;
       case 2: f(std::integral_constant<int, 2>{}, first); break;

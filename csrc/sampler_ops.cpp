@@ -128,8 +128,8 @@ void controlled_argmax(at::Tensor best, at::Tensor logits, at::Tensor bitmask, a
         const vfloat minus_inf = broadcast(-std::numeric_limits<float>::infinity());
         best_ids[r] = first_maximum(
             vocab,
-            [&](int64_t i) {   // i is a multiple of kLanes: a word's low or high half
-              const auto allowed = ((vuint{} + ((mask[i / 32] >> (i % 32)) & 0xffffu)) & lane_bit) != 0u;
+            [&](int64_t i) {   // i is a multiple of kLanes: kLanes bits of a word
+              const auto allowed = ((vuint{} + (mask[i / 32] >> (i % 32))) & lane_bit) != 0u;
               return allowed ? widen(row + i) : minus_inf;
             },
             [&](int64_t i) {
@@ -176,8 +176,8 @@ void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor logit
         const uint32_t bits = mask[w];
         if (bits == ~0u) continue;
         float* chunk = row + w * 32;
-        for (int half = 0; half < 2; ++half, chunk += kLanes) {
-          const auto allowed = ((vuint{} + ((bits >> (half * kLanes)) & 0xffffu)) & lane_bit) != 0u;
+        for (int part = 0; part < 32 / kLanes; ++part, chunk += kLanes) {
+          const auto allowed = ((vuint{} + (bits >> (part * kLanes))) & lane_bit) != 0u;
           const vfloat v = widen(chunk);
           narrow(allowed ? v : broadcast(kMinusInf), chunk);
         }

@@ -1,7 +1,10 @@
-// Vectors of 16 floats for the CPU kernels, as GCC/Clang vector types: one AVX-512
-// register where the build machine has it (-march=native), two AVX registers or four SSE
-// ones elsewhere, so one source serves every x86 CPU. Loads widen bfloat16/float16 (and the
-// KV cache's float8 e5m2 and int8) to float, stores round back; the arithmetic runs on floats.
+// Vectors of floats for the CPU kernels, as GCC/Clang vector types, one register wide where the build
+// has the ISA: 16 lanes with AVX-512, 8 with AVX2 (elsewhere 16, in SSE registers), so one source serves
+// every x86 CPU. AVX2 builds take 8 because GCC has no machine mode for a 64-byte vector without AVX-512:
+// such vectors lived in stack memory, and their comparisons and selects ran lane by lane in scalar code
+// (decode attention read a float32 cache at 5.7 GB/s, prefill attention ran at 15 GFLOP/s on 2 AVX2
+// cores; docs/performance.md). Loads widen bfloat16/float16 (and the KV cache's float8 e5m2 and int8) to
+// float, stores round back; the arithmetic runs on floats.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -13,13 +16,16 @@
 #endif
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstring>
 
 namespace pagedllm {
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int kLanes = 8;
+#else
 constexpr int kLanes = 16;
+#endif
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -79,9 +85,8 @@ inline vfloat half_bits_to_float(vuint half) {
 inline vfloat halves_to_float(vbits16 half) {
 #if defined(__AVX512F__)
   return bits_as<vfloat>(_mm512_cvtph_ps(bits_as<__m256i>(half)));
-#elif defined(__F16C__)
-  const auto halves = bits_as<std::array<__m128i, 2>>(half);
-  return bits_as<vfloat>(std::array<__m256, 2>{_mm256_cvtph_ps(halves[0]), _mm256_cvtph_ps(halves[1])});
+#elif defined(__F16C__) && defined(__AVX2__)
+  return bits_as<vfloat>(_mm256_cvtph_ps(bits_as<__m128i>(half)));
 #else
   return half_bits_to_float(__builtin_convertvector(half, vuint));
 #endif
@@ -97,9 +102,12 @@ inline vfloat widen<c10::Half>(const c10::Half* src) {
 // float8 e5m2 is the top byte of a float16.
 template <>
 inline vfloat widen<c10::Float8_e5m2>(const c10::Float8_e5m2* src) {
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
   const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
   return halves_to_float(bits_as<vbits16>(_mm256_slli_epi16(bytes, 8)));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  return halves_to_float(bits_as<vbits16>(_mm_slli_epi16(bytes, 8)));
 #else
   vbits8 bits;
   std::memcpy(&bits, src, sizeof(bits));
@@ -114,10 +122,8 @@ inline vfloat widen<int8_t>(const int8_t* src) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
   return bits_as<vfloat>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
 #elif defined(__AVX2__)
-  auto eight = [&](int first) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + first))));
-  };
-  return bits_as<vfloat>(std::array<__m256, 2>{eight(0), eight(8)});
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  return bits_as<vfloat>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
 #else
   vint8 values;   // through 16-bit lanes: the direct conversion would be scalar code
   std::memcpy(&values, src, sizeof(values));
