@@ -272,7 +272,7 @@ class TileAttention {
     }
   }
 
-  // 16 keys per vector (a block's keys are stored transposed); int8 keys' scales multiply whole dot products.
+  // kLanes keys per vector (a block's keys are stored transposed); int8 keys' scales multiply whole dot products.
   void score_in_registers(int64_t key0, int64_t count) {
     const int64_t block_size = cache_.block_size;
     for (int64_t key = key0; key < key0 + count;) {
@@ -346,7 +346,7 @@ class TileAttention {
     }
   }
 
-  // 16 dimensions per vector, keys two at a time.
+  // kLanes dimensions per vector, keys two at a time.
   void accumulate_in_registers(int64_t key0, int64_t count) {
     static const cache_t zeros[256] = {};   // the partner of an odd last key (its probability is 0)
     const int64_t block_size = cache_.block_size;

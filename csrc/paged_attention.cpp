@@ -3,7 +3,7 @@
 // no padding to the longest sequence. Used for decode tokens (prefill chunks have
 // csrc/prefill_attention.cpp, which shares each K/V read among many queries). A decode
 // step reads every cached K/V row once, so the kernel should run at memory speed: rows
-// are widened to floats 16 lanes at a time and the softmax's exp is a vector polynomial,
+// are widened to floats a vector (vectors.h's kLanes) at a time and the softmax's exp is a vector polynomial,
 // not a libm call per score. A smaller KV cache dtype (kv_cache_dtype) means fewer bytes per
 // step: its elements are widened the same way, int8 ones with their per-slot scales applied to
 // the scores and probabilities they produce. A sliding-window layer's token reads only its last
@@ -78,10 +78,10 @@ void for_head_tiles(int64_t group, F&& f) {
 }
 
 // Scores of one kv head's part of a block for `Heads` query heads: keys are stored
-// transposed, so 16 slots come out of plain vector FMAs (one query element times 16
+// transposed, so kLanes slots come out of plain vector FMAs (one query element times kLanes
 // keys) with no horizontal sums. Even and odd dimensions go to separate accumulators
 // (two dependency chains per head instead of one). int8 keys: a slot's scale multiplies its
-// whole dot product, once per 16 slots rather than once per element.
+// whole dot product, once per kLanes slots rather than once per element.
 template <typename cache_t, int Heads>
 inline void score_block(const cache_t* keys, const float* key_scales, int64_t head_dim, int64_t block_size,
                         const float* query, float* scores, int64_t score_stride) {
@@ -107,7 +107,7 @@ inline void score_block(const cache_t* keys, const float* key_scales, int64_t he
 }
 
 // acc[h] += sum_j probs[h][j] * value_j over the first n slots of one kv head's part of a
-// block; values are rows, so 16 dimensions accumulate per instruction. int8 values come with
+// block; values are rows, so kLanes dimensions accumulate per instruction. int8 values come with
 // their scales folded into probs (scale_probs).
 template <typename cache_t, int Heads>
 inline void accumulate_block(const cache_t* values, int64_t head_dim, int64_t n, const float* probs,
