@@ -1,5 +1,6 @@
 """`pagedllm bench kernels`: each quantized matmul path against the float layer, per layer shape and row count;
-with --attention, each prefill attention path (tiles, brgemm: model/attention/prefill_path.py) per prompt length.
+with --attention, each prefill attention path (tiles, brgemm: model/attention/prefill_path.py) per prompt length,
+and decode attention per context length.
 
 For each of the model's layer shapes, weight format and row count, times every compiled path this CPU
 runs (quantized_matmul.py: rows, brgemm, int8, int8_tiles) and the float layer the model would otherwise run
@@ -24,9 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="activation dtype (auto: the engine's choice on this CPU)")
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds each measurement runs")
     parser.add_argument("--attention", action="store_true",
-                        help="time the prefill attention paths (bfloat16, the model's heads) instead of the matmuls")
+                        help="time the attention kernels (--dtype's model and cache, the model's heads) instead of "
+                             "the matmuls")
     parser.add_argument("--prompt-lens", default="128,512,1024",
                         help="--attention: comma-separated prompt lengths (one whole prompt per call)")
+    parser.add_argument("--decode-contexts", default="128,512,2048",
+                        help="--attention: comma-separated context lengths of the decode table")
+    parser.add_argument("--decode-sequences", type=int, default=64,
+                        help="--attention: sequences in each decode call (one query token each)")
     parser.add_argument("--block-size", type=int, default=16, help="--attention: KV block size")
 
 
@@ -94,10 +100,12 @@ def run(args: argparse.Namespace) -> None:
     if kernels.kernels is None:
         raise SystemExit("the C++ kernels are not built: nothing to measure")
     config = load_checkpoint(args.model).config
-    if args.attention:
-        attention_table(config, [int(n) for n in args.prompt_lens.split(",")], args.block_size, args.min_time)
-        return
     dtype = resolve_dtype(args.dtype, None, torch.device("cpu"))
+    if args.attention:
+        attention_table(config, dtype, [int(n) for n in args.prompt_lens.split(",")], args.block_size, args.min_time)
+        decode_attention_table(config, dtype, [int(n) for n in args.decode_contexts.split(",")],
+                               args.decode_sequences, args.block_size, args.min_time)
+        return
     dtype_name = str(dtype).removeprefix("torch.")
     shapes = layer_matmul_shapes(config) + [(config.vocab_size, config.hidden_size)]
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -137,10 +145,10 @@ def run(args: argparse.Namespace) -> None:
                       + f" | {fastest} | {engine_path} |")
 
 
-def attention_table(config, prompt_lens: list[int], block_size: int, min_time: float) -> None:
-    """Each prefill attention path's time for one whole bfloat16 prompt of each length, the model's heads, K/V in
-    shuffled blocks of a bfloat16 cache; GFLOP/s counts the causal products (4 * heads * head_dim per query-key
-    pair a query sees)."""
+def attention_table(config, dtype, prompt_lens: list[int], block_size: int, min_time: float) -> None:
+    """Each prefill attention path's time for one whole prompt of each length, the model's heads, K/V in shuffled
+    blocks of a cache of the model's dtype; GFLOP/s counts the causal products (4 * heads * head_dim per query-key
+    pair a query sees). The brgemm path runs bfloat16 only."""
     import torch
 
     from pagedllm.model import kernels
@@ -148,13 +156,14 @@ def attention_table(config, prompt_lens: list[int], block_size: int, min_time: f
     from pagedllm.model.attention.prefill_path import PrefillPath, choose_prefill_path
     from pagedllm.model.quantized_matmul import brgemm_isa
 
-    dtype = torch.bfloat16
-    isa = brgemm_isa(dtype)
+    isa = brgemm_isa(dtype) if dtype == torch.bfloat16 else None
     paths = [PrefillPath("tiles")] + ([PrefillPath("brgemm", isa)] if isa else [])
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    print(f"prefill attention: CPU kernels {kernels.variant}, bfloat16 model and cache, {heads} heads on {kv_heads} "
-          f"kv heads of {head_dim}, blocks of {block_size}, {torch.get_num_threads()} threads; brgemm's ISA (from the "
-          f"CPU's features): {isa or 'not used'}; engine's choice: {choose_prefill_path(dtype, dtype).describe()}")
+    dtype_name = str(dtype).removeprefix("torch.")
+    print(f"prefill attention: CPU kernels {kernels.variant}, {dtype_name} model and cache, {heads} heads on "
+          f"{kv_heads} kv heads of {head_dim}, blocks of {block_size}, {torch.get_num_threads()} threads; brgemm's ISA "
+          f"(from the CPU's features): {isa or 'not used'}; engine's choice: "
+          f"{choose_prefill_path(dtype, dtype).describe()}")
     if isa:
         for line in onednn_lines("bfloat16", "rows", _ATTENTION_PROBE):
             print(f"  oneDNN: {line}")
@@ -180,3 +189,34 @@ def attention_table(config, prompt_lens: list[int], block_size: int, min_time: f
         print(f"| {length} | " + " | ".join(f"{seconds * 1e3:.3f}" for seconds in times.values()) + " | "
               + " | ".join(f"{flops / seconds / 1e9:.0f}" for seconds in times.values())
               + f" | {min(times, key=times.get)} | {choose_prefill_path(dtype, dtype).name} |")
+
+
+def decode_attention_table(config, dtype, contexts: list[int], sequences: int, block_size: int,
+                           min_time: float) -> None:
+    """Decode attention's time for `sequences` query tokens, each over its own context of each length (the
+    model's heads, K/V in shuffled blocks of a cache of the model's dtype), and the K/V bytes it read per second:
+    a decode step reads each cached element once, so memory bandwidth is its bound."""
+    import torch
+
+    from pagedllm.model import kernels
+    from pagedllm.model.attention.cache import kv_cache_shapes
+
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    print(f"\ndecode attention: CPU kernels {kernels.variant}, {str(dtype).removeprefix('torch.')} model and cache, "
+          f"{sequences} sequences, blocks of {block_size}, {torch.get_num_threads()} threads")
+    print("| context | ms | K/V GB/s |")
+    print("|---|---|---|")
+    generator = torch.Generator().manual_seed(0)
+    for context in contexts:
+        blocks_per_sequence = -(-context // block_size)
+        k_shape, v_shape = kv_cache_shapes(sequences * blocks_per_sequence, block_size, kv_heads, head_dim)
+        k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for shape in (k_shape, v_shape))
+        tables = torch.randperm(sequences * blocks_per_sequence, generator=generator).view(sequences, -1)
+        q = torch.randn(sequences, heads, head_dim, generator=generator).to(dtype)
+        out = torch.empty_like(q)
+        rows, lens = torch.arange(sequences), torch.full((sequences,), context)
+        seconds = _seconds_per_call(
+            lambda: kernels.kernels.paged_attention(out, q, k_cache, v_cache, None, None, tables, rows, lens,
+                                                    head_dim ** -0.5, 0, 0.0), min_time)
+        kv_bytes = 2 * sequences * context * kv_heads * head_dim * k_cache.element_size()
+        print(f"| {context} | {seconds * 1e3:.3f} | {kv_bytes / seconds / 1e9:.1f} |")

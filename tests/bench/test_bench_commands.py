@@ -75,10 +75,13 @@ def test_kernels_prints_a_row_per_shape_format_and_row_count(capsys):
     assert rows and {row.split("|")[3].strip() for row in rows} == {"1", "3"}
 
 
-def test_kernels_attention_prints_a_row_per_prompt_length(capsys):
-    out = run_bench(capsys, "kernels", "--attention", "--prompt-lens", "16,40", "--min-time", "0.001")
+def test_kernels_attention_prints_a_row_per_prompt_length_and_decode_context(capsys):
+    out = run_bench(capsys, "kernels", "--attention", "--prompt-lens", "16,40", "--decode-contexts", "8,33",
+                    "--decode-sequences", "3", "--dtype", "float32", "--min-time", "0.001")
     rows = table_rows(out, "| prompt | tiles ms |")
     assert [row.split("|")[1].strip() for row in rows] == ["16", "40"]
+    assert "float32 model and cache" in out
+    assert [row.split("|")[1].strip() for row in table_rows(out, "| context | ms | K/V GB/s |")] == ["8", "33"]
 
 
 def test_latency_prints_a_row_per_batch_size(tiny_dir, capsys):
