@@ -38,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_linear_brgemm", &quantized_linear_brgemm, "Quantized linear, dequantized tiles through oneDNN brgemm (CPU)");
   m.def("quantized_linear_int8", &quantized_linear_int8, "Quantized linear, int8 activations and dot products (CPU)");
   m.def("quantized_linear_int8_tiles", &quantized_linear_int8_tiles, "Quantized linear, int8 activations, many rows (CPU)");
+  m.def("quantized_linear_int16", &quantized_linear_int16, "Quantized linear, int16 activations and integer products (CPU)");
   // One layer's LoRA update for a whole step (lora_sgmv.cpp).
   m.def("lora_sgmv", &lora_sgmv, "One layer's LoRA update of a step, rows grouped by adapter slot (CPU)", arg("out"),
         arg("x"), arg("a"), arg("b"), arg("ranks"), arg("column_starts"), arg("rows"), arg("segments"));

@@ -33,7 +33,8 @@ Matmul matmul_for(const std::string& path) {
   if (path == "brgemm") return &quantized_linear_brgemm;
   if (path == "int8") return &quantized_linear_int8;
   if (path == "int8_tiles") return &quantized_linear_int8_tiles;
-  TORCH_CHECK(false, "decode_layers: path must be rows, brgemm, int8 or int8_tiles, got ", path);
+  if (path == "int16") return &quantized_linear_int16;
+  TORCH_CHECK(false, "decode_layers: path must be rows, brgemm, int8, int8_tiles or int16, got ", path);
 }
 
 Projection projection(const ProjectionArgs& args, int64_t out_features) {

@@ -113,6 +113,10 @@ void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
 void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                                  c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits,
                                  int64_t group);
+// _int16: activations quantized to int16 per row and group, integer products (vpmaddwd on AVX2); a row's result
+// does not depend on the rows it shares the call with.
+void quantized_linear_int16(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                            c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group);
 // quantized_linear_rows's output tiles [first_tile, last_tile) (columns 16 * first_tile onwards) on the calling
 // thread alone: one thread's share, for a caller that already runs on every core (the compiled decode stack's
 // one-row step). Each column comes out as quantized_linear_rows computes it.

@@ -50,69 +50,104 @@ constexpr int kRowBlock = 8;
 constexpr int kRowBlock = 4;
 #endif
 
-// Activation rows quantized per group: q in -127..127 (so negating one cannot overflow), scale =
-// absmax / 127, and scale * sum(q) for the weights' min term. The arrays live in storage the calling thread
-// keeps from call to call (up to kKeptBytes; larger, as a long prefill's, only for the call): fresh vectors were
-// zero-filled on every call, and past glibc's mmap threshold (a 2,048-row down projection's 3 MB) faulted their
-// pages in again.
+// Activation rows quantized per group to q_t (int8: the int8 paths; int16: the int16 path): q in -qmax..qmax
+// (so negating one cannot overflow), scale = absmax / qmax, and scale * sum(q) for the weights' min term. The
+// arrays live in storage the calling thread keeps from call to call (up to kKeptBytes; larger, as a long
+// prefill's, only for the call): fresh vectors were zero-filled on every call, and past glibc's mmap threshold (a
+// 2,048-row down projection's 3 MB) faulted their pages in again.
+template <typename q_t>
+constexpr float kQMax = std::is_same_v<q_t, int8_t> ? 127.f : 32767.f;
+
+template <typename q_t>
 struct RowStorage {
-  std::vector<int8_t> q;                       // [rows, cols]
+  std::vector<q_t> q;                          // [rows, cols]
   std::vector<float> scale, scaled_sum;        // [rows, groups]
-  std::vector<int32_t> sum;                    // [rows, groups]: sum(q), for the tiles kernel's 8-bit weights
+  std::vector<int32_t> sum;                    // [rows, groups]: sum(q), for the int8 tiles kernel's 8-bit weights
 };
 constexpr int64_t kKeptBytes = 8 << 20;
 
+template <typename q_t>
 struct QuantizedRows {
   int64_t rows, cols, group;
-  const int8_t* q;
+  const q_t* q;
   const float *scale, *scaled_sum;
   const int32_t* sum;
-  std::unique_ptr<RowStorage> own;   // storage for this call alone, where the kept storage would be too large
+  std::unique_ptr<RowStorage<q_t>> own;   // storage for this call alone, where the kept storage would be too large
 };
 
-// One group's q (x * 127 / absmax rounded to nearest, ties to even); returns sum(q), sets *scale.
-template <typename scalar_t>
-int32_t quantize_group(const scalar_t* x, int64_t group, int8_t* q, float* scale) {
+// One group's q (x * qmax / absmax rounded to nearest, ties to even); returns sum(q), sets *scale.
+template <typename q_t, typename scalar_t>
+int32_t quantize_group(const scalar_t* x, int64_t group, q_t* q, float* scale) {
+  constexpr float qmax = kQMax<q_t>;
 #if defined(__AVX512F__)
   // The scalar loop's arithmetic, 16 lanes at a time: the same float products, rounded by the current mode
   // (nearest even) as nearbyint rounds them. Groups are 16 or 32 columns.
   __m512 absmax_lanes = _mm512_setzero_ps();
   for (int64_t i = 0; i < group; i += kLanes) absmax_lanes = _mm512_max_ps(absmax_lanes, _mm512_abs_ps((__m512)widen(x + i)));
   const float absmax = _mm512_reduce_max_ps(absmax_lanes);
-  const __m512 inverse = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+  const __m512 inverse = _mm512_set1_ps(absmax > 0.f ? qmax / absmax : 0.f);
   __m512i sums = _mm512_setzero_si512();
   for (int64_t i = 0; i < group; i += kLanes) {
     const __m512i values = _mm512_cvtps_epi32(_mm512_mul_ps((__m512)widen(x + i), inverse));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(values));
+    if constexpr (std::is_same_v<q_t, int8_t>) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(values));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm512_cvtepi32_epi16(values));
+    }
     sums = _mm512_add_epi32(sums, values);
   }
-  *scale = absmax / 127.f;
+  *scale = absmax / qmax;
   return _mm512_reduce_add_epi32(sums);
+#elif defined(__AVX2__)
+  // As above, 8 lanes at a time (kLanes is 8 in AVX2 builds).
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  __m256 absmax_lanes = _mm256_setzero_ps();
+  for (int64_t i = 0; i < group; i += kLanes) absmax_lanes = _mm256_max_ps(absmax_lanes, _mm256_andnot_ps(sign_bit, (__m256)widen(x + i)));
+  const __m128 half_max = _mm_max_ps(_mm256_castps256_ps128(absmax_lanes), _mm256_extractf128_ps(absmax_lanes, 1));
+  const __m128 quarter_max = _mm_max_ps(half_max, _mm_movehl_ps(half_max, half_max));
+  const float absmax = _mm_cvtss_f32(_mm_max_ss(quarter_max, _mm_movehdup_ps(quarter_max)));
+  const __m256 inverse = _mm256_set1_ps(absmax > 0.f ? qmax / absmax : 0.f);
+  __m256i sums = _mm256_setzero_si256();
+  for (int64_t i = 0; i < group; i += kLanes) {
+    const __m256i values = _mm256_cvtps_epi32(_mm256_mul_ps((__m256)widen(x + i), inverse));
+    // Packed to 16 bits (then 8): in range, so saturation never applies; the permute undoes packs' lane order.
+    const __m128i halves = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packs_epi32(values, values), 0x08));
+    if constexpr (std::is_same_v<q_t, int8_t>) {
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(halves, halves));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), halves);
+    }
+    sums = _mm256_add_epi32(sums, values);
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sums);
+  *scale = absmax / qmax;
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
 #else
   float absmax = 0.f;
   for (int64_t i = 0; i < group; ++i) absmax = std::max(absmax, std::abs(static_cast<float>(x[i])));
-  const float inverse = absmax > 0.f ? 127.f / absmax : 0.f;
+  const float inverse = absmax > 0.f ? qmax / absmax : 0.f;
   int32_t sum = 0;
   for (int64_t i = 0; i < group; ++i) {
     const int32_t value = static_cast<int32_t>(std::nearbyint(static_cast<float>(x[i]) * inverse));
-    q[i] = static_cast<int8_t>(value);
+    q[i] = static_cast<q_t>(value);
     sum += value;
   }
-  *scale = absmax / 127.f;
+  *scale = absmax / qmax;
   return sum;
 #endif
 }
 
 // padded_rows (>= rows): room for whole row blocks; the rows past `rows` hold whatever the storage held (a
 // kernel computes them and writes nothing of them).
-template <typename scalar_t>
-QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64_t group, int64_t padded_rows) {
+template <typename q_t, typename scalar_t>
+QuantizedRows<q_t> quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64_t group, int64_t padded_rows) {
   const int64_t groups = cols / group;
-  thread_local RowStorage kept;
-  std::unique_ptr<RowStorage> own;
-  const bool too_large = padded_rows * (cols + 12 * groups) > kKeptBytes;
-  if (too_large) own = std::make_unique<RowStorage>();
-  RowStorage& storage = too_large ? *own : kept;
+  thread_local RowStorage<q_t> kept;
+  std::unique_ptr<RowStorage<q_t>> own;
+  const bool too_large = padded_rows * (cols * static_cast<int64_t>(sizeof(q_t)) + 12 * groups) > kKeptBytes;
+  if (too_large) own = std::make_unique<RowStorage<q_t>>();
+  RowStorage<q_t>& storage = too_large ? *own : kept;
   if (static_cast<int64_t>(storage.q.size()) < padded_rows * cols) storage.q.resize(padded_rows * cols);
   if (static_cast<int64_t>(storage.scale.size()) < padded_rows * groups) {
     storage.scale.resize(padded_rows * groups);
@@ -120,7 +155,7 @@ QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64
     storage.sum.resize(padded_rows * groups);
   }
   // By pointer: inside the workers, `kept` would name their own thread_local.
-  int8_t* q_data = storage.q.data();
+  q_t* q_data = storage.q.data();
   float *scale_data = storage.scale.data(), *scaled_sum_data = storage.scaled_sum.data();
   int32_t* sum_data = storage.sum.data();
   at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
@@ -130,8 +165,10 @@ QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64
       scaled_sum_data[rg] = scale_data[rg] * static_cast<float>(sum_data[rg]);
     }
   });
-  return QuantizedRows{rows, cols, group, q_data, scale_data, scaled_sum_data, sum_data, std::move(own)};
+  return QuantizedRows<q_t>{rows, cols, group, q_data, scale_data, scaled_sum_data, sum_data, std::move(own)};
 }
+
+using Int8Rows = QuantizedRows<int8_t>;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 inline __m512 load16(const c10::Half* p) {
@@ -148,7 +185,7 @@ inline __m512i broadcast4(const int8_t* p) {
 // out[r][0..15] for `block` activation rows against one tile: 16 lanes, one per weight row.
 template <int bits, typename scale_t>
 void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
-               const QuantizedRows& a, int64_t first_row, int block) {
+               const Int8Rows& a, int64_t first_row, int block) {
   const int64_t groups = a.cols / a.group, slots_per_group = a.group / 4;
   __m512 acc[kRowBlock];
   for (int r = 0; r < block; ++r) acc[r] = _mm512_setzero_ps();
@@ -248,7 +285,7 @@ void unpack_panel(Panel& panel, const uint8_t* tiles, int64_t tile_bytes, const 
 // register vpdpbusd accumulates into, two moves per dot product.
 template <int slots_per_group, bool offset, bool with_mins>
 void panel_dots(float (*out)[kPanelTiles * kTileRows], const Panel& panel, int64_t slots, int64_t params_per_tile,
-                const QuantizedRows& a, int64_t first_row) {
+                const Int8Rows& a, int64_t first_row) {
   const int64_t groups = a.cols / a.group;
   __m512 acc[kBlockRows][kPanelTiles];
   for (int r = 0; r < kBlockRows; ++r) {
@@ -300,7 +337,7 @@ inline __m256i broadcast4(const int8_t* p) {
 // As the AVX-512 version, one half of the tile (8 weight rows: bytes 32 * half of each slot) at a time.
 template <int bits, typename scale_t>
 void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
-               const QuantizedRows& a, int64_t first_row, int block) {
+               const Int8Rows& a, int64_t first_row, int block) {
   const int64_t groups = a.cols / a.group, slots_per_group = a.group / 4;
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; ++half) {
@@ -352,7 +389,7 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
 #else   // any CPU: the same integer dot products, one element at a time
 template <int bits, typename scale_t>
 void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
-               const QuantizedRows& a, int64_t first_row, int block) {
+               const Int8Rows& a, int64_t first_row, int block) {
   const int64_t groups = a.cols / a.group;
   for (int r = 0; r < block; ++r) {
     const int64_t row = first_row + r;
@@ -371,6 +408,135 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
   }
 }
 #endif
+
+// The int16 path (quantized_linear_int16): activations quantized per row and group to int16 (absmax / 32767, 256
+// times int8's resolution), so on CPUs without bfloat16 products the integers multiply at twice float32's rate:
+// AVX2's vpmaddwd multiplies 16 int16 pairs and sums each pair into an int32 lane, as an FMA does 8 floats.
+// A tile's q values are widened to int16 once per call, half a tile (8 weight rows) at a time, each slot's
+// 4 columns of a weight row kept together: one vector holds 4 weight rows x 4 columns, an activation's 4 columns
+// are broadcast to every row, and each 32-bit lane sums 2 of a row's columns. Per group the two lanes of a row
+// are added (vphaddd, whose sums come out in kHaddOrder) and folded into float sums as the int8 paths fold
+// theirs. Every row's result is the same whatever rows it shares the call with.
+using Int16Rows = QuantizedRows<int16_t>;
+constexpr int kInt16BlockRows = 4;   // activation rows per pass: 8 int32 sums, 4 float sums, 2 weights, 1 broadcast
+constexpr int kHalfRows = kTileRows / 2;
+constexpr int kHaddOrder[kHalfRows] = {0, 1, 4, 5, 2, 3, 6, 7};   // the weight row of each lane of the folded sums
+
+struct Int16Panel {
+  std::vector<int16_t> q;           // [2 halves, slots, 8 rows x 4 columns]
+  std::vector<float> scales, mins;  // [2 halves, groups, 8 rows in kHaddOrder]
+};
+
+template <int bits, typename scale_t>
+void unpack_int16_panel(Int16Panel& panel, const uint8_t* tile, const scale_t* scales, const scale_t* mins,
+                        int64_t slots, int64_t groups) {
+  const int64_t half_values = slots * 4 * kHalfRows, half_params = groups * kHalfRows;
+  panel.q.resize(2 * half_values);
+  panel.scales.resize(2 * half_params);
+  panel.mins.resize(mins != nullptr ? 2 * half_params : 0);
+  for (int half = 0; half < 2; ++half) {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int lane = 0; lane < kHalfRows; ++lane) {
+        const int64_t row = half * kHalfRows + kHaddOrder[lane], at = half * half_params + g * kHalfRows + lane;
+        panel.scales[at] = param(scales, g, row);
+        if (mins != nullptr) panel.mins[at] = param(mins, g, row);
+      }
+    }
+  }
+#if defined(__AVX2__)
+  // A half's 32 bytes of a slot (8 rows x 4 columns) widened to two vectors of int16.
+  auto widen_half = [](int16_t* dst, __m256i bytes) {
+    const __m128i low = _mm256_castsi256_si128(bytes), high = _mm256_extracti128_si256(bytes, 1);
+    const bool is_signed = bits == 8;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), is_signed ? _mm256_cvtepi8_epi16(low) : _mm256_cvtepu8_epi16(low));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), is_signed ? _mm256_cvtepi8_epi16(high) : _mm256_cvtepu8_epi16(high));
+  };
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  for (int half = 0; half < 2; ++half) {
+    int16_t* q = panel.q.data() + half * half_values;
+    for (int64_t s = 0; s < slots; s += (bits == 4 ? 2 : 1)) {
+      if constexpr (bits == 4) {   // slot s in the low nibbles, s + 1 in the high ones
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (s / 2) * 64 + 32 * half));
+        widen_half(q + s * 32, _mm256_and_si256(packed, low_nibbles));
+        widen_half(q + (s + 1) * 32, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles));
+      } else {
+        widen_half(q + s * 32, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + s * 64 + 32 * half)));
+      }
+    }
+  }
+#else
+  for (int half = 0; half < 2; ++half) {
+    for (int64_t s = 0; s < slots; ++s) {
+      for (int64_t n = 0; n < kHalfRows; ++n) {
+        for (int c = 0; c < 4; ++c) {
+          panel.q[half * half_values + s * 32 + n * 4 + c] =
+              static_cast<int16_t>(TileLayout<bits>::value(tile, half * kHalfRows + n, s * 4 + c));
+        }
+      }
+    }
+  }
+#endif
+}
+
+// out[r][0..7]: activation rows first_row.. first_row + kInt16BlockRows against one half of the panel (q, scales
+// and mins at the half's start), in weight-row order. The group's slots are a constant so that the slot loop unrolls.
+template <int slots_per_group, bool with_mins>
+void int16_dots(float (*out)[kHalfRows], const int16_t* q, const float* scales, const float* mins, const Int16Rows& a,
+                int64_t first_row) {
+  const int64_t groups = a.cols / a.group;
+#if defined(__AVX2__)
+  __m256 acc[kInt16BlockRows];
+  for (int r = 0; r < kInt16BlockRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i low[kInt16BlockRows], high[kInt16BlockRows];   // weight rows 0-3 and 4-7, two lanes a row
+    for (int r = 0; r < kInt16BlockRows; ++r) low[r] = high[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int i = 0; i < slots_per_group; ++i) {
+      const int64_t s = g * slots_per_group + i;
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + s * 32));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + s * 32 + 16));
+      for (int r = 0; r < kInt16BlockRows; ++r) {
+        int64_t four;
+        std::memcpy(&four, a.q + (first_row + r) * a.cols + s * 4, sizeof(four));
+        const __m256i x = _mm256_set1_epi64x(four);
+        low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(w0, x));
+        high[r] = _mm256_add_epi32(high[r], _mm256_madd_epi16(w1, x));
+        // Keeps each sum in its register: without it GCC hoists the unrolled products above their additions and
+        // spills them (a quarter of the speed).
+        __asm__("" : "+x"(low[r]), "+x"(high[r]));
+      }
+    }
+    const __m256 w_scales = _mm256_loadu_ps(scales + g * kHalfRows);
+    const __m256 w_mins = with_mins ? _mm256_loadu_ps(mins + g * kHalfRows) : _mm256_setzero_ps();
+    for (int r = 0; r < kInt16BlockRows; ++r) {
+      const int64_t ag = (first_row + r) * groups + g;
+      const __m256 group_sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(low[r], high[r]));
+      acc[r] = _mm256_fmadd_ps(group_sums, _mm256_mul_ps(w_scales, _mm256_set1_ps(a.scale[ag])), acc[r]);
+      if (with_mins) acc[r] = _mm256_fmadd_ps(w_mins, _mm256_set1_ps(a.scaled_sum[ag]), acc[r]);
+    }
+  }
+  const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);   // kHaddOrder is its own inverse
+  for (int r = 0; r < kInt16BlockRows; ++r) _mm256_storeu_ps(out[r], _mm256_permutevar8x32_ps(acc[r], row_order));
+#else   // the same sums, one element at a time
+  for (int r = 0; r < kInt16BlockRows; ++r) {
+    const int16_t* x = a.q + (first_row + r) * a.cols;
+    for (int lane = 0; lane < kHalfRows; ++lane) {
+      const int n = kHaddOrder[lane];
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t dot = 0;
+        for (int64_t s = g * slots_per_group; s < (g + 1) * slots_per_group; ++s) {
+          for (int c = 0; c < 4; ++c) dot += q[s * 32 + n * 4 + c] * x[s * 4 + c];
+        }
+        const int64_t ag = (first_row + r) * groups + g;
+        total = std::fma(static_cast<float>(dot), scales[g * kHalfRows + lane] * a.scale[ag], total);
+        if (with_mins) total = std::fma(mins[g * kHalfRows + lane], a.scaled_sum[ag], total);
+      }
+      out[r][n] = total;
+    }
+  }
+#endif
+}
 
 typedef uint8_t vbytes __attribute__((vector_size(kLanes)));
 typedef int8_t vsbytes __attribute__((vector_size(kLanes)));
@@ -402,7 +568,7 @@ void with_int8_operands(const char* name, at::Tensor out, at::Tensor x, at::Tens
   const int64_t rows = x.size(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int8", [&] {
     const int64_t padded_rows = (rows + rows_padded_to - 1) / rows_padded_to * rows_padded_to;
-    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, x.size(1), group, padded_rows);
+    const Int8Rows a = quantize_rows<int8_t>(x.data_ptr<scalar_t>(), rows, x.size(1), group, padded_rows);
     const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
     dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       run(a, out.data_ptr<scalar_t>(), bias_values, bits_constant, all_scales, all_mins);
@@ -428,7 +594,7 @@ void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
                            c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
   RECORD_FUNCTION("pagedllm::quantized_linear_int8", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
   with_int8_operands("quantized_linear_int8", out, x, qweight, scales, mins, bias, bits, group, 1,
-                     [&](const QuantizedRows& a, auto* result, auto* bias_values, auto bits_constant, auto all_scales,
+                     [&](const Int8Rows& a, auto* result, auto* bias_values, auto bits_constant, auto all_scales,
                          auto all_mins) {
     constexpr int kBits = decltype(bits_constant)::value;
     using scale_t = scale_type_of<decltype(all_scales)>;
@@ -456,7 +622,7 @@ void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweigh
 #if defined(PAGEDLLM_INT8_TILES)
   RECORD_FUNCTION("pagedllm::quantized_linear_int8_tiles", std::vector<c10::IValue>({x, qweight}));
   with_int8_operands("quantized_linear_int8_tiles", out, x, qweight, scales, mins, bias, bits, group, kBlockRows,
-                     [&](const QuantizedRows& a, auto* result, auto* bias_values, auto bits_constant, auto all_scales,
+                     [&](const Int8Rows& a, auto* result, auto* bias_values, auto bits_constant, auto all_scales,
                          auto all_mins) {
     constexpr int kBits = decltype(bits_constant)::value;
     const int64_t rows = x.size(0), out_features = out.size(1), tiles = qweight.size(0);
@@ -486,6 +652,48 @@ void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweigh
 #else   // no VNNI in this build: the int8 kernel (the same sums)
   quantized_linear_int8(out, x, qweight, scales, mins, bias, bits, group);
 #endif
+}
+
+void quantized_linear_int16(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                            c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
+  RECORD_FUNCTION("pagedllm::quantized_linear_int16", std::vector<c10::IValue>({x, qweight}));
+  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_int16");
+  const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
+  const int64_t slots = cols / 4, groups = cols / group, tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
+  const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int16", [&] {
+    const int64_t padded_rows = (rows + kInt16BlockRows - 1) / kInt16BlockRows * kInt16BlockRows;
+    const Int16Rows a = quantize_rows<int16_t>(x.data_ptr<scalar_t>(), rows, cols, group, padded_rows);
+    scalar_t* result = out.data_ptr<scalar_t>();
+    const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
+      constexpr int kBits = decltype(bits_constant)::value;
+      // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
+      const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_dots<8, true> : &int16_dots<8, false>)
+                                       : (all_mins != nullptr ? &int16_dots<4, true> : &int16_dots<4, false>);
+      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        thread_local Int16Panel panel;   // kept from call to call: no allocation per call
+        float dots[kInt16BlockRows][kHalfRows];
+        for (int64_t t = begin; t < end; ++t) {
+          unpack_int16_panel<kBits>(panel, weights + t * tile_bytes, all_scales + t * params_per_tile,
+                                    all_mins ? all_mins + t * params_per_tile : nullptr, slots, groups);
+          for (int half = 0; half < 2; ++half) {
+            const int64_t first_out = t * kTileRows + half * kHalfRows;
+            const int64_t valid = std::min<int64_t>(kHalfRows, out_features - first_out);
+            if (valid <= 0) break;
+            const int16_t* q = panel.q.data() + half * slots * 32;
+            const float* half_scales = panel.scales.data() + half * groups * kHalfRows;
+            const float* half_mins = all_mins ? panel.mins.data() + half * groups * kHalfRows : nullptr;
+            for (int64_t r = 0; r < rows; r += kInt16BlockRows) {
+              dots_of(dots, q, half_scales, half_mins, a, r);
+              store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
+                         out_features);
+            }
+          }
+        }
+      });
+    });
+  });
 }
 
 void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,

@@ -9,7 +9,8 @@ With --quantizations, teacher-forced in the same way (below), the model with qua
 against the same weights dequantized (quantization=none), float32 activations: for a GGUF, auto
 (its own formats); for a float checkpoint (--float-bundled: the bundled model's weights as a
 float safetensors folder), int8 and int4. Each quantization runs with each --activation-dtypes value
-(auto: float activations against the weights; int8: the opt-in int8 activations), in --dtype.
+(model: float activations against the weights; auto: the engine's choice, int16 for many rows on AVX2 builds;
+int16, int8: those activations), in --dtype.
 
 With --kv-cache-dtypes, teacher-forced, per KV cache dtype against kv_cache_dtype=auto, the
 weights float32 throughout: each of 16 chat prompts is continued by the float32 model itself

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> None:
     shapes = layer_matmul_shapes(config) + [(config.vocab_size, config.hidden_size)]
     rows_list = [int(r) for r in args.rows.split(",")]
     chosen = QuantizedMatmul()
-    paths = ["rows", "int8", "int8_tiles"] + (["brgemm"] if brgemm_isa(dtype) else [])
+    paths = ["rows", "int8", "int8_tiles", "int16"] + (["brgemm"] if brgemm_isa(dtype) else [])
     print(f"CPU kernels {kernels.variant}, activations {dtype_name}, {torch.get_num_threads()} threads; "
           f"brgemm's ISA (from the CPU's features): {brgemm_isa(dtype) or 'not used'}; "
           f"engine's choice: {chosen.describe(dtype)}")

@@ -15,9 +15,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # auto: a GGUF keeps its own quantization, float checkpoints stay float; none: everything dequantized;
 # int8 / int4: float weights quantized group-wise at load (pagedllm/model/quantization.py).
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-# What quantized layers multiply (as pagedllm/model/quantized_matmul.py's): auto, the model dtype's activations;
-# int8, activations quantized per row and 32-column group (faster for small batches, less accurate).
-ACTIVATION_DTYPES = ("auto", "int8")
+# What quantized layers multiply (as pagedllm/model/quantized_matmul.py's): auto, the model dtype's activations, or
+# for many rows int16 where the CPU multiplies int16 faster (AVX2 without AVX-512); model, the model dtype's at every
+# row count; int16, activations quantized per row and 32-column group to int16 for many rows (as accurate); int8,
+# to int8 (faster for small batches, less accurate).
+ACTIVATION_DTYPES = ("auto", "model", "int16", "int8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap", "auto")   # vLLM's old names, and auto (engine/preemption.py)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: the model dtype
@@ -116,9 +118,9 @@ class EngineConfig:
         if self.activation_dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"activation_dtype must be one of {', '.join(ACTIVATION_DTYPES)}, "
                              f"got {self.activation_dtype!r}")
-        if self.activation_dtype == "int8" and self.quantization == "none":
-            raise ValueError("activation_dtype 'int8' multiplies quantized weights, and quantization 'none' leaves none: "
-                             "use quantization auto (a quantized GGUF), int8 or int4")
+        if self.activation_dtype in ("int16", "int8") and self.quantization == "none":
+            raise ValueError(f"activation_dtype {self.activation_dtype!r} multiplies quantized weights, and quantization "
+                             "'none' leaves none: use quantization auto (a quantized GGUF), int8 or int4")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -171,9 +171,9 @@ class CausalLM(nn.Module):
     def _check_matmul_options(self) -> None:
         """activation_dtype and batch_invariant act on quantized layers: refused where there are none to act on."""
         float_layers = [name for name, module in self.named_modules() if isinstance(module, Linear)]
-        if self.matmul.activation_dtype == "int8" and not self.has_quantized_layers:
-            raise ValueError("activation_dtype 'int8' multiplies quantized weights, and this model has none: use "
-                             "quantization int8 or int4, or a quantized GGUF")
+        if self.matmul.activation_dtype in ("int16", "int8") and not self.has_quantized_layers:
+            raise ValueError(f"activation_dtype {self.matmul.activation_dtype!r} multiplies quantized weights, and this "
+                             "model has none: use quantization int8 or int4, or a quantized GGUF")
         if self.matmul.batch_invariant and float_layers:
             raise ValueError(f"batch_invariant=True covers quantized layers (one row kernel for every batch), and "
                              f"{float_layers[0]} holds float weights, whose oneDNN/BLAS matmuls round by batch shape: "

@@ -10,6 +10,10 @@ The paths (csrc/quant_matmul.cpp, csrc/quant_linear.cpp):
           activation_dtype="int8" (less accurate; docs/quantized_matmul.md), up to 8 rows per pass (few rows)
   int8_tiles  int8's sums, bit for bit, register-blocked for many rows over weights unpacked once per call
           (VNNI builds; elsewhere it runs int8's kernel)
+  int16   activations quantized to int16 per row and 32-column group (256 times int8's resolution: as accurate as
+          float activations, docs/quantized_matmul.md), integer products over weights widened to int16 once per
+          call (many rows): on AVX2 without AVX-512 they multiply at twice float32's rate, so there it is the
+          default's many-row path
   torch   the weight dequantized per call and F.linear: where the kernels are not built, or not on CPU (the
           model's device, given when the model is built: no call checks it)
 PAGEDLLM_MATMUL_PATH=<path> forces one path for every row count (tests use it to check each); forced brgemm leaves
@@ -25,8 +29,10 @@ import torch
 from pagedllm.model import kernels
 from pagedllm.model.kernels import kernel_for
 
-ACTIVATION_DTYPES = ("auto", "int8")   # auto: the model dtype
-PATHS = ("rows", "brgemm", "int8", "int8_tiles", "torch")
+# auto: the model dtype, or int16 for many rows where the CPU multiplies int16 faster (int16_is_faster); model: the
+# model dtype at every row count; int16 and int8: those quantized activations (int8 is less accurate).
+ACTIVATION_DTYPES = ("auto", "model", "int16", "int8")
+PATHS = ("rows", "brgemm", "int8", "int8_tiles", "int16", "torch")
 FORCE_VARIABLE = "PAGEDLLM_MATMUL_PATH"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -42,6 +48,10 @@ BRGEMM_FROM_ROWS = {
     (torch.float32, "avx512_core"): 10,
     (torch.float32, "avx2"): 5,
 }
+
+# The row count from which int16 beats the rows kernel (float32 on AVX2, 2 rows per pass there): over a decode step's
+# 30 x 4 layers and LM head, each kernel called alone, int16 takes 1.5x the rows kernel's time at 2 rows, 0.77x at 4.
+INT16_FROM_ROWS = 4
 
 # The row count from which int8_tiles beats int8 (docs/quantized_matmul.md has the figures). Both give the same
 # bits for a row, so this is speed only: batch invariance holds across it.
@@ -62,6 +72,13 @@ def brgemm_isa(dtype: torch.dtype) -> str | None:
             return "avx512_core"
         return "avx2" if torch.cpu._is_avx2_supported() else None
     return None
+
+
+def int16_is_faster(dtype: torch.dtype) -> bool:
+    """Whether activation_dtype auto takes the int16 path for many rows of dtype: float32 where the kernels are
+    the AVX2 build (a CPU without AVX-512), whose int16 products (vpmaddwd: 16 a instruction, then an addition)
+    beat float32's FMAs (8 an instruction) and brgemm's float32 from 4 rows up (docs/quantized_matmul.md)."""
+    return dtype == torch.float32 and kernels.kernels is not None and kernels.variant == "avx2"
 
 
 @dataclass(frozen=True)
@@ -86,7 +103,8 @@ class Route:
 
 class QuantizedMatmul:
     """The kernels of one model's quantized layers. batch_invariant: a row's result is bitwise the same whatever
-    batch it shares: the rows kernel at every row count, or int8 and int8_tiles (the same bits per row).
+    batch it shares: the rows kernel at every row count (activation_dtype auto or model), int16 at every row count,
+    or int8 and int8_tiles (the same bits per row).
     device: the model's (off CPU every route is torch)."""
 
     def __init__(self, activation_dtype: str = "auto", batch_invariant: bool = False,
@@ -118,8 +136,12 @@ class QuantizedMatmul:
             return Route("torch", "torch", 1, None)
         if self.activation_dtype == "int8":
             return Route("int8", "int8_tiles", INT8_TILES_FROM_ROWS, None)
+        if self.activation_dtype == "int16":   # int16 is batch-invariant itself: a row's sums ignore the other rows
+            return Route("int16", "int16", 1, None) if self.batch_invariant else Route("rows", "int16", INT16_FROM_ROWS, None)
         if self.batch_invariant or isa is None:
             return Route("rows", "rows", 1, None)
+        if self.activation_dtype == "auto" and int16_is_faster(dtype):
+            return Route("rows", "int16", INT16_FROM_ROWS, None)
         return Route("rows", "brgemm", BRGEMM_FROM_ROWS[dtype, isa], isa)
 
     def kernel(self, dtype: torch.dtype, num_rows: int):

@@ -63,7 +63,7 @@ def test_adapter_matches_peft(arch, rank, targets, use_rslora, make_tiny_model_d
 def test_adapter_over_an_int8_base_matches_peft_on_the_dequantized_weights(make_tiny_model_dir, tmp_path):
     """quantization="int8": the base runs its quantized kernels and the adapter's update is added to their output;
     the reference is peft over transformers holding the weights as int8 dequantizes them (the same numbers the
-    kernels multiply, so the float32 tolerance holds)."""
+    kernels multiply, with float32 activations (activation_dtype model), so the float32 tolerance holds)."""
     base = make_tiny_model_dir(tmp_path, "llama3")
     adapter = make_adapter(base, tmp_path / "adapter", rank=16, targets="all-linear")
     reference = reference_model(base, adapter)
@@ -72,7 +72,8 @@ def test_adapter_over_an_int8_base_matches_peft_on_the_dequantized_weights(make_
             if weight.dim() == 2 and "lora_" not in name:
                 weight.copy_(quantize(weight, 8).dequantize())
     prompts = random_prompts(7)
-    llm = LLM(str(base), dtype="float32", kv_cache_memory="16MiB", quantization="int8", enable_lora=True)
+    llm = LLM(str(base), dtype="float32", kv_cache_memory="16MiB", quantization="int8", activation_dtype="model",
+              enable_lora=True)
     assert llm.llm_engine.runner.model.layers[0].qkv_proj.base.format == "int8"
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                            lora_request=LoRARequest("adapter", 1, str(adapter)))
@@ -82,7 +83,8 @@ def test_adapter_over_an_int8_base_matches_peft_on_the_dequantized_weights(make_
 def test_adapter_over_a_q4_0_gguf_base_matches_peft_on_the_dequantized_weights(make_tiny_model_dir, bundled_gguf_path,
                                                                                tmp_path):
     """The common CPU case: a GGUF whose projections are Q4_0 (as the bundled model's Q4_1) stays quantized, its
-    kernels run, and the adapter's update is added; the reference is peft over the weights as gguf dequantizes them."""
+    kernels run (float32 activations: activation_dtype model), and the adapter's update is added; the reference is
+    peft over the weights as gguf dequantizes them."""
     folder = make_tiny_model_dir(tmp_path, "llama3", rope_scaling=None)   # the test's GGUF writer has no llama3 rope
     adapter = make_adapter(folder, tmp_path / "adapter", rank=8, targets="all-linear")
     state = reference_model(folder, None).state_dict()
@@ -95,7 +97,7 @@ def test_adapter_over_a_q4_0_gguf_base_matches_peft_on_the_dequantized_weights(m
             if weight.dim() == 2 and "lora_" not in name:
                 weight.copy_(gguf_round_trip(weight, "Q4_0"))
     prompts = random_prompts(11)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", enable_lora=True)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", activation_dtype="model", enable_lora=True)
     assert llm.llm_engine.runner.model.layers[0].mlp.gate_up_proj.base.format == "Q4_0"
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                            lora_request=LoRARequest("adapter", 1, str(adapter)))

@@ -3,7 +3,7 @@
 It runs the same kernels in the same order on the same inputs, so nothing may differ: every token and every
 top-5 logprob of a greedy run is asserted bitwise equal between PAGEDLLM_DECODE_STACK=1 and =0, in each case
 the stack covers (weight formats, dtypes, KV cache dtypes, matmul paths by batch size, qkv bias, sliding
-windows, partial and length-dependent rope, the int8 activation and batch-invariant modes). torch.profiler's
+windows, partial and length-dependent rope, the int16 and int8 activation and batch-invariant modes). torch.profiler's
 count of `pagedllm::decode_layers` shows which path each run took. The Python layers themselves are held to
 transformers by test_model_vs_transformers.py and test_default_vs_reference.py (which runs the stack: the
 bundled model's default is one of the cases it covers).
@@ -18,6 +18,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.decode_stack import FORCE_VARIABLE
+from pagedllm.model.quantized_matmul import int16_is_faster
 
 pytestmark = pytest.mark.kernels
 
@@ -47,7 +48,10 @@ CASES = {
     "int4-float32-1": ("llama", HEAD_DIM_32, 1, dict(quantization="int4", dtype="float32")),
     "int8-bfloat16-3": ("llama", HEAD_DIM_32, 3, dict(quantization="int8", dtype="bfloat16")),
     "int4-bfloat16-12-brgemm": ("llama", HEAD_DIM_32, 12, dict(quantization="int4", dtype="bfloat16")),
-    "int4-float32-12-brgemm": ("llama", HEAD_DIM_32, 12, dict(quantization="int4", dtype="float32")),
+    "int4-float32-12-brgemm": ("llama", HEAD_DIM_32, 12, dict(quantization="int4", dtype="float32",
+                                                             activation_dtype="model")),
+    "int4-float32-12-int16": ("llama", HEAD_DIM_32, 12, dict(quantization="int4", dtype="float32",
+                                                            activation_dtype="int16")),
     "qkv-bias-int8-cache": ("qwen2", HEAD_DIM_32, 3, dict(quantization="int4", dtype="float32", kv_cache_dtype="int8")),
     "window-fp8-cache": ("mistral-window", dict(HEAD_DIM_32, head_dim=32), 2,
                          dict(quantization="int4", dtype="bfloat16", kv_cache_dtype="fp8_e5m2")),
@@ -137,7 +141,7 @@ def test_steps_with_more_than_decodes_run_in_python(make_tiny_model_dir, tmp_pat
                                  empty, empty, empty.view(0, 1), 16, **{"backend": backend, **fields})
 
     assert stack.path(meta(3, 3), 3) == "rows"
-    assert stack.path(meta(12, 12), 12) == "brgemm"
+    assert stack.path(meta(12, 12), 12) == ("int16" if int16_is_faster(torch.float32) else "brgemm")
     assert stack.path(meta(3, 2), 3) is None          # a prefill token
     assert stack.path(meta(2, 2), 3) is None          # a padding row
     assert stack.path(meta(3, 3, decode_cascade=object()), 3) is None

@@ -205,7 +205,9 @@ def test_gguf_written_from_the_folder_gives_its_logits(arch, gguf_arch, make_tin
 def test_quantized_gguf_runs_its_quantized_weights_as_transformers_does(arch, type_name, make_tiny_model_dir,
                                                                        bundled_gguf_path, tmp_path):
     """A GGUF whose matrices (embedding and projections) gguf quantized runs them through the quantized
-    kernels, and gives transformers' greedy tokens and logprobs on the same weights as gguf dequantizes them."""
+    kernels with float32 activations (activation_dtype model: AVX2 builds would otherwise round many rows to int16,
+    whose error test_quantization bounds), and gives transformers' greedy tokens and logprobs on the same weights as
+    gguf dequantizes them."""
     folder = make_tiny_model_dir(tmp_path, arch)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     path = tmp_path / f"{arch}-{type_name}.gguf"
@@ -217,7 +219,7 @@ def test_quantized_gguf_runs_its_quantized_weights_as_transformers_does(arch, ty
                 weight.copy_(gguf_round_trip(weight, type_name))
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (length,), generator=generator).tolist() for length in (9, 70)]
-    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", activation_dtype="model")
     model = llm.llm_engine.runner.model
     assert model.embed_tokens.format == model.layers[0].mlp.gate_up_proj.format == type_name
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)

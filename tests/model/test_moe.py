@@ -95,17 +95,19 @@ def test_quantized_experts_match_transformers_on_the_same_weights(source, arch, 
     """The experts stay quantized (Q8_0 blocks read from GGUF's stacked tensors, or int8 from the float folder)
     and run through the quantized kernels. Both formats hold value = scale * q with a float16 scale and an
     8-bit q: exact in float32, so transformers on the dequantized weights computes with the very numbers our
-    kernels use, and what is left is float32 summation order: the float tests' 1e-4 bound holds unchanged."""
+    kernels use, and what is left is float32 summation order: the float tests' 1e-4 bound holds unchanged. The
+    activations stay float32 (activation_dtype model: AVX2 builds would otherwise round many rows to int16, whose
+    error test_quantization bounds)."""
     folder = make_tiny_model_dir(tmp_path, arch)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     if source == "int8":
-        llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", quantization="int8")
+        llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", quantization="int8", activation_dtype="model")
         round_trip, quantized = int8_round_trip, is_int8_weight
     else:
         path = tmp_path / f"{arch}-q8_0.gguf"
         write_gguf(path, MOE_ARCHS[arch], reference.config, reference.state_dict(), tokenizer_from=bundled_gguf_path,
                    expert_type=gguf.GGMLQuantizationType.Q8_0)
-        llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+        llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", activation_dtype="model")
         round_trip, quantized = q8_0_round_trip, is_expert_weight
     with torch.no_grad():
         for name, param in reference.named_parameters():

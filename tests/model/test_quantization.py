@@ -17,8 +17,8 @@ from pagedllm.model import linear
 from pagedllm.model.kernels import kernels as compiled
 from pagedllm.model.linear import ConcatLinear, Embedding, QuantizedLinear, fused_linear
 from pagedllm.model.quantization import GGUF_QUANTIZED_TYPES, QuantizedWeight, from_gguf, quantize
-from pagedllm.model.quantized_matmul import (BRGEMM_FROM_ROWS, FORCE_VARIABLE, INT8_TILES_FROM_ROWS, QuantizedMatmul,
-                                             brgemm_isa)
+from pagedllm.model.quantized_matmul import (BRGEMM_FROM_ROWS, FORCE_VARIABLE, INT8_TILES_FROM_ROWS, INT16_FROM_ROWS,
+                                             QuantizedMatmul, brgemm_isa, int16_is_faster)
 
 # Byte offsets of each block type's float16 scale fields (gguf.quants' layouts): random bytes elsewhere
 # are valid quants, random float16 scales would be NaN or huge.
@@ -78,13 +78,13 @@ def test_q4_0_scales_beyond_float16_fall_back_to_float32_exactly():
     assert torch.equal(weight.dequantize(), gguf_reference(data, "Q4_0", 2, 64))
 
 
-def dot_product_bound(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Worst-case error of the int8 dot-product path against x @ W^T in float, per output element.
-    x is rounded per row and group to multiples of s = absmax / 127, so each element moves by at most
-    s / 2, and output (m, n) by at most sum over groups of s[m, g] / 2 * sum |W[n, group g]|. Float
+def dot_product_bound(x: torch.Tensor, weight: torch.Tensor, group_size: int, levels: int = 127) -> torch.Tensor:
+    """Worst-case error of an integer dot-product path (int8: levels 127; int16: 32767) against x @ W^T in float,
+    per output element. x is rounded per row and group to multiples of s = absmax / levels, so each element moves
+    by at most s / 2, and output (m, n) by at most sum over groups of s[m, g] / 2 * sum |W[n, group g]|. Float
     accumulation adds ~K * 2^-24 relative to |x| @ |W|^T; 1e-5 of it covers that with room."""
     rows, cols = x.shape
-    half_steps = x.float().abs().reshape(rows, -1, group_size).amax(-1) / 254
+    half_steps = x.float().abs().reshape(rows, -1, group_size).amax(-1) / (2 * levels)
     weight_sums = weight.abs().reshape(weight.shape[0], -1, group_size).sum(-1)
     return half_steps @ weight_sums.T + 1e-5 * (x.float().abs() @ weight.abs().T) + 1e-6
 
@@ -123,7 +123,7 @@ def path_bound(path: str, x: torch.Tensor, weight: QuantizedWeight, bias: torch.
     at most group + groups + 3 roundings (its group's sum, scale and min folded in, the sum over the groups, the
     bias), so the kernel errs from the exact scale * q + min by gamma(group + groups + 3) T (scaled_terms), and
     W from it by 3 u T more. brgemm in float32 sums W's products as the reference does: gamma(K + 1) S; in bfloat16
-    it multiplies W rounded to bfloat16: + u_bf16 |x| @ |W|^T. int8 activations: the float sums plus
+    it multiplies W rounded to bfloat16: + u_bf16 |x| @ |W|^T. int8 and int16 activations: the float sums plus
     dot_product_bound. A bfloat16 output (out_dtype, x's if None) rounds the result once: + u_bf16 |result|."""
     dense = weight.dequantize()
     cols, group_size = x.shape[1], weight.group_size
@@ -134,8 +134,8 @@ def path_bound(path: str, x: torch.Tensor, weight: QuantizedWeight, bias: torch.
         bound = reference + gamma(group_size + cols // group_size + 3 + 3) * scaled_terms(x, weight, bias)
     else:
         bound = 2 * reference
-    if path.startswith("int8"):
-        bound = bound + dot_product_bound(x, dense, group_size)
+    if path.startswith("int8") or path == "int16":
+        bound = bound + dot_product_bound(x, dense, group_size, 127 if path.startswith("int8") else 32767)
     if path == "brgemm" and x.dtype == torch.bfloat16:
         bound = bound + BFLOAT16_UNIT * products
     if (out_dtype or x.dtype) == torch.bfloat16:
@@ -156,7 +156,7 @@ def runnable_paths(dtype: torch.dtype) -> list[str]:
     """The compiled matmul paths this machine runs for activations of dtype."""
     if compiled is None:
         return []
-    return ["rows", "int8", "int8_tiles"] + (["brgemm"] if brgemm_isa(dtype) is not None else [])
+    return ["rows", "int8", "int8_tiles", "int16"] + (["brgemm"] if brgemm_isa(dtype) is not None else [])
 
 
 def forced(path: str, monkeypatch) -> QuantizedMatmul:
@@ -272,7 +272,7 @@ def test_brgemm_past_the_cache_equals_it_in_cache_sized_calls(dtype, monkeypatch
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("activation_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("activation_dtype", ["auto", "model", "int16", "int8"])
 def test_batch_invariant_rows_do_not_depend_on_the_batch_they_share(dtype, activation_dtype):
     """With batch_invariant=True a request's logits cannot change with the batch around it (prefill or
     decode, recomputed after preemption or not): each row's result is its own, bit for bit, at every row count."""
@@ -310,14 +310,14 @@ def test_int8_tiles_gives_the_int8_kernels_bits(dtype, shape):
 
 
 @pytest.mark.kernels
-def test_int8_activations_past_the_kept_storage_equal_smaller_calls(monkeypatch):
+def test_quantized_activations_past_the_kept_storage_equal_smaller_calls(monkeypatch):
     """The quantized activations live in storage the calling thread keeps, up to 8 MiB; past it (4,100 rows of
-    2,048 columns: 8.4 MB of int8 values) a call quantizes into storage of its own. Each row's result is its
-    own, so the large call equals the same rows in calls that fit, on both int8 kernels."""
+    2,048 columns: 8.4 MB of int8 values, 16.8 MB of int16) a call quantizes into storage of its own. Each row's
+    result is its own, so the large call equals the same rows in calls that fit, on both int8 kernels and int16."""
     generator = torch.Generator().manual_seed(6)
     x = torch.randn(4100, 2048, generator=generator)
     weight = quantize(torch.randn(40, 2048, generator=generator), 4)
-    for path in ("int8", "int8_tiles"):
+    for path in ("int8", "int8_tiles", "int16"):
         layer = QuantizedLinear(weight, None, forced(path, monkeypatch))
         assert torch.equal(layer(x), torch.cat([layer(x[start:start + 512]) for start in range(0, 4100, 512)]))
 
@@ -411,12 +411,24 @@ def test_the_bundled_gguf_runs_quantized_by_default():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_path_is_chosen_once_per_dtype_and_row_count(dtype, monkeypatch):
     """Default: the rows kernel below brgemm's crossover row count, brgemm from it (where oneDNN runs it for
-    dtype); batch_invariant: the rows kernel at every row count; activation_dtype int8: the int8 kernel."""
+    dtype), or on AVX2 builds in float32 int16 from its crossover; activation_dtype model: brgemm (or the rows
+    kernel) everywhere; int16: int16 from its crossover on every CPU; batch_invariant: the rows kernel at every row
+    count (int16 with activation_dtype int16); activation_dtype int8: the int8 kernel."""
     monkeypatch.delenv(FORCE_VARIABLE, raising=False)
     matmul, isa = QuantizedMatmul(), brgemm_isa(dtype)
     if compiled is None:
         assert matmul.kernel(dtype, 1) is matmul.kernel(dtype, 4096) is None
         return
+    int16 = (QuantizedMatmul("int16"),) + ((matmul,) if int16_is_faster(dtype) else ())
+    for chosen in int16:
+        assert chosen.kernel(dtype, INT16_FROM_ROWS - 1) is compiled.quantized_linear_rows
+        assert chosen.kernel(dtype, INT16_FROM_ROWS) is chosen.kernel(dtype, 4096) is compiled.quantized_linear_int16
+        assert chosen.describe(dtype) == f"rows below {INT16_FROM_ROWS} rows, int16 from {INT16_FROM_ROWS}"
+    if not int16_is_faster(dtype):
+        assert matmul.routes[dtype] == QuantizedMatmul("model").routes[dtype]
+    int16_invariant = QuantizedMatmul("int16", batch_invariant=True)
+    assert int16_invariant.kernel(dtype, 1) is int16_invariant.kernel(dtype, 4096) is compiled.quantized_linear_int16
+    matmul = QuantizedMatmul("model")
     if isa is None:
         assert matmul.kernel(dtype, 1) is matmul.kernel(dtype, 4096) is compiled.quantized_linear_rows
     else:
@@ -434,7 +446,8 @@ def test_the_path_is_chosen_once_per_dtype_and_row_count(dtype, monkeypatch):
 
 def test_forcing_a_path(monkeypatch):
     monkeypatch.setenv(FORCE_VARIABLE, "tiles")
-    with pytest.raises(ValueError, match="PAGEDLLM_MATMUL_PATH must be one of rows, brgemm, int8, int8_tiles, torch, got 'tiles'"):
+    with pytest.raises(ValueError, match="PAGEDLLM_MATMUL_PATH must be one of rows, brgemm, int8, int8_tiles, int16, torch, "
+                                         "got 'tiles'"):
         QuantizedMatmul()
     monkeypatch.setenv(FORCE_VARIABLE, "torch")
     assert QuantizedMatmul().kernel(torch.float32, 1) is None   # dequantized per call, F.linear
@@ -443,13 +456,14 @@ def test_forcing_a_path(monkeypatch):
 
 
 def test_activation_dtype_and_batch_invariant_are_checked(make_tiny_model_dir, tmp_path):
-    with pytest.raises(ValueError, match="activation_dtype must be one of auto, int8, got 'fp8'"):
+    with pytest.raises(ValueError, match="activation_dtype must be one of auto, model, int16, int8, got 'fp8'"):
         EngineConfig(activation_dtype="fp8")
-    with pytest.raises(ValueError, match="activation_dtype must be one of auto, int8, got 'int4'"):
+    with pytest.raises(ValueError, match="activation_dtype must be one of auto, model, int16, int8, got 'int4'"):
         QuantizedMatmul("int4")
-    with pytest.raises(ValueError, match="activation_dtype 'int8' multiplies quantized weights, and quantization "
-                                         "'none' leaves none"):
-        EngineConfig(activation_dtype="int8", quantization="none")
+    for activation_dtype in ("int16", "int8"):
+        with pytest.raises(ValueError, match=f"activation_dtype '{activation_dtype}' multiplies quantized weights, and "
+                                             "quantization 'none' leaves none"):
+            EngineConfig(activation_dtype=activation_dtype, quantization="none")
     with pytest.raises(ValueError, match="batch_invariant must be True or False, got 'yes'"):
         EngineConfig(batch_invariant="yes")
     folder = str(make_tiny_model_dir(tmp_path, "llama"))
