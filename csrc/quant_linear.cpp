@@ -558,17 +558,18 @@ void untile(uint8_t* dst, const uint8_t* tile, int64_t cols) {
   }
 }
 
-// Both int8 entries' set-up: the checks (before any size is read), the activations quantized (room for rows_padded_to rows), and the weight
-// format dispatched; run(a, result, bias_values, bits_constant, scales, mins) multiplies.
-template <typename Run>
-void with_int8_operands(const char* name, at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
-                        c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group,
-                        int64_t rows_padded_to, Run run) {
+// The integer entries' set-up: the checks (before any size is read), the activations quantized to q_t (room for
+// rows_padded_to rows), and the weight format dispatched; run(a, result, bias_values, bits_constant, scales, mins)
+// multiplies.
+template <typename q_t, typename Run>
+void with_quantized_operands(const char* name, at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                             c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group,
+                             int64_t rows_padded_to, Run run) {
   check_matmul(out, x, qweight, scales, mins, bias, bits, group, name);
   const int64_t rows = x.size(0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int8", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_integer", [&] {
     const int64_t padded_rows = (rows + rows_padded_to - 1) / rows_padded_to * rows_padded_to;
-    const Int8Rows a = quantize_rows<int8_t>(x.data_ptr<scalar_t>(), rows, x.size(1), group, padded_rows);
+    const QuantizedRows<q_t> a = quantize_rows<q_t>(x.data_ptr<scalar_t>(), rows, x.size(1), group, padded_rows);
     const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
     dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       run(a, out.data_ptr<scalar_t>(), bias_values, bits_constant, all_scales, all_mins);
@@ -593,7 +594,7 @@ void store_sums(scalar_t* result, const float (*sums)[width], const scalar_t* bi
 void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                            c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
   RECORD_FUNCTION("pagedllm::quantized_linear_int8", std::vector<c10::IValue>({x, qweight}));   // torch.profiler names it
-  with_int8_operands("quantized_linear_int8", out, x, qweight, scales, mins, bias, bits, group, 1,
+  with_quantized_operands<int8_t>("quantized_linear_int8", out, x, qweight, scales, mins, bias, bits, group, 1,
                      [&](const Int8Rows& a, auto* result, auto* bias_values, auto bits_constant, auto all_scales,
                          auto all_mins) {
     constexpr int kBits = decltype(bits_constant)::value;
@@ -621,7 +622,7 @@ void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweigh
                                  int64_t group) {
 #if defined(PAGEDLLM_INT8_TILES)
   RECORD_FUNCTION("pagedllm::quantized_linear_int8_tiles", std::vector<c10::IValue>({x, qweight}));
-  with_int8_operands("quantized_linear_int8_tiles", out, x, qweight, scales, mins, bias, bits, group, kBlockRows,
+  with_quantized_operands<int8_t>("quantized_linear_int8_tiles", out, x, qweight, scales, mins, bias, bits, group, kBlockRows,
                      [&](const Int8Rows& a, auto* result, auto* bias_values, auto bits_constant, auto all_scales,
                          auto all_mins) {
     constexpr int kBits = decltype(bits_constant)::value;
@@ -657,41 +658,37 @@ void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweigh
 void quantized_linear_int16(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                             c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
   RECORD_FUNCTION("pagedllm::quantized_linear_int16", std::vector<c10::IValue>({x, qweight}));
-  check_matmul(out, x, qweight, scales, mins, bias, bits, group, "quantized_linear_int16");
-  const int64_t rows = x.size(0), cols = x.size(1), out_features = out.size(1), tiles = qweight.size(0);
-  const int64_t slots = cols / 4, groups = cols / group, tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
-  const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantized_linear_int16", [&] {
-    const int64_t padded_rows = (rows + kInt16BlockRows - 1) / kInt16BlockRows * kInt16BlockRows;
-    const Int16Rows a = quantize_rows<int16_t>(x.data_ptr<scalar_t>(), rows, cols, group, padded_rows);
-    scalar_t* result = out.data_ptr<scalar_t>();
-    const scalar_t* bias_values = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
-      constexpr int kBits = decltype(bits_constant)::value;
-      // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
-      const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_dots<8, true> : &int16_dots<8, false>)
-                                       : (all_mins != nullptr ? &int16_dots<4, true> : &int16_dots<4, false>);
-      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-        thread_local Int16Panel panel;   // kept from call to call: no allocation per call
-        float dots[kInt16BlockRows][kHalfRows];
-        for (int64_t t = begin; t < end; ++t) {
-          unpack_int16_panel<kBits>(panel, weights + t * tile_bytes, all_scales + t * params_per_tile,
-                                    all_mins ? all_mins + t * params_per_tile : nullptr, slots, groups);
-          for (int half = 0; half < 2; ++half) {
-            const int64_t first_out = t * kTileRows + half * kHalfRows;
-            const int64_t valid = std::min<int64_t>(kHalfRows, out_features - first_out);
-            if (valid <= 0) break;
-            const int16_t* q = panel.q.data() + half * slots * 32;
-            const float* half_scales = panel.scales.data() + half * groups * kHalfRows;
-            const float* half_mins = all_mins ? panel.mins.data() + half * groups * kHalfRows : nullptr;
-            for (int64_t r = 0; r < rows; r += kInt16BlockRows) {
-              dots_of(dots, q, half_scales, half_mins, a, r);
-              store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
-                         out_features);
-            }
+  with_quantized_operands<int16_t>("quantized_linear_int16", out, x, qweight, scales, mins, bias, bits, group,
+                                   kInt16BlockRows, [&](const Int16Rows& a, auto* result, auto* bias_values,
+                                                        auto bits_constant, auto all_scales, auto all_mins) {
+    constexpr int kBits = decltype(bits_constant)::value;
+    const int64_t rows = x.size(0), out_features = out.size(1), tiles = qweight.size(0);
+    const int64_t slots = x.size(1) / 4, groups = x.size(1) / group;
+    const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
+    const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
+    // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
+    const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_dots<8, true> : &int16_dots<8, false>)
+                                     : (all_mins != nullptr ? &int16_dots<4, true> : &int16_dots<4, false>);
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      thread_local Int16Panel panel;   // kept from call to call: no allocation per call
+      float dots[kInt16BlockRows][kHalfRows];
+      for (int64_t t = begin; t < end; ++t) {
+        unpack_int16_panel<kBits>(panel, weights + t * tile_bytes, all_scales + t * params_per_tile,
+                                  all_mins ? all_mins + t * params_per_tile : nullptr, slots, groups);
+        for (int half = 0; half < 2; ++half) {
+          const int64_t first_out = t * kTileRows + half * kHalfRows;
+          const int64_t valid = std::min<int64_t>(kHalfRows, out_features - first_out);
+          if (valid <= 0) break;
+          const int16_t* q = panel.q.data() + half * slots * 32;
+          const float* half_scales = panel.scales.data() + half * groups * kHalfRows;
+          const float* half_mins = all_mins ? panel.mins.data() + half * groups * kHalfRows : nullptr;
+          for (int64_t r = 0; r < rows; r += kInt16BlockRows) {
+            dots_of(dots, q, half_scales, half_mins, a, r);
+            store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
+                       out_features);
           }
         }
-      });
+      }
     });
   });
 }
