@@ -92,8 +92,8 @@ inline void store_scores(vfloat v, const float* key_scales, int64_t slot, int64_
 // slots come out of plain vector FMAs (one query element times kLanes keys) with no horizontal sums. Each
 // head keeps two dependency chains: where the block holds two vectors of slots (AVX2's 8 lanes, blocks of
 // 16) they share each broadcast query element; otherwise even and odd dimensions accumulate apart.
-// (Broadcasts were half the loads: measured on AVX2, bfloat16 decode attention 0.62 -> 0.47 ms a call
-// with the values' loop below done alike; docs/performance.md.)
+// (One vector per broadcast made broadcasts three loads in four on AVX2; docs/performance.md, "Then decode
+// attention".)
 template <typename cache_t, int Heads>
 inline void score_block(const cache_t* keys, const float* key_scales, int64_t head_dim, int64_t block_size,
                         const float* query, float* scores, int64_t score_stride) {
