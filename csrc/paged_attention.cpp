@@ -48,6 +48,7 @@ constexpr int64_t kPrefetchAhead = 2;   // blocks; 1 to 8 measured alike
 // Scratch space one thread reuses from token to token.
 struct Scratch {
   std::vector<float> query, scores, acc;   // [heads][head_dim], [heads][padded_len], [heads][head_dim]
+  std::vector<float> inverse_totals;        // [heads]: 1 / the sum of each head's unnormalised probabilities
 };
 
 // Query heads per tile: each keeps two accumulator registers (even and odd dimensions), 16 of AVX-512's 32
@@ -77,16 +78,44 @@ void for_head_tiles(int64_t group, F&& f) {
   }
 }
 
-// Scores of one kv head's part of a block for `Heads` query heads: keys are stored
-// transposed, so kLanes slots come out of plain vector FMAs (one query element times kLanes
-// keys) with no horizontal sums. Even and odd dimensions go to separate accumulators
-// (two dependency chains per head instead of one). int8 keys: a slot's scale multiplies its
-// whole dot product, once per kLanes slots rather than once per element.
+// The scores of kLanes slots (or the first `width` of them) for one head, int8 keys' scales applied: a
+// slot's scale multiplies its whole dot product, once per kLanes slots rather than once per element.
+template <typename cache_t>
+inline void store_scores(vfloat v, const float* key_scales, int64_t slot, int64_t width, float* scores) {
+  if constexpr (kScaled<cache_t>)
+    v *= width == kLanes ? widen(key_scales + slot) : widen_partial(key_scales + slot, width);
+  if (width == kLanes) narrow(v, scores + slot);
+  else std::memcpy(scores + slot, &v, width * sizeof(float));
+}
+
+// Scores of one kv head's part of a block for `Heads` query heads: keys are stored transposed, so kLanes
+// slots come out of plain vector FMAs (one query element times kLanes keys) with no horizontal sums. Each
+// head keeps two dependency chains: where the block holds two vectors of slots (AVX2's 8 lanes, blocks of
+// 16) they share each broadcast query element; otherwise even and odd dimensions accumulate apart.
+// (One vector per broadcast made broadcasts three loads in four on AVX2; docs/performance.md, "Then decode
+// attention".)
 template <typename cache_t, int Heads>
 inline void score_block(const cache_t* keys, const float* key_scales, int64_t head_dim, int64_t block_size,
                         const float* query, float* scores, int64_t score_stride) {
-  for (int64_t slot = 0; slot < block_size; slot += kLanes) {
-    const int64_t width = std::min<int64_t>(kLanes, block_size - slot);   // < 16 in small blocks only
+  const int64_t pairs_end = block_size / (2 * kLanes) * (2 * kLanes);
+  for (int64_t slot = 0; slot < pairs_end; slot += 2 * kLanes) {
+    vfloat low[Heads] = {}, high[Heads] = {};
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const cache_t* row = keys + d * block_size + slot;
+      const vfloat k0 = widen(row), k1 = widen(row + kLanes);
+      for (int h = 0; h < Heads; ++h) {
+        const vfloat q = broadcast(query[h * head_dim + d]);
+        low[h] += q * k0;
+        high[h] += q * k1;
+      }
+    }
+    for (int h = 0; h < Heads; ++h) {
+      store_scores<cache_t>(low[h], key_scales, slot, kLanes, scores + h * score_stride);
+      store_scores<cache_t>(high[h], key_scales, slot + kLanes, kLanes, scores + h * score_stride);
+    }
+  }
+  for (int64_t slot = pairs_end; slot < block_size; slot += kLanes) {
+    const int64_t width = std::min<int64_t>(kLanes, block_size - slot);   // < kLanes in small blocks only
     vfloat even[Heads] = {}, odd[Heads] = {};
     for (int64_t d = 0; d < head_dim; d += 2) {
       const cache_t* row = keys + d * block_size + slot;
@@ -97,22 +126,40 @@ inline void score_block(const cache_t* keys, const float* key_scales, int64_t he
         odd[h] += query[h * head_dim + d + 1] * k1;
       }
     }
-    for (int h = 0; h < Heads; ++h) even[h] += odd[h];
-    if constexpr (kScaled<cache_t>) {
-      const vfloat scale = width == kLanes ? widen(key_scales + slot) : widen_partial(key_scales + slot, width);
-      for (int h = 0; h < Heads; ++h) even[h] *= scale;
-    }
-    for (int h = 0; h < Heads; ++h) std::memcpy(scores + h * score_stride + slot, &even[h], width * sizeof(float));
+    for (int h = 0; h < Heads; ++h) store_scores<cache_t>(even[h] + odd[h], key_scales, slot, width,
+                                                          scores + h * score_stride);
   }
 }
 
-// acc[h] += sum_j probs[h][j] * value_j over the first n slots of one kv head's part of a
-// block; values are rows, so kLanes dimensions accumulate per instruction. int8 values come with
-// their scales folded into probs (scale_probs).
+// acc[h] += sum_j probs[h][j] * value_j over the first n slots of one kv head's part of a block; values are
+// rows, so kLanes dimensions accumulate per instruction. Two dependency chains per head, as for the scores:
+// two vectors of dimensions sharing each broadcast probability where head_dim holds them, else even and odd
+// slots apart. int8 values come with their scales folded into probs (scale_probs).
 template <typename cache_t, int Heads>
 inline void accumulate_block(const cache_t* values, int64_t head_dim, int64_t n, const float* probs,
                              int64_t prob_stride, float* acc) {
-  for (int64_t c = 0; c < head_dim; c += kLanes) {
+  const int64_t pairs_end = head_dim / (2 * kLanes) * (2 * kLanes);
+  for (int64_t c = 0; c < pairs_end; c += 2 * kLanes) {
+    vfloat low[Heads], high[Heads];
+    for (int h = 0; h < Heads; ++h) {
+      low[h] = widen(acc + h * head_dim + c);
+      high[h] = widen(acc + h * head_dim + c + kLanes);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const cache_t* row = values + j * head_dim + c;
+      const vfloat v0 = widen(row), v1 = widen(row + kLanes);
+      for (int h = 0; h < Heads; ++h) {
+        const vfloat p = broadcast(probs[h * prob_stride + j]);
+        low[h] += p * v0;
+        high[h] += p * v1;
+      }
+    }
+    for (int h = 0; h < Heads; ++h) {
+      narrow(low[h], acc + h * head_dim + c);
+      narrow(high[h], acc + h * head_dim + c + kLanes);
+    }
+  }
+  for (int64_t c = pairs_end; c < head_dim; c += kLanes) {
     vfloat even[Heads], odd[Heads] = {};
     for (int h = 0; h < Heads; ++h) even[h] = widen(acc + h * head_dim + c);
     int64_t j = 0;
@@ -144,8 +191,9 @@ inline void scale_probs(float* probs, int64_t prob_stride, int64_t heads, const 
 // prompt's blocks come out of the free queue together). Measured on 64 sequences x 400
 // tokens x 30 layers: blocks in order 60 -> 28 ms against one kv head at a time, blocks in
 // random order 70 -> 80 ms; the shared workload's decode attention 15.3 -> 10.1 s.
-// Keys first, then the softmax, then the values. Only kv heads [kv_first, kv_end) and their query heads: a
-// step of fewer tokens than threads shares a token's kv heads out (each head's result is the same either way).
+// Keys first, then the softmax (its division applied to the output), then the values. Only kv heads
+// [kv_first, kv_end) and their query heads: a step of fewer tokens than threads shares a token's kv heads
+// out (each head's result is the same either way).
 template <typename scalar_t, typename cache_t>
 void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, int64_t kv_first, int64_t kv_end,
                   Scratch& scratch) {
@@ -166,7 +214,9 @@ void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, int64_t kv
   for (int64_t i = 0; i < num_heads * head_dim; ++i) scratch.query[i] = static_cast<float>(q[i]) * p.scale;
   scratch.scores.resize(num_heads * padded_len);
   scratch.acc.assign(num_heads * head_dim, 0.f);
+  scratch.inverse_totals.resize(num_heads);
   float *query = scratch.query.data(), *scores = scratch.scores.data(), *acc = scratch.acc.data();
+  float* inverse_totals = scratch.inverse_totals.data();
 
   // Block i of the walk is the K of table[i] for i < num_blocks, then the V of table[i - num_blocks]
   // (with its scales, for int8).
@@ -202,12 +252,8 @@ void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, int64_t kv
     float* s = scores + h * padded_len;
     if (p.softcap > 0)
       for (int64_t t = skipped; t < kv_len; ++t) s[t] = p.softcap * std::tanh(s[t] / p.softcap);
-    const float peak = *std::max_element(s + skipped, s + kv_len);
-    exp_in_place(s + skipped, kv_len - skipped, peak);
-    float total = 0;
-    for (int64_t t = skipped; t < kv_len; ++t) total += s[t];
-    const float inv = 1.f / total;
-    for (int64_t t = skipped; t < kv_len; ++t) s[t] *= inv;
+    const float peak = max_of(s + skipped, kv_len - skipped);
+    inverse_totals[h] = 1.f / exp_in_place(s + skipped, kv_len - skipped, peak);
     std::fill(s, s + skipped, 0.f);
   }
 
@@ -228,8 +274,9 @@ void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, int64_t kv
     }
   }
 
-  scalar_t* out = p.out + token * num_heads * head_dim;
-  for (int64_t i = kv_first * group * head_dim; i < kv_end * group * head_dim; i += kLanes) narrow(widen(acc + i), out + i);
+  scalar_t* out = p.out + token * num_heads * head_dim;   // the softmax's division, once per output element
+  for (int64_t h = kv_first * group; h < kv_end * group; ++h)
+    for (int64_t i = h * head_dim; i < (h + 1) * head_dim; i += kLanes) narrow(widen(acc + i) * inverse_totals[h], out + i);
 }
 
 template <typename scalar_t, typename cache_t>

@@ -12,7 +12,7 @@ float safetensors folder), int8 and int4. Each quantization runs with each --act
 (model: float activations against the weights; auto: the engine's choice, int16 for many rows on AVX2 builds;
 int16, int8: those activations), in --dtype.
 
-With --kv-cache-dtypes, teacher-forced, per KV cache dtype against kv_cache_dtype=auto, the
+With --kv-cache-dtypes, teacher-forced, per KV cache dtype against a float32 cache, the
 weights float32 throughout: each of 16 chat prompts is continued by the float32 model itself
 (sampled at temperature 1 with a seed: text the model finds likely, not a greedy loop), and the
 whole sequence is read in one prefill over a float32 cache and over each dtype's cache. The
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="natural chat prompts (default) instead of the workload's random token ids")
     parser.add_argument("--kv-cache-dtypes", nargs="+", choices=KV_CACHE_DTYPES, metavar="DTYPE",
-                        help="instead: teacher-forced comparison of these KV cache dtypes with kv_cache_dtype=auto, "
+                        help="instead: teacher-forced comparison of these KV cache dtypes with a float32 cache, "
                              f"float32 weights ({', '.join(KV_CACHE_DTYPES)})")
     parser.add_argument("--quantizations", nargs="+", choices=("auto", "int8", "int4"), metavar="QUANTIZATION",
                         help="instead: teacher-forced comparison of the model run with these quantization values "
@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="ACTIVATION_DTYPE",
                         help="with --quantizations: run each with these activation_dtype values (default: all: "
                              f"{', '.join(ACTIVATION_DTYPES)})")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="with --quantizations: the quantized runs' dtype (the reference stays float32)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32",
+                        help="with --quantizations: the quantized runs' dtype (the reference stays float32); auto: "
+                             "the engine's choice on this CPU, with its KV cache dtype, as the default runs")
     parser.add_argument("--float-bundled", action="store_true",
                         help="with --quantizations: use a float safetensors copy of the bundled model (its GGUF "
                              "weights dequantized, written once under ~/.cache/pagedllm) as the model")
@@ -135,13 +136,14 @@ def compare_kv_cache_dtypes(args: argparse.Namespace) -> None:
     sequences = [output.prompt_token_ids + list(output.outputs[0].token_ids) for output in outputs]
     engine, runner = llm.llm_engine, llm.llm_engine.runner
     num_blocks = -(-max(map(len, sequences)) // runner.block_size)
-    cache_dtypes = {name: resolve_kv_cache_dtype(name, torch.float32) for name in ("auto", *args.kv_cache_dtypes)}
+    cache_dtypes = {name: resolve_kv_cache_dtype(name, "float32", torch.float32, runner.device)
+                    for name in ("float32", *args.kv_cache_dtypes)}
     caches = {name: allocate_kv_caches(engine.model_config, num_blocks, runner.block_size, dtype, runner.device)
               for name, dtype in cache_dtypes.items()}
     agreeing = dict.fromkeys(args.kv_cache_dtypes, 0)
     divergence = dict.fromkeys(args.kv_cache_dtypes, 0.0)
     for sequence in sequences:
-        reference = sequence_logprobs(runner, sequence, caches["auto"])
+        reference = sequence_logprobs(runner, sequence, caches["float32"])
         for name in args.kv_cache_dtypes:
             candidate = sequence_logprobs(runner, sequence, caches[name])
             agreeing[name] += int((candidate.argmax(-1) == reference.argmax(-1)).sum())
@@ -149,7 +151,7 @@ def compare_kv_cache_dtypes(args: argparse.Namespace) -> None:
     positions = sum(map(len, sequences))
     print(f"{len(sequences)} chat prompts, each continued by {args.continuation_len} tokens the float32 model "
           f"sampled ({positions} positions, {min(map(len, sequences))}-{max(map(len, sequences))} tokens a "
-          f"sequence); float32 weights, each KV cache dtype against auto (float32)")
+          f"sequence); float32 weights, each KV cache dtype against a float32 cache")
     print("| kv_cache_dtype | KV bytes per token | top-1 agreement | mean KL per token (nats) |")
     print("|---|---|---|---|")
     for name in args.kv_cache_dtypes:
@@ -194,17 +196,18 @@ def compare_quantizations(args: argparse.Namespace) -> None:
             for reference, candidate in zip(references, logprobs_of(llm)):
                 agreeing += int((candidate.argmax(-1) == reference.argmax(-1)).sum())
                 divergence += float((reference.exp() * (reference - candidate)).sum())
-            rows.append((quantization, activation_dtype, llm.llm_engine.model_info().weight_summary, agreeing,
-                         divergence))
+            cache = str(llm.llm_engine.kv_cache_dtype).removeprefix("torch.")
+            rows.append((quantization, activation_dtype, cache, llm.llm_engine.model_info().weight_summary,
+                         agreeing, divergence))
             del llm
     positions = sum(map(len, sequences))
     print(f"{model or 'bundled model'}: {len(sequences)} chat prompts, each continued by {args.continuation_len} "
           f"tokens the dequantized model sampled ({positions} positions); the reference: quantization=none, float32 "
-          f"activations and KV cache; the quantized runs in {args.dtype}")
-    print("| quantization | activation_dtype | weights | top-1 agreement | mean KL per token (nats) |")
-    print("|---|---|---|---|---|")
-    for quantization, activation_dtype, summary, agreeing, divergence in rows:
-        print(f"| {quantization} | {activation_dtype} | {summary} | {agreeing / positions:.2%} "
+          f"activations and KV cache; the quantized runs in dtype {args.dtype}")
+    print("| quantization | activation_dtype | KV cache | weights | top-1 agreement | mean KL per token (nats) |")
+    print("|---|---|---|---|---|---|")
+    for quantization, activation_dtype, cache, summary, agreeing, divergence in rows:
+        print(f"| {quantization} | {activation_dtype} | {cache} | {summary} | {agreeing / positions:.2%} "
               f"| {divergence / positions:.2e} |")
 
 

@@ -22,7 +22,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 ACTIVATION_DTYPES = ("auto", "model", "int16", "int8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap", "auto")   # vLLM's old names, and auto (engine/preemption.py)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: the model dtype
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2", "int8")   # auto: config/resolve.py
 # vLLM's: mp runs one engine in this process (its tensor parallel workers as subprocesses);
 # ray runs data_parallel_size engine replicas as Ray actors (pagedllm/engine/data_parallel.py).
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")

@@ -57,7 +57,7 @@ class LLMEngine:
             check_pooling_config(config)
         self.tokenizer = checkpoint.tokenizer
         self.dtype = resolve_dtype(config.dtype, checkpoint.config.torch_dtype, self.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, self.dtype, self.device)
         self.max_model_len = resolve_max_model_len(config, self.model_config.context_length)
         self.draft_config = self._draft_model_config()
         token_budget = resolve_token_budget(config, self.max_model_len, self.pooling is not None)

@@ -27,7 +27,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.bench.accuracy import TEACHER_FORCED_PROMPTS
 from tests.kv_cache_reference import RoundingCache
 
-CACHE_DTYPES = {"auto": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 
 CONTINUATION = 128        # tokens the reference samples after each prompt
@@ -68,7 +68,7 @@ def reference_in(reference, activation_dtype: torch.dtype):
     return model
 
 
-def reference_top1(reference, sequences, activation_dtype=torch.float32, kv_cache_dtype="auto"
+def reference_top1(reference, sequences, activation_dtype=torch.float32, kv_cache_dtype="float32"
                    ) -> list[torch.Tensor]:
     """The reference's most likely next token at each position of each sequence, computed in activation_dtype
     (reference_in) with its K/V rounded as the engine's kv_cache_dtype stores them."""
@@ -105,7 +105,7 @@ def activation_dtype_of(llm: LLM) -> torch.dtype:
 _EMULATED: dict[tuple, float] = {}   # (activation dtype, kv cache dtype) -> the emulation's agreement
 
 
-def derived_threshold(reference, sequences, exact_top1, activation_dtype, kv_cache_dtype="auto") -> float:
+def derived_threshold(reference, sequences, exact_top1, activation_dtype, kv_cache_dtype) -> float:
     """What the path's precision allows: the emulated path's agreement with the exact reference, less three
     binomial standard deviations over the positions counted."""
     key = (activation_dtype, kv_cache_dtype)
@@ -116,10 +116,11 @@ def derived_threshold(reference, sequences, exact_top1, activation_dtype, kv_cac
     return emulated - 3 * math.sqrt(max(emulated * (1 - emulated), 1 / total) / total)
 
 
-def check_against_reference(llm, reference, sequences, exact_top1, kv_cache_dtype="auto"):
+def check_against_reference(llm, reference, sequences, exact_top1):
+    """The threshold is derived for the engine's own activation and cache dtypes (kv_cache_dtype auto holds
+    bfloat16 where the engine chose float32 for speed: config/resolve.py)."""
     dtype = activation_dtype_of(llm)
-    if kv_cache_dtype == "auto":   # the cache holds the model's dtype
-        kv_cache_dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
+    kv_cache_dtype = next(name for name, cached in CACHE_DTYPES.items() if cached == llm.llm_engine.kv_cache_dtype)
     threshold = derived_threshold(reference, sequences, exact_top1, dtype, kv_cache_dtype)
     found, total = agreement(engine_top1(llm, sequences), exact_top1)
     logging.getLogger(__name__).warning("activations %s: top-1 agreement %.2f%% over %d positions (threshold %.2f%%)",
@@ -159,7 +160,7 @@ def test_requantized_weights_agree_with_transformers(quantization, reference, se
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16", "fp8_e5m2", "int8"])
 def test_each_kv_cache_dtype_agrees_with_transformers(kv_cache_dtype, reference, sequences, exact_top1):
     llm = LLM(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=KV_CACHE_MEMORY)
-    check_against_reference(llm, reference, sequences, exact_top1, kv_cache_dtype=kv_cache_dtype)
+    check_against_reference(llm, reference, sequences, exact_top1)
     check_answers(llm)
 
 

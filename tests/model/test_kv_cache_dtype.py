@@ -10,6 +10,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.accuracy import sequence_logprobs
 from pagedllm.config import EngineConfig
+from pagedllm.config.resolve import resolve_kv_cache_dtype
 from pagedllm.entrypoints.cli import parse_args
 from pagedllm.model.attention.cache import CacheTensor
 from pagedllm.worker.model_runner import allocate_kv_caches
@@ -137,7 +138,7 @@ def test_copying_blocks_copies_their_scales():
 
 
 def test_bad_kv_cache_dtypes_are_refused_naming_the_choices(tmp_path, capsys):
-    message = "kv_cache_dtype must be one of auto, bfloat16, float16, fp8_e5m2, int8, got 'fp8'"
+    message = "kv_cache_dtype must be one of auto, float32, bfloat16, float16, fp8_e5m2, int8, got 'fp8'"
     with pytest.raises(ValueError, match=message):
         LLM(kv_cache_dtype="fp8")
     with pytest.raises(SystemExit):
@@ -148,6 +149,26 @@ def test_bad_kv_cache_dtypes_are_refused_naming_the_choices(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["serve", "--config", str(path)])
     assert message in capsys.readouterr().err
+
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype, model_dtype, device, expected", [
+    ("auto", torch.float32, CPU, torch.bfloat16),      # float32 chosen for speed (no fast bfloat16 here)
+    ("auto", torch.bfloat16, CPU, torch.bfloat16),
+    ("float32", torch.float32, CPU, torch.float32),    # float32 asked for: the cache keeps it
+    ("auto", torch.float32, CUDA, torch.float32),      # CUDA's auto is the checkpoint's own dtype
+])
+def test_auto_is_the_model_dtype_unless_the_engine_chose_float32_on_a_cpu(dtype, model_dtype, device, expected):
+    assert resolve_kv_cache_dtype("auto", dtype, model_dtype, device) == expected
+    assert resolve_kv_cache_dtype("float32", "float32", torch.float32, device) == torch.float32
+
+
+def test_a_float32_cache_under_a_narrower_model_is_refused():
+    with pytest.raises(ValueError, match="kv_cache_dtype float32 is for float32 models; this one runs in "
+                                         "torch.bfloat16"):
+        LLM(dtype="bfloat16", kv_cache_dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
 
 
 def test_the_flag_and_the_yaml_key_set_the_field(tmp_path):
