@@ -32,20 +32,33 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device
     return torch.float32
 
 
+def engine_chose_float32(dtype: str, model_dtype: torch.dtype, device: torch.device) -> bool:
+    """dtype auto resolved to float32 on a CPU without fast bfloat16: float32 was picked for the speed of its
+    arithmetic, not asked for, so the data the kernels only read (KV cache, adapters) may be held in bfloat16."""
+    return dtype == "auto" and device.type == "cpu" and model_dtype == torch.float32
+
+
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, model_dtype: torch.dtype,
                            device: torch.device) -> torch.dtype:
-    """The KV cache's element type. "auto" is the model dtype, except where the engine chose float32 itself for
-    speed (dtype auto on a CPU without fast bfloat16): there the cache holds bfloat16, as it would for the
-    checkpoint's own dtype, and decode attention reads half the bytes (docs/performance.md: the shared workload
-    1.10x on AVX2, 99.6% top-1 agreement with a float32 cache). fp8_e5m2 (vLLM's name) is torch.float8_e5m2;
-    int8 caches also keep a float32 scale per token and kv head."""
+    """The KV cache's element type. "auto" is the model dtype, except where the engine chose float32 itself
+    (engine_chose_float32): there the cache holds bfloat16, as it would for the checkpoint's own dtype, and
+    decode attention reads half the bytes (docs/performance.md: the shared workload 1.10x on AVX2, 99.6% top-1
+    agreement with a float32 cache). fp8_e5m2 (vLLM's name) is torch.float8_e5m2; int8 caches also keep a
+    float32 scale per token and kv head."""
     if kv_cache_dtype == "auto":
-        chose_float32 = dtype == "auto" and device.type == "cpu" and model_dtype == torch.float32
-        return torch.bfloat16 if chose_float32 else model_dtype
+        return torch.bfloat16 if engine_chose_float32(dtype, model_dtype, device) else model_dtype
     if kv_cache_dtype == "float32" and model_dtype != torch.float32:
         raise ValueError(f"kv_cache_dtype float32 is for float32 models; this one runs in {model_dtype} "
                          "(dtype): use auto, or a narrower cache")
     return torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else getattr(torch, kv_cache_dtype)
+
+
+def resolve_lora_dtype(lora_dtype: str, dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The adapters' element type. "auto" is the model dtype, except where the engine chose float32 itself
+    (engine_chose_float32): there bfloat16, half the bytes a step's adapter updates read (docs/lora.md)."""
+    if lora_dtype == "auto":
+        return torch.bfloat16 if engine_chose_float32(dtype, model_dtype, device) else model_dtype
+    return getattr(torch, lora_dtype)
 
 
 def resolve_max_model_len(config: EngineConfig, context_length: int) -> int:

@@ -198,7 +198,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-cpu-loras", type=int, default=_UNSET,
                        help="adapters kept loaded in memory, least recently used dropped first (default: --max-loras)")
     group.add_argument("--lora-dtype", choices=LORA_DTYPES, default=_UNSET,
-                       help=f"dtype of the adapters' weights; auto is the model's {_default(EngineConfig, 'lora_dtype')}")
+                       help="dtype of the adapters' weights; auto is the model's (bfloat16 where dtype auto chose float32 on "
+                            f"a CPU without fast bfloat16) {_default(EngineConfig, 'lora_dtype')}")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.config.resolve import resolve_lora_dtype
 from pagedllm.distributed.parallel_state import (SINGLE_PROCESS, TensorParallelGroup,
                                                  destroy_tensor_parallel_group, init_tensor_parallel_group)
 from pagedllm.lora.layer import LoRAModel
@@ -107,7 +108,7 @@ class Worker:
     def _lora(self, model: CausalLM, args: WorkerArgs) -> LoRAWorkerManager:
         """Wraps the model's projections for LoRA and makes the manager of this rank's adapters."""
         lora_config = args.engine_config.lora_config
-        dtype = args.dtype if lora_config.lora_dtype == "auto" else getattr(torch, lora_config.lora_dtype)
+        dtype = resolve_lora_dtype(lora_config.lora_dtype, args.engine_config.dtype, args.dtype, self.device)
         lora_model = LoRAModel(model, model.config, lora_config.max_loras, lora_config.max_lora_rank, dtype, self.device,
                                self.rank, self.group.world_size)
         return LoRAWorkerManager(lora_model, lora_config)

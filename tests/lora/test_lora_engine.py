@@ -7,6 +7,7 @@ import torch
 
 from tests.lora.peft_adapters import ATTENTION, make_adapter
 from pagedllm import LLM, SamplingParams
+from pagedllm.config.resolve import resolve_lora_dtype
 from pagedllm.lora.request import LoRAInUseError, LoRARequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -176,3 +177,14 @@ def test_prefix_cache_hits_within_an_adapter_never_across(llm, adapters):
     assert hits_after(second) == 0   # another adapter's KV differs for the same tokens
     assert hits_after(None) == 0     # and the base model's
     assert hits_after(second) == 48
+
+
+@pytest.mark.parametrize("lora_dtype, dtype, model_dtype, expected", [
+    ("auto", "auto", torch.float32, torch.bfloat16),       # float32 chosen for speed: adapters in bfloat16
+    ("auto", "float32", torch.float32, torch.float32),     # float32 asked for: adapters keep it
+    ("auto", "auto", torch.bfloat16, torch.bfloat16),
+    ("float32", "auto", torch.float32, torch.float32),     # named: as named
+])
+def test_lora_dtype_auto_follows_the_model_unless_the_engine_chose_float32(lora_dtype, dtype, model_dtype, expected):
+    assert resolve_lora_dtype(lora_dtype, dtype, model_dtype, torch.device("cpu")) == expected
+    assert resolve_lora_dtype("auto", "auto", torch.float32, torch.device("cuda")) == torch.float32
