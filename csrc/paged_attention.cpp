@@ -78,6 +78,24 @@ void for_head_tiles(int64_t group, F&& f) {
   }
 }
 
+// low[h] += x[h][i] * rows[i][0, kLanes) and high[h] += x[h][i] * rows[i][kLanes, 2 kLanes) for i < n, rows
+// row_stride elements apart: each broadcast element of x feeds two vectors, and each head keeps two
+// dependency chains. The inner loop of both the scores (rows: a key dimension's slots, x: the queries) and the
+// values (rows: a slot's dimensions, x: the probabilities).
+template <typename cache_t, int Heads>
+inline void accumulate_two_vectors(const cache_t* rows, int64_t row_stride, int64_t n, const float* x,
+                                   int64_t x_stride, vfloat (&low)[Heads], vfloat (&high)[Heads]) {
+  for (int64_t i = 0; i < n; ++i) {
+    const cache_t* row = rows + i * row_stride;
+    const vfloat v0 = widen(row), v1 = widen(row + kLanes);
+    for (int h = 0; h < Heads; ++h) {
+      const vfloat b = broadcast(x[h * x_stride + i]);
+      low[h] += b * v0;
+      high[h] += b * v1;
+    }
+  }
+}
+
 // The scores of kLanes slots (or the first `width` of them) for one head, int8 keys' scales applied: a
 // slot's scale multiplies its whole dot product, once per kLanes slots rather than once per element.
 template <typename cache_t>
@@ -100,15 +118,7 @@ inline void score_block(const cache_t* keys, const float* key_scales, int64_t he
   const int64_t pairs_end = block_size / (2 * kLanes) * (2 * kLanes);
   for (int64_t slot = 0; slot < pairs_end; slot += 2 * kLanes) {
     vfloat low[Heads] = {}, high[Heads] = {};
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const cache_t* row = keys + d * block_size + slot;
-      const vfloat k0 = widen(row), k1 = widen(row + kLanes);
-      for (int h = 0; h < Heads; ++h) {
-        const vfloat q = broadcast(query[h * head_dim + d]);
-        low[h] += q * k0;
-        high[h] += q * k1;
-      }
-    }
+    accumulate_two_vectors<cache_t, Heads>(keys + slot, block_size, head_dim, query, head_dim, low, high);
     for (int h = 0; h < Heads; ++h) {
       store_scores<cache_t>(low[h], key_scales, slot, kLanes, scores + h * score_stride);
       store_scores<cache_t>(high[h], key_scales, slot + kLanes, kLanes, scores + h * score_stride);
@@ -145,15 +155,7 @@ inline void accumulate_block(const cache_t* values, int64_t head_dim, int64_t n,
       low[h] = widen(acc + h * head_dim + c);
       high[h] = widen(acc + h * head_dim + c + kLanes);
     }
-    for (int64_t j = 0; j < n; ++j) {
-      const cache_t* row = values + j * head_dim + c;
-      const vfloat v0 = widen(row), v1 = widen(row + kLanes);
-      for (int h = 0; h < Heads; ++h) {
-        const vfloat p = broadcast(probs[h * prob_stride + j]);
-        low[h] += p * v0;
-        high[h] += p * v1;
-      }
-    }
+    accumulate_two_vectors<cache_t, Heads>(values + c, head_dim, n, probs, prob_stride, low, high);
     for (int h = 0; h < Heads; ++h) {
       narrow(low[h], acc + h * head_dim + c);
       narrow(high[h], acc + h * head_dim + c + kLanes);
