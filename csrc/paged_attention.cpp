@@ -278,7 +278,8 @@ void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, int64_t kv
 
   scalar_t* out = p.out + token * num_heads * head_dim;   // the softmax's division, once per output element
   for (int64_t h = kv_first * group; h < kv_end * group; ++h)
-    for (int64_t i = h * head_dim; i < (h + 1) * head_dim; i += kLanes) narrow(widen(acc + i) * inverse_totals[h], out + i);
+    for (int64_t i = h * head_dim; i < (h + 1) * head_dim; i += kLanes)
+      narrow(widen(acc + i) * inverse_totals[h], out + i);
 }
 
 template <typename scalar_t, typename cache_t>

@@ -97,8 +97,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="a request's results bitwise independent of the batch it shares (quantized weights: "
                             f"one matmul kernel for every row count) {_default(EngineConfig, 'batch_invariant')}")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_UNSET,
-                       help="precision of the KV cache: auto is --dtype's (bfloat16 where dtype auto chose float32 on a CPU without "
-                            "fast bfloat16); int8 keeps a scale per token and kv head "
+                       help="precision of the KV cache: auto is --dtype's (bfloat16 where dtype auto chose "
+                            "float32 on a CPU without fast bfloat16); int8 keeps a scale per token and kv head "
                             f"{_default(EngineConfig, 'kv_cache_dtype')}")
     group.add_argument("--device", default=_UNSET, help="cpu or cuda (default: cuda when present)")
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=_UNSET,
@@ -198,8 +198,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-cpu-loras", type=int, default=_UNSET,
                        help="adapters kept loaded in memory, least recently used dropped first (default: --max-loras)")
     group.add_argument("--lora-dtype", choices=LORA_DTYPES, default=_UNSET,
-                       help="dtype of the adapters' weights; auto is the model's (bfloat16 where dtype auto chose float32 on "
-                            f"a CPU without fast bfloat16) {_default(EngineConfig, 'lora_dtype')}")
+                       help="dtype of the adapters' weights; auto is the model's (bfloat16 where dtype auto "
+                            f"chose float32 on a CPU without fast bfloat16) {_default(EngineConfig, 'lora_dtype')}")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
