@@ -51,8 +51,8 @@ struct Scratch {
   std::vector<float> inverse_totals;        // [heads]: 1 / the sum of each head's unnormalised probabilities
 };
 
-// Query heads per tile: each keeps two accumulator registers (even and odd dimensions), 16 of AVX-512's 32
-// registers at 8 heads, 8 of AVX2's 16 at 4.
+// Query heads per tile: each keeps two accumulator registers (two vectors of slots or dimensions, or even and
+// odd ones), 16 of AVX-512's 32 registers at 8 heads, 8 of AVX2's 16 at 4.
 #if defined(__AVX512F__)
 constexpr int64_t kHeadTile = 8;
 #else

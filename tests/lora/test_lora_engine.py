@@ -179,12 +179,13 @@ def test_prefix_cache_hits_within_an_adapter_never_across(llm, adapters):
     assert hits_after(second) == 48
 
 
-@pytest.mark.parametrize("lora_dtype, dtype, model_dtype, expected", [
-    ("auto", "auto", torch.float32, torch.bfloat16),       # float32 chosen for speed: adapters in bfloat16
-    ("auto", "float32", torch.float32, torch.float32),     # float32 asked for: adapters keep it
-    ("auto", "auto", torch.bfloat16, torch.bfloat16),
-    ("float32", "auto", torch.float32, torch.float32),     # named: as named
+@pytest.mark.parametrize("lora_dtype, dtype, model_dtype, device, expected", [
+    ("auto", "auto", torch.float32, "cpu", torch.bfloat16),       # float32 chosen for speed: adapters in bfloat16
+    ("auto", "float32", torch.float32, "cpu", torch.float32),     # float32 asked for: adapters keep it
+    ("auto", "auto", torch.bfloat16, "cpu", torch.bfloat16),
+    ("auto", "auto", torch.float32, "cuda", torch.float32),       # CUDA's auto is the checkpoint's own dtype
+    ("float32", "auto", torch.float32, "cpu", torch.float32),     # named: as named
 ])
-def test_lora_dtype_auto_follows_the_model_unless_the_engine_chose_float32(lora_dtype, dtype, model_dtype, expected):
-    assert resolve_lora_dtype(lora_dtype, dtype, model_dtype, torch.device("cpu")) == expected
-    assert resolve_lora_dtype("auto", "auto", torch.float32, torch.device("cuda")) == torch.float32
+def test_lora_dtype_auto_follows_the_model_unless_the_engine_chose_float32(lora_dtype, dtype, model_dtype, device,
+                                                                           expected):
+    assert resolve_lora_dtype(lora_dtype, dtype, model_dtype, torch.device(device)) == expected

@@ -154,15 +154,16 @@ def test_bad_kv_cache_dtypes_are_refused_naming_the_choices(tmp_path, capsys):
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-@pytest.mark.parametrize("dtype, model_dtype, device, expected", [
-    ("auto", torch.float32, CPU, torch.bfloat16),      # float32 chosen for speed (no fast bfloat16 here)
-    ("auto", torch.bfloat16, CPU, torch.bfloat16),
-    ("float32", torch.float32, CPU, torch.float32),    # float32 asked for: the cache keeps it
-    ("auto", torch.float32, CUDA, torch.float32),      # CUDA's auto is the checkpoint's own dtype
+@pytest.mark.parametrize("kv_cache_dtype, dtype, model_dtype, device, expected", [
+    ("auto", "auto", torch.float32, CPU, torch.bfloat16),      # float32 chosen for speed (no fast bfloat16 here)
+    ("auto", "auto", torch.bfloat16, CPU, torch.bfloat16),
+    ("auto", "float32", torch.float32, CPU, torch.float32),    # float32 asked for: the cache keeps it
+    ("auto", "auto", torch.float32, CUDA, torch.float32),      # CUDA's auto is the checkpoint's own dtype
+    ("float32", "auto", torch.float32, CPU, torch.float32),    # named: as named
 ])
-def test_auto_is_the_model_dtype_unless_the_engine_chose_float32_on_a_cpu(dtype, model_dtype, device, expected):
-    assert resolve_kv_cache_dtype("auto", dtype, model_dtype, device) == expected
-    assert resolve_kv_cache_dtype("float32", "float32", torch.float32, device) == torch.float32
+def test_auto_is_the_model_dtype_unless_the_engine_chose_float32_on_a_cpu(kv_cache_dtype, dtype, model_dtype, device,
+                                                                          expected):
+    assert resolve_kv_cache_dtype(kv_cache_dtype, dtype, model_dtype, device) == expected
 
 
 def test_a_float32_cache_under_a_narrower_model_is_refused():
