@@ -16,8 +16,12 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def cpu_has_fast_bfloat16() -> bool:
-    """AMX or AVX-512-BF16: bfloat16 matmuls run several times faster than float32 here."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """AMX or AVX-512-BF16: bfloat16 matmuls run several times faster than float32 here. oneDNN also
+    "supports" bfloat16 on AVX-512 without BF16 (Skylake-X, Cascade Lake, Ice Lake) by widening it to float32,
+    which runs slower than float32 itself and leaves the kernels without bfloat16 products (docs/performance.md)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:

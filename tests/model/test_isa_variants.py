@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from pagedllm.config.resolve import resolve_dtype
 from pagedllm.model import kernels
 
 pytestmark = pytest.mark.kernels
@@ -53,6 +55,20 @@ def test_the_cpu_features_are_those_linux_reports():
     reported = {flag.replace("_", "") for flag in flags_line.split(":", 1)[1].split()}
     needed = set().union(*kernels.VARIANTS.values())
     assert kernels.cpu_features() == needed & reported
+
+
+def test_dtype_auto_is_bfloat16_exactly_where_the_cpu_multiplies_bfloat16_in_hardware():
+    """AVX512-BF16 or AMX, as /proc/cpuinfo names them. oneDNN also accepts bfloat16 on AVX-512 without BF16
+    (Cascade Lake, Ice Lake) by widening it to float32: slower than float32, so auto must not pick it there."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo (not Linux)")
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch is built without oneDNN: auto is float32 on every CPU")
+    flags_line = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags"))
+    flags = set(flags_line.split(":", 1)[1].split())
+    expected = torch.bfloat16 if flags & {"avx512_bf16", "amx_bf16"} else torch.float32
+    assert resolve_dtype("auto", None, torch.device("cpu")) == expected
 
 
 def test_forcing_a_variant_the_cpu_lacks_or_that_does_not_exist_is_refused():
