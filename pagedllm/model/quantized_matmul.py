@@ -41,11 +41,12 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # grow with the weight's size, so the crossover is the same for every layer shape. bfloat16 on AVX512-BF16:
 # re-measured after the rows kernel took llama.cpp's order (brgemm 1.23x slower at 16 rows, 0.95x at 32).
 # float32 on AVX2 (2 rows per pass there), over a step's 30 layers and LM head: brgemm 1.72x the rows kernel's time
-# at 4 rows, 0.71x at 5.
+# at 4 rows, 0.71x at 5. float32 on AVX-512 (Ice Lake, 8 rows per pass), summed over the model's layer shapes and
+# LM head: brgemm 1.23x the rows kernel's time at 16 rows (two passes), 0.92x at 24 (three, as 17 rows take).
 BRGEMM_FROM_ROWS = {
     (torch.bfloat16, "avx512_core_amx"): 5,
     (torch.bfloat16, "avx512_core_bf16"): 32,
-    (torch.float32, "avx512_core"): 10,
+    (torch.float32, "avx512_core"): 17,
     (torch.float32, "avx2"): 5,
 }
 
