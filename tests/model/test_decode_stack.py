@@ -141,7 +141,7 @@ def test_steps_with_more_than_decodes_run_in_python(make_tiny_model_dir, tmp_pat
                                  empty, empty, empty.view(0, 1), 16, **{"backend": backend, **fields})
 
     assert stack.path(meta(3, 3), 3) == "rows"
-    assert stack.path(meta(12, 12), 12) == ("int16" if int16_is_faster(torch.float32) else "brgemm")
+    assert stack.path(meta(64, 64), 64) == ("int16" if int16_is_faster(torch.float32) else "brgemm")
     assert stack.path(meta(3, 2), 3) is None          # a prefill token
     assert stack.path(meta(2, 2), 3) is None          # a padding row
     assert stack.path(meta(3, 3, decode_cascade=object()), 3) is None
