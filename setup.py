@@ -1,7 +1,7 @@
 """Builds the CPU kernels (csrc/) at install time; pagedllm falls back to plain PyTorch without them.
 
 On x86-64 the same sources are built once per instruction set (pagedllm._C for any x86-64 CPU,
-_C_avx2, _C_avx512, _C_avx512bf16), and pagedllm/model/kernels.py imports the best one the CPU
+_C_avx2, _C_avx512, _C_avx512vnni, _C_avx512bf16), and pagedllm/model/kernels.py imports the best one the CPU
 running it supports: a build made on one machine runs, and runs fast, on another. Elsewhere
 only pagedllm._C is built, for the compiler's default target.
 
@@ -25,7 +25,7 @@ SOURCES = ["csrc/bindings.cpp", "csrc/paged_attention.cpp", "csrc/prefill_attent
 _AVX2 = ["-mavx2", "-mfma", "-mf16c", "-mbmi2"]                                  # x86-64-v3
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd"]   # x86-64-v4
 # Variant name -> compiler flags; the names match pagedllm/model/kernels.py.
-X86_VARIANTS = {"_C": [], "_C_avx2": _AVX2, "_C_avx512": _AVX512,
+X86_VARIANTS = {"_C": [], "_C_avx2": _AVX2, "_C_avx512": _AVX512, "_C_avx512vnni": _AVX512 + ["-mavx512vnni"],
                 "_C_avx512bf16": _AVX512 + ["-mavx512bf16", "-mavx512vnni"]}
 
 

@@ -6,6 +6,8 @@ Plain data with no imports, so that setup.py can read it before pagedllm is inst
 VARIANTS: dict[str, frozenset[str]] = {
     "avx512bf16": frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
                              "avx512cd", "avx512bf16", "avx512vnni"}),
+    "avx512vnni": frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                             "avx512cd", "avx512vnni"}),
     "avx512": frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
                          "avx512cd"}),
     "avx2": frozenset({"avx2", "fma", "f16c", "bmi2"}),

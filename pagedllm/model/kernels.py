@@ -1,7 +1,7 @@
 """The compiled CPU kernels: the variant built for the best instruction set this CPU has.
 
 setup.py builds csrc/ once per instruction set on x86-64 (pagedllm._C for any CPU, _C_avx2,
-_C_avx512, _C_avx512bf16), all of them or only the one for the building machine. The choice is made
+_C_avx512, _C_avx512vnni, _C_avx512bf16), all of them or only the one for the building machine. The choice is made
 once, at import, from the features the CPU reports (`pagedllm._C_cpu_features`, built beside them, so no
 variant is imported to ask); the engine logs it. PAGEDLLM_ISA=<name> forces a variant (tests use
 it to check each one). `kernels` is None where nothing was built: the PyTorch formulas serve.

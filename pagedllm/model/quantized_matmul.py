@@ -12,8 +12,8 @@ The paths (csrc/quant_matmul.cpp, csrc/quant_linear.cpp):
           (VNNI builds; elsewhere it runs int8's kernel)
   int16   activations quantized to int16 per row and 32-column group (256 times int8's resolution: as accurate as
           float activations, docs/quantized_matmul.md), integer products over weights widened to int16 once per
-          call (many rows): on AVX2 without AVX-512 they multiply at twice float32's rate, so there it is the
-          default's many-row path
+          call (many rows): on AVX2 without AVX-512, and on AVX-512 with VNNI but no BF16 (Cascade Lake, Ice
+          Lake), they multiply at twice float32's rate, so there it is the default's many-row path
   torch   the weight dequantized per call and F.linear: where the kernels are not built, or not on CPU (the
           model's device, given when the model is built: no call checks it)
 PAGEDLLM_MATMUL_PATH=<path> forces one path for every row count (tests use it to check each); forced brgemm leaves
@@ -50,9 +50,11 @@ BRGEMM_FROM_ROWS = {
     (torch.float32, "avx2"): 5,
 }
 
-# The row count from which int16 beats the rows kernel (float32 on AVX2, 2 rows per pass there): over a decode step's
-# 30 x 4 layers and LM head, each kernel called alone, int16 takes 1.5x the rows kernel's time at 2 rows, 0.77x at 4.
-INT16_FROM_ROWS = 4
+# The row count from which int16 beats the rows kernel, per kernel variant. AVX2 (2 rows per pass there): over a
+# decode step's 30 x 4 layers and LM head, each kernel called alone, int16 takes 1.5x the rows kernel's time at 2
+# rows, 0.77x at 4. AVX-512 VNNI (8 rows per pass for both; Ice Lake), summed over the model's layer shapes and LM
+# head, int4: 1.12x at 10 rows (two passes of each), 0.92x at 12, 0.73x at 16.
+INT16_FROM_ROWS = {"avx2": 4, "avx512vnni": 12}
 
 # The row count from which int8_tiles beats int8 (docs/quantized_matmul.md has the figures). Both give the same
 # bits for a row, so this is speed only: batch invariance holds across it.
@@ -78,8 +80,15 @@ def brgemm_isa(dtype: torch.dtype) -> str | None:
 def int16_is_faster(dtype: torch.dtype) -> bool:
     """Whether activation_dtype auto takes the int16 path for many rows of dtype: float32 where the kernels are
     the AVX2 build (a CPU without AVX-512), whose int16 products (vpmaddwd: 16 a instruction, then an addition)
-    beat float32's FMAs (8 an instruction) and brgemm's float32 from 4 rows up (docs/quantized_matmul.md)."""
-    return dtype == torch.float32 and kernels.kernels is not None and kernels.variant == "avx2"
+    beat float32's FMAs (8 an instruction), or the AVX-512 VNNI build (a CPU with VNNI but no BF16), whose
+    vpdpwssd multiplies and adds 32 at an FMA's rate of 16: both beat brgemm's float32 (docs/quantized_matmul.md)."""
+    return dtype == torch.float32 and kernels.kernels is not None and kernels.variant in INT16_FROM_ROWS
+
+
+def int16_from_rows() -> int:
+    """The row count from which the int16 path takes over from the rows kernel on this build (AVX2's where
+    unmeasured: activation_dtype="int16" asked for on another CPU)."""
+    return INT16_FROM_ROWS.get(kernels.variant, INT16_FROM_ROWS["avx2"])
 
 
 @dataclass(frozen=True)
@@ -138,11 +147,11 @@ class QuantizedMatmul:
         if self.activation_dtype == "int8":
             return Route("int8", "int8_tiles", INT8_TILES_FROM_ROWS, None)
         if self.activation_dtype == "int16":   # int16 is batch-invariant itself: a row's sums ignore the other rows
-            return Route("int16", "int16", 1, None) if self.batch_invariant else Route("rows", "int16", INT16_FROM_ROWS, None)
+            return Route("int16", "int16", 1, None) if self.batch_invariant else Route("rows", "int16", int16_from_rows(), None)
         if self.batch_invariant or isa is None:
             return Route("rows", "rows", 1, None)
         if self.activation_dtype == "auto" and int16_is_faster(dtype):
-            return Route("rows", "int16", INT16_FROM_ROWS, None)
+            return Route("rows", "int16", int16_from_rows(), None)
         return Route("rows", "brgemm", BRGEMM_FROM_ROWS[dtype, isa], isa)
 
     def kernel(self, dtype: torch.dtype, num_rows: int):

@@ -72,7 +72,7 @@ def test_dtype_auto_is_bfloat16_exactly_where_the_cpu_multiplies_bfloat16_in_har
 
 
 def test_forcing_a_variant_the_cpu_lacks_or_that_does_not_exist_is_refused():
-    with pytest.raises(ValueError, match="PAGEDLLM_ISA must be one of avx512bf16, avx512, avx2, generic"):
+    with pytest.raises(ValueError, match="PAGEDLLM_ISA must be one of avx512bf16, avx512vnni, avx512, avx2, generic"):
         kernels.load("sse9")
     missing = [variant for variant in kernels.VARIANTS if variant not in kernels.supported_variants()]
     for variant in missing:

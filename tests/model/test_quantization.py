@@ -17,8 +17,9 @@ from pagedllm.model import linear
 from pagedllm.model.kernels import kernels as compiled
 from pagedllm.model.linear import ConcatLinear, Embedding, QuantizedLinear, fused_linear
 from pagedllm.model.quantization import GGUF_QUANTIZED_TYPES, QuantizedWeight, from_gguf, quantize
-from pagedllm.model.quantized_matmul import (BRGEMM_FROM_ROWS, FORCE_VARIABLE, INT8_TILES_FROM_ROWS, INT16_FROM_ROWS,
-                                             QuantizedMatmul, brgemm_isa, int16_is_faster)
+from pagedllm.model.quantized_matmul import (BRGEMM_FROM_ROWS, FORCE_VARIABLE, INT8_TILES_FROM_ROWS,
+                                             QuantizedMatmul, brgemm_isa, int16_from_rows,
+                                             int16_is_faster)
 
 # Byte offsets of each block type's float16 scale fields (gguf.quants' layouts): random bytes elsewhere
 # are valid quants, random float16 scales would be NaN or huge.
@@ -411,7 +412,7 @@ def test_the_bundled_gguf_runs_quantized_by_default():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_path_is_chosen_once_per_dtype_and_row_count(dtype, monkeypatch):
     """Default: the rows kernel below brgemm's crossover row count, brgemm from it (where oneDNN runs it for
-    dtype), or on AVX2 builds in float32 int16 from its crossover; activation_dtype model: brgemm (or the rows
+    dtype), or on AVX2 and AVX-512 VNNI builds in float32 int16 from its crossover; activation_dtype model: brgemm (or the rows
     kernel) everywhere; int16: int16 from its crossover on every CPU; batch_invariant: the rows kernel at every row
     count (int16 with activation_dtype int16); activation_dtype int8: the int8 kernel."""
     monkeypatch.delenv(FORCE_VARIABLE, raising=False)
@@ -420,10 +421,11 @@ def test_the_path_is_chosen_once_per_dtype_and_row_count(dtype, monkeypatch):
         assert matmul.kernel(dtype, 1) is matmul.kernel(dtype, 4096) is None
         return
     int16 = (QuantizedMatmul("int16"),) + ((matmul,) if int16_is_faster(dtype) else ())
+    int16_from = int16_from_rows()
     for chosen in int16:
-        assert chosen.kernel(dtype, INT16_FROM_ROWS - 1) is compiled.quantized_linear_rows
-        assert chosen.kernel(dtype, INT16_FROM_ROWS) is chosen.kernel(dtype, 4096) is compiled.quantized_linear_int16
-        assert chosen.describe(dtype) == f"rows below {INT16_FROM_ROWS} rows, int16 from {INT16_FROM_ROWS}"
+        assert chosen.kernel(dtype, int16_from - 1) is compiled.quantized_linear_rows
+        assert chosen.kernel(dtype, int16_from) is chosen.kernel(dtype, 4096) is compiled.quantized_linear_int16
+        assert chosen.describe(dtype) == f"rows below {int16_from} rows, int16 from {int16_from}"
     if not int16_is_faster(dtype):
         assert matmul.routes[dtype] == QuantizedMatmul("model").routes[dtype]
     int16_invariant = QuantizedMatmul("int16", batch_invariant=True)
