@@ -432,6 +432,8 @@ constexpr int kInt16BlockRows = 4;   // activation rows per pass: 8 int32 sums, 
 constexpr int kFoldOrder[kHalfRows] = {0, 1, 4, 5, 2, 3, 6, 7};
 #endif
 
+constexpr int64_t kInt16ChunkBytes = 256 << 10;   // int16 activations met by a thread's tiles in turn: within L2
+
 struct Int16Panel {
   std::vector<int16_t> q;           // [2 halves, slots, 8 rows x 4 columns]
   std::vector<float> scales, mins;  // [groups, 2 halves, 8 rows in kFoldOrder]
@@ -725,17 +727,25 @@ void quantized_linear_int16(at::Tensor out, at::Tensor x, at::Tensor qweight, at
     // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
     const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_dots<8, true> : &int16_dots<8, false>)
                                      : (all_mins != nullptr ? &int16_dots<4, true> : &int16_dots<4, false>);
+    // Rows in chunks that stay in the core's L2 while they meet every tile of the thread's share (a 2,048-row
+    // prefill's activations are 2.4 MB: met whole by each tile, they streamed from L3 once per tile); a tile is
+    // unpacked again per chunk, a cost of 1 / chunk rows against its products.
+    const int64_t chunk_blocks = kInt16ChunkBytes / (x.size(1) * static_cast<int64_t>(sizeof(int16_t))) / kInt16BlockRows;
+    const int64_t chunk_rows = std::max<int64_t>(1, chunk_blocks) * kInt16BlockRows;
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       thread_local Int16Panel panel;   // kept from call to call: no allocation per call
       float dots[kInt16BlockRows][kTileRows];
-      for (int64_t t = begin; t < end; ++t) {
-        unpack_int16_panel<kBits>(panel, weights + t * tile_bytes, all_scales + t * params_per_tile,
-                                  all_mins ? all_mins + t * params_per_tile : nullptr, slots, groups);
-        const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(kTileRows, out_features - first_out);
-        for (int64_t r = 0; r < rows; r += kInt16BlockRows) {
-          dots_of(dots, panel, slots, a, r);
-          store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
-                     out_features);
+      for (int64_t chunk = 0; chunk < rows; chunk += chunk_rows) {
+        const int64_t chunk_end = std::min(rows, chunk + chunk_rows);
+        for (int64_t t = begin; t < end; ++t) {
+          unpack_int16_panel<kBits>(panel, weights + t * tile_bytes, all_scales + t * params_per_tile,
+                                    all_mins ? all_mins + t * params_per_tile : nullptr, slots, groups);
+          const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(kTileRows, out_features - first_out);
+          for (int64_t r = chunk; r < chunk_end; r += kInt16BlockRows) {
+            dots_of(dots, panel, slots, a, r);
+            store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
+                       out_features);
+          }
         }
       }
     });
