@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pagedllm.config import EngineConfig
 from pagedllm.config.resolve import (DEFAULT_CPU_KV_CACHE_MEMORY, check_draft_vocab, check_pooling_config,
                                      chunks_prefill, resolve_device, resolve_dtype, resolve_kv_cache_dtype,
-                                     resolve_max_model_len, resolve_token_budget)
+                                     resolve_lora_dtype, resolve_max_model_len, resolve_token_budget)
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.executor.abstract import Executor
@@ -147,7 +147,7 @@ class LLMEngine:
                         model.matmul.describe(self.dtype))
         if config.speculative_config is not None:
             logger.info("speculative decoding: %s", config.speculative_config)
-        self.lora.log_start()
+        self.lora.log_start(resolve_lora_dtype(config.lora_dtype, config.dtype, self.dtype, self.device))
         if self.pooling is not None:
             logger.info("pooling runner: %s pooling, normalize %s, %s; prompts run whole (up to %d tokens a step), "
                         "prefix caching off", self.pooling.pooler.pooling_type, self.pooling.pooler.normalize,

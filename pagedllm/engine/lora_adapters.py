@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.engine.executor.abstract import Executor
 from pagedllm.engine.request import Request
@@ -78,11 +80,12 @@ class EngineLoRAAdapters:
         """The adapters loaded in memory now (at most max_cpu_loras)."""
         return set() if self.config is None else self.executor.collective_rpc("list_loras")
 
-    def log_start(self) -> None:
+    def log_start(self, dtype: torch.dtype) -> None:
+        """dtype: what the workers hold the adapters in (lora_dtype resolved)."""
         if self.config is not None:
-            logger.info("LoRA on: max_loras %d per step, max_lora_rank %d, max_cpu_loras %d, lora_dtype %s",
-                        self.config.max_loras, self.config.max_lora_rank, self.config.max_cpu_loras,
-                        self.config.lora_dtype)
+            logger.info("LoRA on: max_loras %d per step, max_lora_rank %d, max_cpu_loras %d, adapters in %s "
+                        "(lora_dtype %s)", self.config.max_loras, self.config.max_lora_rank, self.config.max_cpu_loras,
+                        str(dtype).removeprefix("torch."), self.config.lora_dtype)
 
 
 def adapters_in_step(scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> int:

@@ -1,6 +1,7 @@
 """The LoRA engine contract: adapters loaded, listed, evicted (LRU) and removed; bad adapters refused with the reason;
 requests with an adapter refused where LoRA is off; the scheduler's max_loras; prefix-cache isolation."""
 import json
+import logging
 
 import pytest
 import torch
@@ -189,3 +190,12 @@ def test_prefix_cache_hits_within_an_adapter_never_across(llm, adapters):
 def test_lora_dtype_auto_follows_the_model_unless_the_engine_chose_float32(lora_dtype, dtype, model_dtype, device,
                                                                            expected):
     assert resolve_lora_dtype(lora_dtype, dtype, model_dtype, torch.device(device)) == expected
+
+
+def test_the_start_up_log_names_the_dtype_the_adapters_are_held_in(base, caplog):
+    """lora_dtype auto resolves per engine (bfloat16 where the engine chose float32 on a CPU): the log says what the
+    workers hold, read here from the worker's LoRA model, and what was asked."""
+    caplog.set_level(logging.INFO, logger="pagedllm.engine.lora_adapters")
+    auto = LLM(str(base), kv_cache_memory="8MiB", enable_lora=True)
+    held = str(auto.llm_engine.runner.lora.lora_model.dtype).removeprefix("torch.")
+    assert f"adapters in {held} (lora_dtype auto)" in caplog.text
