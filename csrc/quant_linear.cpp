@@ -529,7 +529,8 @@ void int16_dots(float (*out)[kTileRows], const Int16Panel& panel, int64_t slots,
       const int64_t ag = (first_row + r) * groups + g;
       const __m512i row_sums = _mm512_add_epi32(_mm512_permutex2var_epi32(lo[r], first_lanes, hi[r]),
                                                 _mm512_permutex2var_epi32(lo[r], second_lanes, hi[r]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_sums), _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag])), acc[r]);
+      const __m512 scales_of_row = _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_sums), scales_of_row, acc[r]);
       if (with_mins) acc[r] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(a.scaled_sum[ag]), acc[r]);
     }
   }
@@ -730,7 +731,8 @@ void quantized_linear_int16(at::Tensor out, at::Tensor x, at::Tensor qweight, at
     // Rows in chunks that stay in the core's L2 while they meet every tile of the thread's share (a 2,048-row
     // prefill's activations are 2.4 MB: met whole by each tile, they streamed from L3 once per tile); a tile is
     // unpacked again per chunk, a cost of 1 / chunk rows against its products.
-    const int64_t chunk_blocks = kInt16ChunkBytes / (x.size(1) * static_cast<int64_t>(sizeof(int16_t))) / kInt16BlockRows;
+    const int64_t row_bytes = x.size(1) * static_cast<int64_t>(sizeof(int16_t));
+    const int64_t chunk_blocks = kInt16ChunkBytes / row_bytes / kInt16BlockRows;
     const int64_t chunk_rows = std::max<int64_t>(1, chunk_blocks) * kInt16BlockRows;
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       thread_local Int16Panel panel;   // kept from call to call: no allocation per call

@@ -90,8 +90,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="what quantized layers multiply: model, --dtype's activations against the weights "
                             "dequantized on the fly; int16, for many rows activations quantized to int16 per row and "
                             "32 columns (as accurate; twice float32's rate on AVX2 and AVX-512 VNNI); auto, int16 on "
-                            "CPUs with AVX2 and without AVX-512, or AVX-512 VNNI without BF16, model elsewhere; int8, activations quantized to int8 (less "
-                            "accurate, faster at few rows: docs/quantization.md) "
+                            "CPUs with AVX2 and without AVX-512, or AVX-512 VNNI without BF16, model elsewhere; int8, "
+                            "activations quantized to int8 (less accurate, faster at few rows: docs/quantization.md) "
                             f"{_default(EngineConfig, 'activation_dtype')}")
     group.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=_UNSET,
                        help="a request's results bitwise independent of the batch it shares (quantized weights: "

@@ -147,7 +147,9 @@ class QuantizedMatmul:
         if self.activation_dtype == "int8":
             return Route("int8", "int8_tiles", INT8_TILES_FROM_ROWS, None)
         if self.activation_dtype == "int16":   # int16 is batch-invariant itself: a row's sums ignore the other rows
-            return Route("int16", "int16", 1, None) if self.batch_invariant else Route("rows", "int16", int16_from_rows(), None)
+            if self.batch_invariant:
+                return Route("int16", "int16", 1, None)
+            return Route("rows", "int16", int16_from_rows(), None)
         if self.batch_invariant or isa is None:
             return Route("rows", "rows", 1, None)
         if self.activation_dtype == "auto" and int16_is_faster(dtype):

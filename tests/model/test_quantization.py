@@ -412,8 +412,8 @@ def test_the_bundled_gguf_runs_quantized_by_default():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_path_is_chosen_once_per_dtype_and_row_count(dtype, monkeypatch):
     """Default: the rows kernel below brgemm's crossover row count, brgemm from it (where oneDNN runs it for
-    dtype), or on AVX2 and AVX-512 VNNI builds in float32 int16 from its crossover; activation_dtype model: brgemm (or the rows
-    kernel) everywhere; int16: int16 from its crossover on every CPU; batch_invariant: the rows kernel at every row
+    dtype), or on AVX2 and AVX-512 VNNI builds in float32 int16 from its crossover; activation_dtype model: brgemm (or
+    the rows kernel) everywhere; int16: int16 from its crossover on every CPU; batch_invariant: the rows kernel at every row
     count (int16 with activation_dtype int16); activation_dtype int8: the int8 kernel."""
     monkeypatch.delenv(FORCE_VARIABLE, raising=False)
     matmul, isa = QuantizedMatmul(), brgemm_isa(dtype)
