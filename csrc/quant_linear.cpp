@@ -27,6 +27,11 @@
 #include <immintrin.h>
 #endif
 
+// The VNNI bodies (vpdpbusd for int8, vpdpwssd for int16): the avx512vnni and avx512bf16 builds.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGEDLLM_VNNI 1
+#endif
+
 namespace {
 
 using pagedllm::broadcast;
@@ -170,7 +175,7 @@ QuantizedRows<q_t> quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, 
 
 using Int8Rows = QuantizedRows<int8_t>;
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(PAGEDLLM_VNNI)
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -323,7 +328,6 @@ void panel_dots(float (*out)[kPanelTiles * kTileRows], const Panel& panel, int64
     for (int v = 0; v < kPanelTiles; ++v) _mm512_storeu_ps(out[r] + v * kTileRows, acc[r][v]);
   }
 }
-#define PAGEDLLM_INT8_TILES 1
 #elif defined(__AVX2__)
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -423,8 +427,7 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
 // call with.
 using Int16Rows = QuantizedRows<int16_t>;
 constexpr int kHalfRows = kTileRows / 2;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define PAGEDLLM_INT16_VNNI 1
+#if defined(PAGEDLLM_VNNI)
 constexpr int kInt16BlockRows = 8;   // activation rows per pass: 16 int32 sums, 8 float sums, 2 weights, 1 broadcast
 constexpr int kFoldOrder[kHalfRows] = {0, 1, 2, 3, 4, 5, 6, 7};   // the weight row of each lane of the folded sums
 #else
@@ -498,7 +501,7 @@ void int16_dots(float (*out)[kTileRows], const Int16Panel& panel, int64_t slots,
   const int64_t groups = a.cols / a.group;
   const float* scales = panel.scales.data();
   const float* mins = with_mins ? panel.mins.data() : nullptr;
-#if defined(PAGEDLLM_INT16_VNNI)
+#if defined(PAGEDLLM_VNNI)
   // Each row's sums: lo for half 0 (weight rows 0-7), hi for half 1, two lanes a weight row; per group the
   // permutes gather every row's first lane and every row's second, so that one addition gives 16 row sums.
   const int16_t* q = panel.q.data();
@@ -679,7 +682,7 @@ void quantized_linear_int8(at::Tensor out, at::Tensor x, at::Tensor qweight, at:
 void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                                  c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits,
                                  int64_t group) {
-#if defined(PAGEDLLM_INT8_TILES)
+#if defined(PAGEDLLM_VNNI)
   RECORD_FUNCTION("pagedllm::quantized_linear_int8_tiles", std::vector<c10::IValue>({x, qweight}));
   with_quantized_operands<int8_t>("quantized_linear_int8_tiles", out, x, qweight, scales, mins, bias, bits, group, kBlockRows,
                      [&](const Int8Rows& a, auto* result, auto* bias_values, auto bits_constant, auto all_scales,
