@@ -12,6 +12,7 @@ import math
 import numpy as np
 import torch
 
+from pagedllm.model.attention.metadata import MAX_DECODE_ROW_TOKENS
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step import NewRequestData, SchedulerOutput
 from pagedllm.worker.logit_controls import RowLogitControls
@@ -223,8 +224,9 @@ class InputBatch:
         return rows
 
     def step_rows(self, scheduler_output: SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
-        """The rows that compute in this step and their new-token counts, decodes first (the attention
-        kernels take them so); parallel samples forked in the step compute nothing and are left out."""
+        """The rows that compute in this step and their new-token counts, those whose tokens attend as decodes
+        first (at most MAX_DECODE_ROW_TOKENS: model/attention/metadata.py); parallel samples forked in the
+        step compute nothing and are left out."""
         counts = scheduler_output.num_scheduled_tokens
         rows = np.fromiter(map(self.row_of.__getitem__, counts), np.int64, len(counts))
         num_new = np.fromiter(counts.values(), np.int64, len(counts))
@@ -232,7 +234,7 @@ class InputBatch:
             return rows, num_new   # one token each: every row decodes, in the step's order
         computing = num_new > 0
         rows, num_new = rows[computing], num_new[computing]
-        order = np.argsort(num_new != 1, kind="stable")
+        order = np.argsort(num_new > MAX_DECODE_ROW_TOKENS, kind="stable")
         return rows[order], num_new[order]
 
     def sampling_rows(self, rows: np.ndarray, num_new: np.ndarray, scheduler_output: SchedulerOutput

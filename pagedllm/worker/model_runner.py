@@ -18,7 +18,7 @@ import torch
 
 from pagedllm.lora.worker_manager import LoRAWorkerManager
 from pagedllm.model.attention.cache import CacheTensor, has_scales, kv_cache_shapes, kv_scales_shape
-from pagedllm.model.attention.metadata import AttentionMetadata
+from pagedllm.model.attention.metadata import MAX_DECODE_ROW_TOKENS, AttentionMetadata
 from pagedllm.model.attention.selector import select_attention_backend
 from pagedllm.model.cascade import CascadeRule, find_shared_prefixes
 from pagedllm.model.config import ModelConfig
@@ -327,16 +327,15 @@ class ModelRunner:
         return summarise(torch.cat([logits[:num_plain], verify_logits[used_rows]]), token_ids,
                          max(tops) if tops else None)
 
-    def _shared_prefixes(self, block_tables: np.ndarray, context: np.ndarray, num_decodes: int) -> dict:
+    def _shared_prefixes(self, decode_tables: np.ndarray, decode_context: np.ndarray, prefill_tables: np.ndarray,
+                         prefill_context: np.ndarray) -> dict:
         """The cascade groups among the step's decodes and among its prefill chunks that the rule keeps (none
         when switched off)."""
         rule = self.cascade_rule
         if rule is None:
             return {}
-        parts = {"decode": find_shared_prefixes(block_tables[:num_decodes], context[:num_decodes], self.block_size,
-                                                rule),
-                 "prefill": find_shared_prefixes(block_tables[num_decodes:], context[num_decodes:], self.block_size,
-                                                 rule)}
+        parts = {"decode": find_shared_prefixes(decode_tables, decode_context, self.block_size, rule),
+                 "prefill": find_shared_prefixes(prefill_tables, prefill_context, self.block_size, rule)}
         for part, groups in parts.items():
             self.cascade_parts[part] += groups is not None
         return {f"{part}_cascade": groups for part, groups in parts.items()}
@@ -373,8 +372,9 @@ class ModelRunner:
 
     def attention_metadata(self, block_tables: np.ndarray, context: np.ndarray, num_new: np.ndarray
                            ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
-        """The attention layout of rows (decodes, one new token each, first) with `context` tokens cached
-        and `num_new` new ones, their blocks in block_tables; and each new token's position and row."""
+        """The attention layout of rows with `context` tokens cached and `num_new` new ones, their blocks in
+        block_tables (the rows of at most MAX_DECODE_ROW_TOKENS first: their tokens attend as decodes); and each
+        new token's position and row."""
         block_size, staging = self.block_size, self.staging
         row_ends = np.cumsum(num_new)
         row_starts = row_ends - num_new
@@ -386,27 +386,30 @@ class ModelRunner:
             positions = np.arange(num_tokens) - row_starts[token_row] + context[token_row]
         slot_mapping = block_tables[token_row, positions // block_size] * block_size + positions % block_size
 
-        num_decodes = int((num_new == 1).sum())
         seq_lens = context + num_new
-        decode_blocks = -(-int(seq_lens[:num_decodes].max()) // block_size) if num_decodes else 0
+        longer = num_new > MAX_DECODE_ROW_TOKENS   # the leading rows up to the first longer one attend as decodes
+        num_decode_rows = int(np.argmax(longer)) if longer.any() else len(num_new)
+        num_decodes = int(row_ends[num_decode_rows - 1]) if num_decode_rows else 0
+        decode_rows, decode_lens = token_row[:num_decodes], positions[:num_decodes] + 1
+        decode_tables = block_tables[decode_rows, :-(-int(decode_lens.max()) // block_size) if num_decodes else 0]
         tables = staging.to_device("block_tables", block_tables)
         query_starts = staging.to_device("query_starts", np.append(row_starts, num_tokens))
-        device_seq_lens = staging.to_device("seq_lens", seq_lens)
         meta = AttentionMetadata(
             slot_mapping=staging.to_device("slot_mapping", slot_mapping),
             num_decode_tokens=num_decodes,
-            decode_block_tables=tables[:num_decodes, :decode_blocks].contiguous(),
-            decode_seq_lens=device_seq_lens[:num_decodes],
-            prefill_query_starts=query_starts[num_decodes:],
-            prefill_context_lens=staging.to_device("context_lens", context[num_decodes:]),
-            prefill_block_tables=tables[num_decodes:],
+            decode_block_tables=staging.to_device("decode_block_tables", decode_tables),
+            decode_seq_lens=staging.to_device("decode_seq_lens", decode_lens),
+            prefill_query_starts=query_starts[num_decode_rows:],
+            prefill_context_lens=staging.to_device("context_lens", context[num_decode_rows:]),
+            prefill_block_tables=tables[num_decode_rows:],
             block_size=block_size,
             query_starts=query_starts,
-            seq_lens=device_seq_lens,
+            seq_lens=staging.to_device("seq_lens", seq_lens),
             block_tables=tables,
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
             backend=self.attention_backend,
-            **self._shared_prefixes(block_tables, context, num_decodes),
+            **self._shared_prefixes(decode_tables, decode_lens - 1, block_tables[num_decode_rows:],
+                                    context[num_decode_rows:]),
         )
         return meta, positions, token_row

@@ -245,6 +245,24 @@ def test_greedy_is_token_identical_on_a_tiny_model(tiny_models, block_size):
         _assert_no_blocks_held(llm)
 
 
+def test_verified_tokens_get_the_bits_of_the_plain_decodes_they_stand_for(tiny_models):
+    """A verification's k + 1 tokens attend as decodes of their own (model/attention/metadata.py): with the
+    matmul path the same at every row count (batch_invariant), each accepted token's logprobs are bitwise
+    those of speculation off, where one token decodes a step."""
+    target, _ = tiny_models
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
+    common = dict(dtype="float32", quantization="int8", batch_invariant=True, kv_cache_memory="8MiB")
+    prompts = [{"prompt_token_ids": p} for p in REPEATING_PROMPTS]
+    reference = LLM(str(target), **common).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(target), speculative_config=NGRAM, **common)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats().spec_decoding.num_accepted_tokens > 0
+    for want, have in zip(reference, outputs):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        assert [{token: entry.logprob for token, entry in position.items()} for position in have.outputs[0].logprobs] \
+            == [{token: entry.logprob for token, entry in position.items()} for position in want.outputs[0].logprobs]
+
+
 def test_greedy_is_token_identical_with_preemption_and_chunked_prefill(tiny_models):
     """A KV pool too small for the batch forces preemption mid-speculation; a token budget smaller than the
     prompts makes them prefill in chunks."""

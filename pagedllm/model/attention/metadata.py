@@ -1,11 +1,14 @@
 """What every layer and backend shares: one step's attention layout, a layer's attention settings, and the
 interface a backend implements.
 
-The runner orders a step's tokens so that all single-token rows (decodes) come first, then the multi-token
-rows (prefill chunks). Where sequences share leading KV blocks (forks, beams, prefix-cache hits) the runner
-may hand a part of the step over with SharedPrefixGroups (model/cascade.py), for the cpu backend's cascade
-kernel. A layer may attend within a sliding window (a token sees its last `window` keys, itself included:
-Mistral, Gemma's local layers) and soft-cap its scores (Gemma 2: cap * tanh(score / cap) before the softmax).
+The runner orders a step's rows so that those of at most MAX_DECODE_ROW_TOKENS new tokens come first, and each
+of their tokens attends as a decode of its own, its keys ending at the token: plain decodes, short chunks, and
+speculative verifications of k + 1 tokens, whose rows so get the bits of the plain decodes they stand for (the
+decode kernel, the compiled decode stack). The longer rows (prefill chunks) follow. Where sequences share
+leading KV blocks (forks, beams, prefix-cache hits) the runner may hand a part of the step over with
+SharedPrefixGroups (model/cascade.py), for the cpu backend's cascade kernel. A layer may attend within a
+sliding window (a token sees its last `window` keys, itself included: Mistral, Gemma's local layers) and
+soft-cap its scores (Gemma 2: cap * tanh(score / cap) before the softmax).
 """
 from __future__ import annotations
 
@@ -17,6 +20,10 @@ import torch
 
 from pagedllm.model.attention.cache import CacheTensor
 from pagedllm.model.cascade import SharedPrefixGroups
+
+# A verification of 5 tokens through the prefill kernel and the Python layers took 2.8x a one-row decode step;
+# as decodes each token reads its sequence's keys once more, cheap for these few, whose keys stay in cache.
+MAX_DECODE_ROW_TOKENS = 8
 
 
 @dataclass(frozen=True)
