@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.model.attention.metadata import decode_rows_first
 from pagedllm.model.llama import CausalLM
 from pagedllm.step import SchedulerOutput
 from pagedllm.worker.input_batch import InputBatch
@@ -72,7 +73,7 @@ class DraftModelProposer:
     def _forward(self, batch: InputBatch, rows: np.ndarray, context: np.ndarray, num_new: np.ndarray,
                  attention_metadata) -> torch.Tensor:
         """The draft's logits at each row's last new token, rows in the order given."""
-        order = np.argsort(num_new != 1, kind="stable")   # decodes first, as the attention kernels take them
+        order = decode_rows_first(num_new)   # as the attention metadata takes them
         rows, context, num_new = rows[order], context[order], num_new[order]
         max_blocks = int(batch.num_blocks[rows].max())
         meta, positions, token_row = attention_metadata(batch.block_table[rows, :max_blocks], context, num_new)

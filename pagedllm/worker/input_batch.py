@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from pagedllm.model.attention.metadata import MAX_DECODE_ROW_TOKENS
+from pagedllm.model.attention.metadata import decode_rows_first
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step import NewRequestData, SchedulerOutput
 from pagedllm.worker.logit_controls import RowLogitControls
@@ -234,7 +234,7 @@ class InputBatch:
             return rows, num_new   # one token each: every row decodes, in the step's order
         computing = num_new > 0
         rows, num_new = rows[computing], num_new[computing]
-        order = np.argsort(num_new > MAX_DECODE_ROW_TOKENS, kind="stable")
+        order = decode_rows_first(num_new)
         return rows[order], num_new[order]
 
     def sampling_rows(self, rows: np.ndarray, num_new: np.ndarray, scheduler_output: SchedulerOutput

@@ -14,7 +14,7 @@ import torch
 from pagedllm.step import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.input_batch import InputBatch
 
-# sample(batch, rows, num_new, sampling_rows): the step's computing rows (decodes first) and their
+# sample(batch, rows, num_new, sampling_rows): the step's computing rows (decode rows first) and their
 # new-token counts, read before the step advances anything, and the rows that sample, in output order.
 SampleFn = Callable[[InputBatch, np.ndarray, np.ndarray, np.ndarray], ModelRunnerOutput]
 

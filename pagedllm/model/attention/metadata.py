@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from pagedllm.model.attention.cache import CacheTensor
@@ -24,6 +25,12 @@ from pagedllm.model.cascade import SharedPrefixGroups
 # A verification of 5 tokens through the prefill kernel and the Python layers took 2.8x a one-row decode step;
 # as decodes each token reads its sequence's keys once more, cheap for these few, whose keys stay in cache.
 MAX_DECODE_ROW_TOKENS = 8
+
+
+def decode_rows_first(num_new: np.ndarray) -> np.ndarray:
+    """The order of a step's rows (their new-token counts) that puts those whose tokens attend as decodes
+    first, each part in the order given."""
+    return np.argsort(num_new > MAX_DECODE_ROW_TOKENS, kind="stable")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class DecodePrefillBackend(AttentionBackend):
     @abstractmethod
     def prefill(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: CacheTensor,
                 v_cache: CacheTensor, meta: AttentionMetadata, layer: LayerAttention) -> None:
-        """Fills the prefill chunks' rows of out (all the step's rows given, the decodes first)."""
+        """Fills the prefill chunks' rows of out (all the step's rows given, the decode rows first)."""
 
     def forward(self, q, k, v, k_cache, v_cache, meta, layer):
         num_tokens = meta.slot_mapping.shape[0]
