@@ -15,6 +15,7 @@ import torch
 
 from tests.lora.peft_adapters import three_adapter_requests
 from pagedllm import LLM, SamplingParams
+from pagedllm.model.attention.metadata import MAX_DECODE_ROW_TOKENS
 from pagedllm.model.decode_stack import FORCE_VARIABLE
 
 pytestmark = pytest.mark.kernels
@@ -39,7 +40,9 @@ def greedy_run(monkeypatch, base, lora_requests, stack: bool, **engine_args):
     monkeypatch.setenv(FORCE_VARIABLE, "1" if stack else "0")
     llm = LLM(str(base), kv_cache_memory="16MiB", enable_prefix_caching=False, enable_lora=True, max_loras=3,
               max_lora_rank=16, **engine_args)
-    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 250 + 3 for j in range(5 + i)]} for i in range(len(lora_requests))]
+    # Prompts longer than a row that attends as decodes: their prefill runs the Python layers in either run.
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 250 + 3 for j in range(MAX_DECODE_ROW_TOKENS + 1 + i)]}
+               for i in range(len(lora_requests))]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora_requests)
     counts = {event.key: event.count for event in profiler.key_averages()}

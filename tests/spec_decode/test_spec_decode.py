@@ -52,6 +52,10 @@ def _outputs(llm: LLM, prompts, params) -> list[list[int]]:
             for output in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
+def _logprobs(output) -> list[dict[int, float]]:
+    return [{token: entry.logprob for token, entry in position.items()} for position in output.outputs[0].logprobs]
+
+
 def _assert_no_blocks_held(llm: LLM) -> None:
     pool = llm.llm_engine.kv_manager.pool
     assert pool.num_free_blocks == pool.num_blocks
@@ -259,8 +263,7 @@ def test_verified_tokens_get_the_bits_of_the_plain_decodes_they_stand_for(tiny_m
     assert llm.stats().spec_decoding.num_accepted_tokens > 0
     for want, have in zip(reference, outputs):
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
-        assert [{token: entry.logprob for token, entry in position.items()} for position in have.outputs[0].logprobs] \
-            == [{token: entry.logprob for token, entry in position.items()} for position in want.outputs[0].logprobs]
+        assert _logprobs(have) == _logprobs(want)
 
 
 def test_greedy_is_token_identical_with_preemption_and_chunked_prefill(tiny_models):

@@ -22,8 +22,9 @@ import torch
 from pagedllm.model.attention.cache import CacheTensor
 from pagedllm.model.cascade import SharedPrefixGroups
 
-# A verification of 5 tokens through the prefill kernel and the Python layers took 2.8x a one-row decode step;
-# as decodes each token reads its sequence's keys once more, cheap for these few, whose keys stay in cache.
+# A verification of 5 tokens through the prefill kernel and the Python layers took 2.8x a one-row decode step
+# (Ice Lake, docs/speculative-decoding.md), 2.2x as decodes: each token reads its sequence's keys once more, cheap
+# for these few, whose keys stay in cache. 8 covers up to 7 proposals; longer rows keep the prefill kernel.
 MAX_DECODE_ROW_TOKENS = 8
 
 
