@@ -29,8 +29,8 @@ def run(args: argparse.Namespace) -> None:
         options = argparse.Namespace(**vars(args), block_size=block_size, max_num_seqs=256,
                                      max_num_batched_tokens=None, kv_cache_memory=None, trace=None,
                                      profile_attention=False, repeats=1, prefix_caching=True)
-        figures = run_pagedllm(options, workload, quantization="auto", kv_cache_dtype="auto", cascade="off",
-                               adapters=[])
+        figures = run_pagedllm(options, workload, quantization="auto", kv_cache_dtype="auto", activation_dtype="auto",
+                               cascade="off", adapters=[])
         waste = 1 - simulate(workload, num_blocks=2**20 // block_size, block_size=block_size).utilization
         rows.append((block_size, figures["output_tokens_per_s"], waste))
     print(f"{len(workload)} requests; KV waste = slots held but empty, averaged over steps")

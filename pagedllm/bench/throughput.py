@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated values (e.g. none,auto): pagedllm runs once per value, side by side")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="comma-separated values (e.g. auto,bfloat16): pagedllm runs once per value, side by side")
+    parser.add_argument("--activation-dtype", default="auto",
+                        help="comma-separated activation_dtype values (auto, model, int16, int8; e.g. auto,int8): "
+                             "pagedllm runs once per value, side by side")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -86,12 +89,12 @@ def _attention_times(profile, num_layers: int) -> dict:
 
 
 def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantization: str, kv_cache_dtype: str,
-                 cascade: str, adapters: list) -> dict:
+                 activation_dtype: str, cascade: str, adapters: list) -> dict:
     """One configuration's run; with adapters, each request runs with one of them, drawn with --seed."""
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-              block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+              activation_dtype=activation_dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=args.kv_cache_memory, enable_cascade_attention=CASCADE_VALUES[cascade],
               enable_prefix_caching=args.prefix_caching, **(lora_engine_settings(adapters) if adapters else {}))
@@ -125,9 +128,10 @@ def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantiz
     floor = workload_flops(engine.model_config, workload) / rate
     loras = f", {len(adapters)} LoRAs" if adapters else ""
     kv = f", kv_cache_dtype={kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
-    return _figures(f"pagedllm (quantization={quantization}{kv}, cascade={cascade}{loras})", workload, generated, elapsed,
-                    dtype=str(engine.dtype).removeprefix("torch."),
-                    kv_cache_dtype=str(engine.kv_cache_dtype).removeprefix("torch."),
+    activations = f", activation_dtype={activation_dtype}" if activation_dtype != "auto" else ""
+    return _figures(f"pagedllm (quantization={quantization}{kv}{activations}, cascade={cascade}{loras})", workload,
+                    generated, elapsed, dtype=str(engine.dtype).removeprefix("torch."),
+                    kv_cache_dtype=str(engine.kv_cache_dtype).removeprefix("torch."), activation_dtype=activation_dtype,
                     weights_mib=round(engine.model_info().weight_bytes / 2**20, 1),
                     preemptions=stats.num_preemptions, matmul_gflops=round(rate / 1e9, 1),
                     compute_floor_s=round(floor, 2), floor_fraction=round(floor / elapsed, 3),
@@ -186,9 +190,11 @@ def run(args: argparse.Namespace) -> None:
     results = []
     if args.backend in ("pagedllm", "both"):
         with lora_requests_from_args(args) as adapters:
-            results.extend(run_pagedllm(args, workload, quantization, kv_cache_dtype, cascade, lora_set)
+            results.extend(run_pagedllm(args, workload, quantization, kv_cache_dtype, activation_dtype, cascade,
+                                        lora_set)
                            for quantization in args.quantization.split(",")
-                           for kv_cache_dtype in args.kv_cache_dtype.split(",") for cascade in cascades
+                           for kv_cache_dtype in args.kv_cache_dtype.split(",")
+                           for activation_dtype in args.activation_dtype.split(",") for cascade in cascades
                            for lora_set in ([[], adapters] if adapters else [[]]))
     if args.backend in ("hf", "both"):
         results.append(run_hf(args, workload))

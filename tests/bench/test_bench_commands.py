@@ -58,6 +58,18 @@ def test_throughput_prints_a_row_per_quantization_and_kv_cache_dtype(tiny_dir, c
         (False, "float32"), (False, "bfloat16"), (True, "float32"), (True, "bfloat16")]
 
 
+def test_throughput_prints_a_row_per_activation_dtype(tiny_dir, capsys, tmp_path):
+    figures = tmp_path / "figures.json"
+    out = run_bench(capsys, "throughput", tiny_dir, "--dataset", str(tiny_workload(tmp_path)), "--dtype", "float32",
+                    "--quantization", "int8", "--activation-dtype", "auto,int8", "--kv-cache-memory", "8MiB",
+                    "--output-json", str(figures))
+    rows = table_rows(out, "| backend | dtype | wall s | req/s | output tok/s | total tok/s |")
+    labels = ["pagedllm (quantization=int8, cascade=auto)",
+              "pagedllm (quantization=int8, activation_dtype=int8, cascade=auto)"]
+    assert [row.split("|")[1].strip() for row in rows] == labels
+    assert [r["activation_dtype"] for r in json.loads(figures.read_text())] == ["auto", "int8"]
+
+
 def test_memory_prints_its_utilisation_tables(capsys):
     out = run_bench(capsys, "memory", "--skip-model", "--kv-budget-tokens", "2048", "--max-model-len", "256")
     assert table_rows(out, "| block size | paged | reserve max_model_len (256) | reserve prompt+max_tokens |")
