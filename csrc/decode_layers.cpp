@@ -37,6 +37,17 @@ Matmul matmul_for(const std::string& path) {
   TORCH_CHECK(false, "decode_layers: path must be rows, brgemm, int8, int8_tiles or int16, got ", path);
 }
 
+using MatmulShare = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, int64_t, int64_t,
+                             int64_t, int64_t);
+
+// The path's one-thread share (the one-row region's), or nullptr where it has none.
+MatmulShare share_for(const std::string& path) {
+  if (path == "rows") return &quantized_linear_rows_share;
+  if (path == "int16") return &quantized_linear_int16_share;
+  return nullptr;
+}
+
 Projection projection(const ProjectionArgs& args, int64_t out_features) {
   const auto& [qweight, scales, mins, bias, bits, group] = args;
   return {qweight, scales, mins, bias, bits, group, out_features, std::nullopt};
@@ -67,6 +78,7 @@ struct StepInputs {
   const std::vector<at::Tensor>&k_caches, &v_caches;
   const std::vector<std::optional<at::Tensor>>&k_scales, &v_scales;
   Matmul matmul;
+  MatmulShare share;           // matmul's one-thread share, or nullptr: no one-row region
   const LoRARowGroups* lora;   // nullptr: no adapter rows this step
 };
 
@@ -182,8 +194,7 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
       const auto [first_tile, last_tile] = share(p.qweight.size(0));
       guarded([&] {
         if (update != nullptr) update->shrink_into(h.data());
-        quantized_linear_rows_share(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group, first_tile,
-                                    last_tile);
+        in.share(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group, first_tile, last_tile);
         if (update != nullptr) {
           const auto [begin, end] = columns(n);
           update->expand_from(h.data(), begin, end);
@@ -318,8 +329,8 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::forward(
   b.attention_heads = b.attention.view({tokens, num_heads_, head_dim_});
 
   const StepInputs in{rope_rows, cos_sin, slot_mapping, block_tables, token_rows, seq_lens, k_caches, v_caches,
-                      k_scales, v_scales, matmul, lora};
-  if (tokens == 1 && path == "rows") {
+                      k_scales, v_scales, matmul, share_for(path), lora};
+  if (tokens == 1 && in.share != nullptr) {
     layers_one_row(b, in);
   } else {
     layers_in_turn(b, in);

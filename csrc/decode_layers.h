@@ -67,7 +67,7 @@ class DecodeStack {
   // every layer and returns (the last layer's output, the residual stream before it), as the Python layers do;
   // hidden becomes the residual stream (added to in place). rope_rows / cos_sin: the step's Rotation;
   // slot_mapping, block_tables, seq_lens: the step's decode metadata; one cache (and int8 scales) per layer.
-  // path: the quantized matmul kernel for this row count ("rows", "brgemm" or "int8"). lora_rows /
+  // path: the quantized matmul kernel for this row count (quantized_matmul.py's PATHS but torch). lora_rows /
   // lora_segments: the step's rows grouped by adapter slot (lora_sgmv's rows and segments; None: no adapter rows).
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, at::Tensor rope_rows, at::Tensor cos_sin,
                                              at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor token_rows,
@@ -81,7 +81,8 @@ class DecodeStack {
  private:
   // The layers of a step of several rows (or a path other than rows): each kernel over the cores in turn.
   void layers_in_turn(const StepBuffers& buffers, const StepInputs& in) const;
-  // The layers of a one-row step on the rows path in one parallel region (decode_layers.cpp says why).
+  // The layers of a one-row step on a path with a one-thread share (rows, int16) in one parallel region
+  // (decode_layers.cpp says why).
   void layers_one_row(const StepBuffers& buffers, const StepInputs& in) const;
 
   int64_t num_heads_, num_kv_heads_, head_dim_, rotary_dim_;

@@ -124,6 +124,11 @@ void quantized_linear_rows_share(const at::Tensor& out, const at::Tensor& x, con
                                  const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                                  const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group,
                                  int64_t first_tile, int64_t last_tile);
+// The same for quantized_linear_int16 (each column as quantized_linear_int16 computes it).
+void quantized_linear_int16_share(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                                  const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                                  const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group,
+                                  int64_t first_tile, int64_t last_tile);
 
 // The weight as floats: out [rows, cols] = scale * q + min, exactly as gguf's dequantization computes it.
 void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,

@@ -600,6 +600,98 @@ void int16_dots(float (*out)[kTileRows], const Int16Panel& panel, int64_t slots,
 #endif
 }
 
+#if defined(PAGEDLLM_VNNI)
+// The few-row int16 body: a tile's q values go from the packed tile into vpdpwssd in registers, with no panel.
+// A lane of a packed load is one weight row; vpshufb turns its bytes (b0, b1, b2, b3) into (b0, b2, b1, b3), so
+// that each 16-bit half of the lane holds one column's q (4 bits: masked nibbles at shifts 0, 8, 4, 12 give the
+// column pairs 0-1, 2-3, 4-5, 6-7 of the load's 8 columns; 8 bits: sign-extended bytes give 0-1 and 2-3 of its
+// 4), and the pair meets the activations of those two columns, broadcast as one 32-bit word in their natural
+// order. Each lane then sums its own weight row, so a group's int32 sums are int16_dots's integers (exact) and
+// are folded by the same arithmetic: every output is bitwise int16_dots's. Rows with few activation rows keep
+// several chains of sums per row (added at the group's end, exactly) to hide vpdpwssd's latency.
+constexpr int kInt16DirectBlockRows = 8;   // activation rows per pass: 8 x 2 chains of int32 sums, 8 float sums
+// Up to this many rows the direct body beats the panel's (Ice Lake, `pagedllm bench kernels`, each way in turn in one
+// run: summed over a decode step's layers and LM head at 16 rows ~0.88x the panel's time, at 32 ~1.3x; per layer at
+// one row 0.2-0.7x, where the panel's unpacking is paid for one row).
+constexpr int64_t kInt16DirectUpToRows = 16;
+
+template <int bits, int group, int block, bool with_mins, typename scale_t>
+void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
+                       const Int16Rows& a, int64_t first_row, int64_t tile_bytes, int64_t params_per_tile) {
+  constexpr int kColsPerLoad = bits == 4 ? 8 : 4, kPairsPerLoad = kColsPerLoad / 2;
+  constexpr int kChains = block <= 2 ? 4 : 2;
+  const int64_t groups = a.cols / group;
+  const __m512i pair_bytes = _mm512_set4_epi32(0x0F0D0E0C, 0x0B090A08, 0x07050604, 0x03010200);
+  const __m512i low_nibbles = _mm512_set1_epi32(0x000F000F);
+  __m512 acc[block];
+  for (int r = 0; r < block; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sums[block][kChains];
+    for (int r = 0; r < block; ++r) {
+      for (int k = 0; k < kChains; ++k) sums[r][k] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < group / kColsPerLoad; ++i) {
+      const int64_t col = g * group + i * kColsPerLoad;
+      const uint8_t* line = tile + col / kColsPerLoad * 64;
+      __builtin_prefetch(line + tile_bytes, 0, 3);   // the next tile's line at this offset (see prefetch_ahead)
+      const __m512i packed = _mm512_shuffle_epi8(_mm512_loadu_si512(line), pair_bytes);
+      __m512i w[kPairsPerLoad];
+      if constexpr (bits == 4) {
+        w[0] = _mm512_and_si512(packed, low_nibbles);
+        w[1] = _mm512_and_si512(_mm512_srli_epi32(packed, 8), low_nibbles);
+        w[2] = _mm512_and_si512(_mm512_srli_epi32(packed, 4), low_nibbles);
+        w[3] = _mm512_and_si512(_mm512_srli_epi32(packed, 12), low_nibbles);
+      } else {
+        w[0] = _mm512_srai_epi16(_mm512_slli_epi16(packed, 8), 8);
+        w[1] = _mm512_srai_epi16(packed, 8);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < block; ++r) {
+        const int16_t* x = a.q + (first_row + r) * a.cols + col;
+#pragma GCC unroll 4
+        for (int p = 0; p < kPairsPerLoad; ++p) {
+          int32_t pair;
+          std::memcpy(&pair, x + 2 * p, sizeof(pair));
+          const int k = (i * kPairsPerLoad + p) % kChains;
+          sums[r][k] = _mm512_dpwssd_epi32(sums[r][k], w[p], _mm512_set1_epi32(pair));
+          __asm__("" : "+v"(sums[r][k]));   // each sum stays in its register (see int16_dots)
+        }
+      }
+    }
+    __builtin_prefetch(scales + g * kTileRows + params_per_tile, 0, 3);
+    if (with_mins) __builtin_prefetch(mins + g * kTileRows + params_per_tile, 0, 3);
+    const __m512 w_scales = load16(scales + g * kTileRows);
+    const __m512 w_mins = with_mins ? load16(mins + g * kTileRows) : _mm512_setzero_ps();
+    for (int r = 0; r < block; ++r) {
+      const int64_t ag = (first_row + r) * groups + g;
+      __m512i row_sums = sums[r][0];
+      for (int k = 1; k < kChains; ++k) row_sums = _mm512_add_epi32(row_sums, sums[r][k]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_sums), _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag])), acc[r]);
+      if (with_mins) acc[r] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(a.scaled_sum[ag]), acc[r]);
+    }
+  }
+  for (int r = 0; r < block; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+// int16_direct_dots for a run-time block of 1..kInt16DirectBlockRows rows.
+template <int bits, int group, bool with_mins, typename scale_t>
+void int16_direct_block(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
+                        const Int16Rows& a, int64_t first_row, int block, int64_t tile_bytes,
+                        int64_t params_per_tile) {
+  switch (block) {
+    case 1: return int16_direct_dots<bits, group, 1, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
+    case 2: return int16_direct_dots<bits, group, 2, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
+    case 3: return int16_direct_dots<bits, group, 3, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
+    case 4: return int16_direct_dots<bits, group, 4, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
+    case 5: return int16_direct_dots<bits, group, 5, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
+    case 6: return int16_direct_dots<bits, group, 6, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
+    case 7: return int16_direct_dots<bits, group, 7, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
+    default: return int16_direct_dots<bits, group, 8, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
+  }
+}
+#endif
+
 typedef uint8_t vbytes __attribute__((vector_size(kLanes)));
 typedef int8_t vsbytes __attribute__((vector_size(kLanes)));
 
@@ -649,6 +741,74 @@ void store_sums(scalar_t* result, const float (*sums)[width], const scalar_t* bi
       result[(first_row + b) * out_features + first_out + n] = static_cast<scalar_t>(value);
     }
   }
+}
+
+// quantized_linear_int16's work on tiles [first_tile_of_call, last_tile_of_call): split(first, last, f) runs f over
+// runs of those tiles, on the cores (at::parallel_for) or on the calling thread alone (a share). Few rows (VNNI
+// builds) multiply straight from the packed tiles; more meet each tile's int16 panel, unpacked once per chunk of
+// rows. Both give the same bits.
+template <typename Split>
+void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                  const at::Tensor& scales, const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
+                  int64_t bits, int64_t group, int64_t first_tile_of_call, int64_t last_tile_of_call, Split&& split) {
+  with_quantized_operands<int16_t>(name, out, x, qweight, scales, mins, bias, bits, group, kInt16BlockRows,
+                                   [&](const Int16Rows& a, auto* result, auto* bias_values, auto bits_constant,
+                                       auto all_scales, auto all_mins) {
+    constexpr int kBits = decltype(bits_constant)::value;
+    using scale_t = scale_type_of<decltype(all_scales)>;
+    const int64_t rows = x.size(0), out_features = out.size(1);
+    const int64_t slots = x.size(1) / 4, groups = x.size(1) / group;
+    const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
+    const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
+    auto mins_of = [&](int64_t t) { return all_mins ? all_mins + t * params_per_tile : nullptr; };
+#if defined(PAGEDLLM_VNNI)
+    if (rows <= kInt16DirectUpToRows) {
+      const auto direct = group == 32 ? (all_mins != nullptr ? &int16_direct_block<kBits, 32, true, scale_t>
+                                                             : &int16_direct_block<kBits, 32, false, scale_t>)
+                                      : (all_mins != nullptr ? &int16_direct_block<kBits, 16, true, scale_t>
+                                                             : &int16_direct_block<kBits, 16, false, scale_t>);
+      split(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
+        float dots[kInt16DirectBlockRows][kTileRows];
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(kTileRows, out_features - first_out);
+          for (int64_t r = 0; r < rows; r += kInt16DirectBlockRows) {
+            const int block = static_cast<int>(std::min<int64_t>(kInt16DirectBlockRows, rows - r));
+            direct(dots, weights + t * tile_bytes, all_scales + t * params_per_tile, mins_of(t), a, r, block,
+                   tile_bytes, params_per_tile);
+            store_sums(result, dots, bias_values, r, block, first_out, valid, out_features);
+          }
+        }
+      });
+      return;
+    }
+#endif
+    // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
+    const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_dots<8, true> : &int16_dots<8, false>)
+                                     : (all_mins != nullptr ? &int16_dots<4, true> : &int16_dots<4, false>);
+    // Rows in chunks that stay in the core's L2 while they meet every tile of the thread's share (a 2,048-row
+    // prefill's activations are 2.4 MB: met whole by each tile, they streamed from L3 once per tile); a tile is
+    // unpacked again per chunk, a cost of 1 / chunk rows against its products.
+    const int64_t row_bytes = x.size(1) * static_cast<int64_t>(sizeof(int16_t));
+    const int64_t chunk_blocks = kInt16ChunkBytes / row_bytes / kInt16BlockRows;
+    const int64_t chunk_rows = std::max<int64_t>(1, chunk_blocks) * kInt16BlockRows;
+    split(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
+      thread_local Int16Panel panel;   // kept from call to call: no allocation per call
+      float dots[kInt16BlockRows][kTileRows];
+      for (int64_t chunk = 0; chunk < rows; chunk += chunk_rows) {
+        const int64_t chunk_end = std::min(rows, chunk + chunk_rows);
+        for (int64_t t = begin; t < end; ++t) {
+          unpack_int16_panel<kBits>(panel, weights + t * tile_bytes, all_scales + t * params_per_tile, mins_of(t),
+                                    slots, groups);
+          const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(kTileRows, out_features - first_out);
+          for (int64_t r = chunk; r < chunk_end; r += kInt16BlockRows) {
+            dots_of(dots, panel, slots, a, r);
+            store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
+                       out_features);
+          }
+        }
+      }
+    });
+  });
 }
 
 }  // namespace
@@ -720,41 +880,19 @@ void quantized_linear_int8_tiles(at::Tensor out, at::Tensor x, at::Tensor qweigh
 void quantized_linear_int16(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales,
                             c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
   RECORD_FUNCTION("pagedllm::quantized_linear_int16", std::vector<c10::IValue>({x, qweight}));
-  with_quantized_operands<int16_t>("quantized_linear_int16", out, x, qweight, scales, mins, bias, bits, group,
-                                   kInt16BlockRows, [&](const Int16Rows& a, auto* result, auto* bias_values,
-                                                        auto bits_constant, auto all_scales, auto all_mins) {
-    constexpr int kBits = decltype(bits_constant)::value;
-    const int64_t rows = x.size(0), out_features = out.size(1), tiles = qweight.size(0);
-    const int64_t slots = x.size(1) / 4, groups = x.size(1) / group;
-    const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
-    const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
-    // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
-    const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_dots<8, true> : &int16_dots<8, false>)
-                                     : (all_mins != nullptr ? &int16_dots<4, true> : &int16_dots<4, false>);
-    // Rows in chunks that stay in the core's L2 while they meet every tile of the thread's share (a 2,048-row
-    // prefill's activations are 2.4 MB: met whole by each tile, they streamed from L3 once per tile); a tile is
-    // unpacked again per chunk, a cost of 1 / chunk rows against its products.
-    const int64_t row_bytes = x.size(1) * static_cast<int64_t>(sizeof(int16_t));
-    const int64_t chunk_blocks = kInt16ChunkBytes / row_bytes / kInt16BlockRows;
-    const int64_t chunk_rows = std::max<int64_t>(1, chunk_blocks) * kInt16BlockRows;
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      thread_local Int16Panel panel;   // kept from call to call: no allocation per call
-      float dots[kInt16BlockRows][kTileRows];
-      for (int64_t chunk = 0; chunk < rows; chunk += chunk_rows) {
-        const int64_t chunk_end = std::min(rows, chunk + chunk_rows);
-        for (int64_t t = begin; t < end; ++t) {
-          unpack_int16_panel<kBits>(panel, weights + t * tile_bytes, all_scales + t * params_per_tile,
-                                    all_mins ? all_mins + t * params_per_tile : nullptr, slots, groups);
-          const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(kTileRows, out_features - first_out);
-          for (int64_t r = chunk; r < chunk_end; r += kInt16BlockRows) {
-            dots_of(dots, panel, slots, a, r);
-            store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
-                       out_features);
-          }
-        }
-      }
-    });
-  });
+  int16_matmul("quantized_linear_int16", out, x, qweight, scales, mins, bias, bits, group, 0, qweight.size(0),
+               [](int64_t first, int64_t last, const auto& f) { at::parallel_for(first, last, 1, f); });
+}
+
+void quantized_linear_int16_share(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                                  const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                                  const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group,
+                                  int64_t first_tile, int64_t last_tile) {
+  TORCH_CHECK(0 <= first_tile && first_tile <= last_tile && last_tile <= qweight.size(0),
+              "quantized_linear_int16_share: tiles must be a range within 0..", qweight.size(0));
+  if (first_tile == last_tile) return;
+  int16_matmul("quantized_linear_int16_share", out, x, qweight, scales, mins, bias, bits, group, first_tile, last_tile,
+               [](int64_t first, int64_t last, const auto& f) { f(first, last); });
 }
 
 void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,

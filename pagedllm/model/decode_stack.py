@@ -18,7 +18,7 @@ projection, `lora_slots`, its stacked adapters (a, b, ranks, column_starts, upda
 compiled update it calls (None: torch ops), and `lora_segments()`, the step's rows grouped by slot (None: no adapter
 rows). The stack runs the same update after the projection's matmul, as the wrapper does.
 
-A one-row step on the rows matmul path (batch-1 decode) runs all its layers, adapters included, in one OpenMP
+A one-row step on the rows or int16 matmul path (batch-1 decode) runs all its layers, adapters included, in one OpenMP
 parallel region: each thread its share of every kernel, the threads meeting at barriers (csrc/decode_layers.cpp),
 where each kernel's own region cost a fork and a join, ~150 a step; the results are the same.
 """

@@ -11,9 +11,11 @@ The paths (csrc/quant_matmul.cpp, csrc/quant_linear.cpp):
   int8_tiles  int8's sums, bit for bit, register-blocked for many rows over weights unpacked once per call
           (VNNI builds; elsewhere it runs int8's kernel)
   int16   activations quantized to int16 per row and 32-column group (256 times int8's resolution: as accurate as
-          float activations, docs/quantized_matmul.md), integer products over weights widened to int16 once per
-          call (many rows): on AVX2 without AVX-512, and on AVX-512 with VNNI but no BF16 (Cascade Lake, Ice
-          Lake), they multiply at twice float32's rate, so there it is the default's many-row path
+          float activations, docs/quantized_matmul.md), integer products: on AVX2 without AVX-512 over weights
+          widened to int16 once per call, the default's many-row path there (twice float32's rate); on AVX-512
+          with VNNI but no BF16 (Cascade Lake, Ice Lake) the default at every row count: few rows take the q
+          values from the packed tiles into vpdpwssd in registers, more meet them widened once per call, and
+          a row's result never depends on the batch
   torch   the weight dequantized per call and F.linear: where the kernels are not built, or not on CPU (the
           model's device, given when the model is built: no call checks it)
 PAGEDLLM_MATMUL_PATH=<path> forces one path for every row count (tests use it to check each); forced brgemm leaves
@@ -52,9 +54,9 @@ BRGEMM_FROM_ROWS = {
 
 # The row count from which int16 beats the rows kernel, per kernel variant. AVX2 (2 rows per pass there): over a
 # decode step's 30 x 4 layers and LM head, each kernel called alone, int16 takes 1.5x the rows kernel's time at 2
-# rows, 0.77x at 4. AVX-512 VNNI (8 rows per pass for both; Ice Lake), summed over the model's layer shapes and LM
-# head, int4: 1.12x at 10 rows (two passes of each), 0.92x at 12, 0.73x at 16.
-INT16_FROM_ROWS = {"avx2": 4, "avx512vnni": 12}
+# rows, 0.77x at 4. AVX-512 VNNI (Ice Lake): from one row, where its few-row body reads the packed tiles (per layer
+# shape and LM head 0.5-0.75x the rows kernel's time at 1 row, 0.45-0.65x at 5 and 8; `pagedllm bench kernels`).
+INT16_FROM_ROWS = {"avx2": 4, "avx512vnni": 1}
 
 # The row count from which int8_tiles beats int8 (docs/quantized_matmul.md has the figures). Both give the same
 # bits for a row, so this is speed only: batch invariance holds across it.
@@ -113,8 +115,9 @@ class Route:
 
 class QuantizedMatmul:
     """The kernels of one model's quantized layers. batch_invariant: a row's result is bitwise the same whatever
-    batch it shares: the rows kernel at every row count (activation_dtype auto or model), int16 at every row count,
-    or int8 and int8_tiles (the same bits per row).
+    batch it shares: the rows kernel at every row count (activation_dtype auto or model), int16 at every row count
+    (activation_dtype int16, and auto where int16 is the default from one row), or int8 and int8_tiles (the same
+    bits per row).
     device: the model's (off CPU every route is torch)."""
 
     def __init__(self, activation_dtype: str = "auto", batch_invariant: bool = False,
@@ -146,10 +149,15 @@ class QuantizedMatmul:
             return Route("torch", "torch", 1, None)
         if self.activation_dtype == "int8":
             return Route("int8", "int8_tiles", INT8_TILES_FROM_ROWS, None)
-        if self.activation_dtype == "int16":   # int16 is batch-invariant itself: a row's sums ignore the other rows
-            if self.batch_invariant:
-                return Route("int16", "int16", 1, None)
+        # int16 is batch-invariant itself (a row's sums ignore the other rows): only its crossover from the rows
+        # kernel is not.
+        int16_everywhere = Route("int16", "int16", 1, None)
+        if self.activation_dtype == "int16":
+            if self.batch_invariant or int16_from_rows() == 1:
+                return int16_everywhere
             return Route("rows", "int16", int16_from_rows(), None)
+        if self.activation_dtype == "auto" and int16_is_faster(dtype) and int16_from_rows() == 1:
+            return int16_everywhere
         if self.batch_invariant or isa is None:
             return Route("rows", "rows", 1, None)
         if self.activation_dtype == "auto" and int16_is_faster(dtype):

@@ -81,7 +81,7 @@ def test_forcing_a_variant_the_cpu_lacks_or_that_does_not_exist_is_refused():
 
 
 # Run under each variant: the int16 path's results on fixed inputs (8-bit weights without mins, 4-bit with them;
-# odd row and output counts, bias), saved to argv[1].
+# odd row and output counts, bias; 5 and 13 rows take the VNNI build's few-row body, 37 its panels), saved to argv[1].
 _INT16_PROBE = """
 import sys
 import torch
@@ -91,20 +91,22 @@ generator = torch.Generator().manual_seed(0)
 x = torch.randn(37, 512, generator=generator)
 x[0, :7] *= 20
 bias = torch.randn(40, generator=generator)
-results = []
+results = {}
 for bits in (8, 4):
     weight = quantize(torch.randn(40, 512, generator=generator) * 0.05, bits)
-    out = torch.empty(37, 40)
-    kernels.kernels.quantized_linear_int16(out, x, weight.qweight, weight.scales, weight.mins, bias, weight.bits,
-                                           weight.group_size)
-    results.append(out)
+    for rows in (37, 13, 5):
+        out = torch.empty(rows, 40)
+        kernels.kernels.quantized_linear_int16(out, x[:rows], weight.qweight, weight.scales, weight.mins, bias,
+                                               weight.bits, weight.group_size)
+        results[bits, rows] = out
 torch.save(results, sys.argv[1])
 """
 
 
 def test_the_int16_path_gives_the_same_bits_on_every_variant(tmp_path):
-    """Its group sums are exact integers, folded in the same float operations by every body (VNNI, AVX2, and the
-    generic build's element-at-a-time loop, the reference here), so each variant gives the generic build's bits."""
+    """Its group sums are exact integers, folded in the same float operations by every body (VNNI's few-row and
+    panel bodies, AVX2's, and the generic build's element-at-a-time loop, the reference here), so each variant gives
+    the generic build's bits."""
     variants = kernels.supported_variants()
     if "generic" not in variants or len(variants) < 2:
         pytest.skip("needs the generic build and another variant (scripts/setup.sh --tests builds every variant)")
@@ -115,8 +117,10 @@ def test_the_int16_path_gives_the_same_bits_on_every_variant(tmp_path):
         subprocess.run([sys.executable, "-c", _INT16_PROBE, str(path)], env=env, check=True, timeout=SUBPROCESS_TIMEOUT)
         results[variant] = torch.load(path)
     for variant, outputs in results.items():
-        for bits, out, reference in zip((8, 4), outputs, results["generic"]):
-            assert torch.equal(out, reference), (variant, bits, (out - reference).abs().max())
+        assert outputs.keys() == results["generic"].keys()
+        for (bits, rows), out in outputs.items():
+            reference = results["generic"][bits, rows]
+            assert torch.equal(out, reference), (variant, bits, rows, (out - reference).abs().max())
 
 
 @pytest.mark.parametrize("variant", [v for v in kernels.supported_variants() if v != kernels.variant])
