@@ -1,8 +1,8 @@
 """`pagedllm bench latency`: batches of fixed input/output length, timed over several iterations.
 
 Reports the prefill time of the batch, the per-step decode time (p50/p99 over every decode step of every
-measured iteration) and decode tokens/s (tokens over the decode time), for each batch size, quantization
-and speculative config asked for, side by side in one run. The random workload has nothing to copy; the
+measured iteration) and decode tokens/s (tokens over the decode time), for each batch size, quantization,
+activation dtype and speculative config asked for, side by side in one run. The random workload has nothing to copy; the
 copy workload (`--dataset copy`) asks the model to quote code back, edit or summarise a text, where
 speculation pays. With speculation, the mean acceptance length (tokens per verification) is reported too.
 With `--lora` or `--num-loras`, every configuration is measured also with an adapter (the first), on an
@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto",
                         help="comma-separated values (e.g. none,auto): measured side by side in this run")
+    parser.add_argument("--activation-dtype", default="auto",
+                        help="comma-separated activation_dtype values (auto, model, int16, int8; e.g. model,auto): "
+                             "measured side by side in this run")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -76,14 +79,15 @@ def run(args: argparse.Namespace) -> None:
     if args.alternate_rounds < 0:
         raise ValueError(f"--alternate-rounds must be >= 0, got {args.alternate_rounds}")
     with lora_requests_from_args(args) as adapters:
-        configurations = [(quantization, speculative_config, adapter)
+        configurations = [(quantization, activation_dtype, speculative_config, adapter)
                           for quantization in args.quantization.split(",")
+                          for activation_dtype in args.activation_dtype.split(",")
                           for speculative_config in _speculative_configs(args.speculative_config)
                           for adapter in [None, *adapters[:1]]]
         if args.alternate_rounds:
             if len(configurations) < 2:
                 raise ValueError("--alternate-rounds alternates configurations: give two or more (--quantization a,b, "
-                                 "--speculative-config twice, or --lora / --num-loras)")
+                                 "--activation-dtype a,b, --speculative-config twice, or --lora / --num-loras)")
             _alternate(args, batch_sizes, datasets, configurations)
             return
         print("| quantization | dtype | speculative | dataset | batch | prefill ms p50 | p99 | decode step ms p50 "
@@ -93,12 +97,13 @@ def run(args: argparse.Namespace) -> None:
             _measure_configuration(args, batch_sizes, datasets, *configuration)
 
 
-def _engine(args: argparse.Namespace, batch_sizes: list[int], quantization: str, speculative_config: dict | None,
-            adapter):
+def _engine(args: argparse.Namespace, batch_sizes: list[int], quantization: str, activation_dtype: str,
+            speculative_config: dict | None, adapter):
     """The engine a configuration runs on: LoRA on with the adapter's settings, or off (adapter None)."""
     from pagedllm import LLM
 
-    return LLM(args.model, dtype=args.dtype, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
+    return LLM(args.model, dtype=args.dtype, quantization=quantization, activation_dtype=activation_dtype,
+               kv_cache_dtype=args.kv_cache_dtype,
                block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
                enable_prefix_caching=False, max_num_seqs=max(batch_sizes),
                max_num_batched_tokens=max(2048, max(batch_sizes) * args.input_len),
@@ -109,15 +114,18 @@ def _speculative_label(speculative_config: dict | None) -> str:
     return "none" if speculative_config is None else json.dumps(speculative_config)
 
 
-def _label(quantization: str, speculative_config: dict | None, adapter) -> str:
-    return (f"{quantization}, speculative {_speculative_label(speculative_config)}, "
-            f"LoRA {adapter.lora_name if adapter else 'none'}")
+def _quantization_label(quantization: str, activation_dtype: str) -> str:
+    return quantization if activation_dtype == "auto" else f"{quantization}, activation_dtype={activation_dtype}"
+
+
+def _label(quantization: str, activation_dtype: str, speculative_config: dict | None, adapter) -> str:
+    return (f"{_quantization_label(quantization, activation_dtype)}, speculative "
+            f"{_speculative_label(speculative_config)}, LoRA {adapter.lora_name if adapter else 'none'}")
 
 
 def _alternate(args: argparse.Namespace, batch_sizes: list[int], datasets: list[str], configurations: list) -> None:
     """Every configuration's engine held at once and measured in turn, round by round; ratios against the first."""
-    engines = [_engine(args, batch_sizes, quantization, speculative_config, adapter)
-               for quantization, speculative_config, adapter in configurations]
+    engines = [_engine(args, batch_sizes, *configuration) for configuration in configurations]
     labels = [_label(*configuration) for configuration in configurations]
     print(f"{len(configurations)} configurations in turn, {args.alternate_rounds} rounds; the first: {labels[0]}")
     print("| dataset | batch | round | configuration | decode step ms p50 | decode tok/s "
@@ -133,7 +141,7 @@ def _alternate(args: argparse.Namespace, batch_sizes: list[int], datasets: list[
                 results = [None] * len(engines)
                 for index in order:
                     _, decodes, tokens_per_second, _ = measure(engines[index], args, batch_size, dataset,
-                                                               configurations[index][2])
+                                                               configurations[index][-1])
                     results[index] = (statistics.median(decodes), tokens_per_second)
                 for index, (label, (step, tokens_per_second)) in enumerate(zip(labels, results)):
                     ratios[index].append(results[0][1] / tokens_per_second)
@@ -148,15 +156,15 @@ def _alternate(args: argparse.Namespace, batch_sizes: list[int], datasets: list[
 
 
 def _measure_configuration(args: argparse.Namespace, batch_sizes: list[int], datasets: list[str], quantization: str,
-                           speculative_config: dict | None, adapter) -> None:
+                           activation_dtype: str, speculative_config: dict | None, adapter) -> None:
     """One engine's rows: every dataset and batch size; with an adapter, every request runs with it."""
-    llm = _engine(args, batch_sizes, quantization, speculative_config, adapter)
+    llm = _engine(args, batch_sizes, quantization, activation_dtype, speculative_config, adapter)
     speculative = _speculative_label(speculative_config)
     lora_label = adapter.lora_name if adapter else "none"
     for dataset in datasets:
         for batch_size in batch_sizes:
             prefills, decodes, tokens_per_second, acceptance = measure(llm, args, batch_size, dataset, adapter)
-            print(f"| {quantization} | {str(llm.llm_engine.dtype).removeprefix('torch.')} | {speculative} "
+            print(f"| {_quantization_label(quantization, activation_dtype)} | {str(llm.llm_engine.dtype).removeprefix('torch.')} | {speculative} "
                   f"| {dataset} | {batch_size} | {statistics.median(prefills) * 1e3:.1f} "
                   f"| {percentile(prefills, 0.99) * 1e3:.1f} | {statistics.median(decodes) * 1e3:.1f} "
                   f"| {percentile(decodes, 0.99) * 1e3:.1f} | {tokens_per_second:.1f} "

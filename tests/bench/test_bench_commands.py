@@ -280,6 +280,16 @@ def test_latency_alternates_quantizations_and_speculative_configs(tiny_dir, caps
     assert f"dataset random, batch 1, {labels[0]}: median" not in out
 
 
+def test_latency_alternates_activation_dtypes(tiny_dir, capsys):
+    """--activation-dtype a,b: an engine each, labelled by the value where it is not auto."""
+    out = run_bench(capsys, "latency", tiny_dir, "--batch-size", "1", "--input-len", "8", "--output-len", "3",
+                    "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--quantization", "int8",
+                    "--activation-dtype", "model,auto", "--alternate-rounds", "2")
+    labels = ["int8, activation_dtype=model, speculative none, LoRA none", "int8, speculative none, LoRA none"]
+    assert [row[3] for row in alternation_cells(out)] == labels * 2
+    assert f"dataset random, batch 1, {labels[1]}: median ratio" in out
+
+
 def test_latency_alternation_needs_two_configurations(tiny_dir, capsys):
     with pytest.raises(ValueError, match=r"--alternate-rounds alternates configurations: give two or more"):
         run_bench(capsys, "latency", tiny_dir, "--alternate-rounds", "2")
