@@ -600,15 +600,18 @@ void int16_dots(float (*out)[kTileRows], const Int16Panel& panel, int64_t slots,
 #endif
 }
 
-#if defined(PAGEDLLM_VNNI)
-// The few-row int16 body: a tile's q values go from the packed tile into vpdpwssd in registers, with no panel.
-// A lane of a packed load is one weight row; vpshufb turns its bytes (b0, b1, b2, b3) into (b0, b2, b1, b3), so
-// that each 16-bit half of the lane holds one column's q (4 bits: masked nibbles at shifts 0, 8, 4, 12 give the
+#if defined(PAGEDLLM_VNNI) || defined(__AVX2__)
+// The few-row int16 body: a tile's q values go from the packed tile into the integer products in registers, with no
+// panel. A lane of a packed load is one weight row; vpshufb turns its bytes (b0, b1, b2, b3) into (b0, b2, b1, b3),
+// so that each 16-bit half of the lane holds one column's q (4 bits: masked nibbles at shifts 0, 8, 4, 12 give the
 // column pairs 0-1, 2-3, 4-5, 6-7 of the load's 8 columns; 8 bits: sign-extended bytes give 0-1 and 2-3 of its
 // 4), and the pair meets the activations of those two columns, broadcast as one 32-bit word in their natural
-// order. Each lane then sums its own weight row, so a group's int32 sums are int16_dots's integers (exact) and
-// are folded by the same arithmetic: every output is bitwise int16_dots's. Rows with few activation rows keep
-// several chains of sums per row (added at the group's end, exactly) to hide vpdpwssd's latency.
+// order (vpdpwssd on VNNI, vpmaddwd and an addition on AVX2). Each lane then sums its own weight row, so a group's
+// int32 sums are int16_dots's integers (exact) and are folded by the same arithmetic: every output is bitwise
+// int16_dots's. Few activation rows keep several chains of sums per row (added at the group's end, exactly) to
+// hide the products' latency. The next tile's line at the same offset is prefetched (see prefetch_ahead in
+// quant_matmul.cpp: without it the 8-bit LM head at one row read 14 GB/s).
+#if defined(PAGEDLLM_VNNI)
 constexpr int kInt16DirectBlockRows = 8;   // activation rows per pass: 8 x 2 chains of int32 sums, 8 float sums
 // Up to this many rows the direct body beats the panel's (Ice Lake, `pagedllm bench kernels`, each way in turn in one
 // run: summed over a decode step's layers and LM head at 16 rows ~0.88x the panel's time, at 32 ~1.3x; per layer at
@@ -634,7 +637,7 @@ void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale
     for (int i = 0; i < group / kColsPerLoad; ++i) {
       const int64_t col = g * group + i * kColsPerLoad;
       const uint8_t* line = tile + col / kColsPerLoad * 64;
-      __builtin_prefetch(line + tile_bytes, 0, 3);   // the next tile's line at this offset (see prefetch_ahead)
+      __builtin_prefetch(line + tile_bytes, 0, 3);
       const __m512i packed = _mm512_shuffle_epi8(_mm512_loadu_si512(line), pair_bytes);
       __m512i w[kPairsPerLoad];
       if constexpr (bits == 4) {
@@ -674,21 +677,88 @@ void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale
   for (int r = 0; r < block; ++r) _mm512_storeu_ps(out[r], acc[r]);
 }
 
-// int16_direct_dots for a run-time block of 1..kInt16DirectBlockRows rows.
-template <int bits, int group, bool with_mins, typename scale_t>
-void int16_direct_block(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
-                        const Int16Rows& a, int64_t first_row, int block, int64_t tile_bytes,
-                        int64_t params_per_tile) {
-  switch (block) {
-    case 1: return int16_direct_dots<bits, group, 1, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
-    case 2: return int16_direct_dots<bits, group, 2, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
-    case 3: return int16_direct_dots<bits, group, 3, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
-    case 4: return int16_direct_dots<bits, group, 4, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
-    case 5: return int16_direct_dots<bits, group, 5, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
-    case 6: return int16_direct_dots<bits, group, 6, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
-    case 7: return int16_direct_dots<bits, group, 7, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
-    default: return int16_direct_dots<bits, group, 8, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
+#else   // AVX2: 16 registers, so half a tile (8 weight rows, 32 bytes of each 64-byte line) a pass
+constexpr int kInt16DirectBlockRows = 4;   // activation rows per pass: 4 int32 sums (2 chains each below 3), 4 float sums
+constexpr int64_t kInt16DirectUpToRows = 16;
+
+template <int bits, int group, int block, bool with_mins, typename scale_t>
+void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
+                       const Int16Rows& a, int64_t first_row, int64_t tile_bytes, int64_t params_per_tile) {
+  constexpr int kColsPerLoad = bits == 4 ? 8 : 4, kPairsPerLoad = kColsPerLoad / 2;
+  constexpr int kChains = block <= 2 ? 2 : 1;
+  const int64_t groups = a.cols / group;
+  const __m256i pair_bytes = _mm256_setr_epi32(0x03010200, 0x07050604, 0x0B090A08, 0x0F0D0E0C, 0x03010200, 0x07050604,
+                                               0x0B090A08, 0x0F0D0E0C);
+  const __m256i low_nibbles = _mm256_set1_epi32(0x000F000F);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[block];
+    for (int r = 0; r < block; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256i sums[block][kChains];
+      for (int r = 0; r < block; ++r) {
+        for (int k = 0; k < kChains; ++k) sums[r][k] = _mm256_setzero_si256();
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < group / kColsPerLoad; ++i) {
+        const int64_t col = g * group + i * kColsPerLoad;
+        const uint8_t* line = tile + col / kColsPerLoad * 64;
+        if (half == 0) __builtin_prefetch(line + tile_bytes, 0, 3);
+        const __m256i packed = _mm256_shuffle_epi8(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * half)), pair_bytes);
+        __m256i w[kPairsPerLoad];
+        if constexpr (bits == 4) {
+          w[0] = _mm256_and_si256(packed, low_nibbles);
+          w[1] = _mm256_and_si256(_mm256_srli_epi32(packed, 8), low_nibbles);
+          w[2] = _mm256_and_si256(_mm256_srli_epi32(packed, 4), low_nibbles);
+          w[3] = _mm256_and_si256(_mm256_srli_epi32(packed, 12), low_nibbles);
+        } else {
+          w[0] = _mm256_srai_epi16(_mm256_slli_epi16(packed, 8), 8);
+          w[1] = _mm256_srai_epi16(packed, 8);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < block; ++r) {
+          const int16_t* x = a.q + (first_row + r) * a.cols + col;
+#pragma GCC unroll 4
+          for (int p = 0; p < kPairsPerLoad; ++p) {
+            int32_t pair;
+            std::memcpy(&pair, x + 2 * p, sizeof(pair));
+            const int k = (i * kPairsPerLoad + p) % kChains;
+            sums[r][k] = _mm256_add_epi32(sums[r][k], _mm256_madd_epi16(w[p], _mm256_set1_epi32(pair)));
+            __asm__("" : "+x"(sums[r][k]));   // each sum stays in its register (see int16_dots)
+          }
+        }
+      }
+      if (half == 0) {
+        __builtin_prefetch(scales + g * kTileRows + params_per_tile, 0, 3);
+        if (with_mins) __builtin_prefetch(mins + g * kTileRows + params_per_tile, 0, 3);
+      }
+      const __m256 w_scales = load8(scales + g * kTileRows + half * kHalfRows);
+      const __m256 w_mins = with_mins ? load8(mins + g * kTileRows + half * kHalfRows) : _mm256_setzero_ps();
+      for (int r = 0; r < block; ++r) {
+        const int64_t ag = (first_row + r) * groups + g;
+        __m256i row_sums = sums[r][0];
+        for (int k = 1; k < kChains; ++k) row_sums = _mm256_add_epi32(row_sums, sums[r][k]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_sums), _mm256_mul_ps(w_scales, _mm256_set1_ps(a.scale[ag])),
+                                 acc[r]);
+        if (with_mins) acc[r] = _mm256_fmadd_ps(w_mins, _mm256_set1_ps(a.scaled_sum[ag]), acc[r]);
+      }
+    }
+    for (int r = 0; r < block; ++r) _mm256_storeu_ps(out[r] + half * kHalfRows, acc[r]);
   }
+}
+#endif
+
+// int16_direct_dots for a run-time block of 1..kInt16DirectBlockRows rows.
+template <int bits, int group, bool with_mins, typename scale_t, int block = kInt16DirectBlockRows>
+void int16_direct_block(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
+                        const Int16Rows& a, int64_t first_row, int rows, int64_t tile_bytes, int64_t params_per_tile) {
+  if constexpr (block > 1) {
+    if (rows < block) {
+      return int16_direct_block<bits, group, with_mins, scale_t, block - 1>(out, tile, scales, mins, a, first_row, rows,
+                                                                             tile_bytes, params_per_tile);
+    }
+  }
+  int16_direct_dots<bits, group, block, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
 }
 #endif
 
@@ -761,7 +831,7 @@ void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, 
     const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
     const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
     auto mins_of = [&](int64_t t) { return all_mins ? all_mins + t * params_per_tile : nullptr; };
-#if defined(PAGEDLLM_VNNI)
+#if defined(PAGEDLLM_VNNI) || defined(__AVX2__)
     if (rows <= kInt16DirectUpToRows) {
       const auto direct = group == 32 ? (all_mins != nullptr ? &int16_direct_block<kBits, 32, true, scale_t>
                                                              : &int16_direct_block<kBits, 32, false, scale_t>)

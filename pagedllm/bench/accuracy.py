@@ -9,7 +9,7 @@ With --quantizations, teacher-forced in the same way (below), the model with qua
 against the same weights dequantized (quantization=none), float32 activations: for a GGUF, auto
 (its own formats); for a float checkpoint (--float-bundled: the bundled model's weights as a
 float safetensors folder), int8 and int4. Each quantization runs with each --activation-dtypes value
-(model: float activations against the weights; auto: the engine's choice, int16 for many rows on AVX2 builds;
+(model: float activations against the weights; auto: the engine's choice, int16 on AVX2 and AVX-512 VNNI builds;
 int16, int8: those activations), in --dtype.
 
 With --kv-cache-dtypes, teacher-forced, per KV cache dtype against a float32 cache, the

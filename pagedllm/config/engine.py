@@ -16,9 +16,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # int8 / int4: float weights quantized group-wise at load (pagedllm/model/quantization.py).
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # What quantized layers multiply (as pagedllm/model/quantized_matmul.py's): auto, the model dtype's activations, or
-# for many rows int16 where the CPU multiplies int16 faster (AVX2 without AVX-512, AVX-512 VNNI without BF16);
-# model, the model dtype's at every row count; int16, activations quantized per row and 32-column group to int16
-# for many rows (as accurate); int8, to int8 (faster for small batches, less accurate).
+# int16 where the CPU multiplies int16 faster (AVX2 without AVX-512, AVX-512 VNNI without BF16); model, the model
+# dtype's at every row count; int16, activations quantized per row and 32-column group to int16 at every row count
+# (as accurate); int8, to int8 (faster for small batches, less accurate).
 ACTIVATION_DTYPES = ("auto", "model", "int16", "int8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap", "auto")   # vLLM's old names, and auto (engine/preemption.py)

@@ -88,7 +88,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             f"{_default(EngineConfig, 'quantization')}")
     group.add_argument("--activation-dtype", choices=ACTIVATION_DTYPES, default=_UNSET,
                        help="what quantized layers multiply: model, --dtype's activations against the weights "
-                            "dequantized on the fly; int16, for many rows activations quantized to int16 per row and "
+                            "dequantized on the fly; int16, activations quantized to int16 per row and "
                             "32 columns (as accurate; twice float32's rate on AVX2 and AVX-512 VNNI); auto, int16 on "
                             "CPUs with AVX2 and without AVX-512, or AVX-512 VNNI without BF16, model elsewhere; int8, "
                             "activations quantized to int8 (less accurate, faster at few rows: docs/quantization.md) "

@@ -11,11 +11,10 @@ The paths (csrc/quant_matmul.cpp, csrc/quant_linear.cpp):
   int8_tiles  int8's sums, bit for bit, register-blocked for many rows over weights unpacked once per call
           (VNNI builds; elsewhere it runs int8's kernel)
   int16   activations quantized to int16 per row and 32-column group (256 times int8's resolution: as accurate as
-          float activations, docs/quantized_matmul.md), integer products: on AVX2 without AVX-512 over weights
-          widened to int16 once per call, the default's many-row path there (twice float32's rate); on AVX-512
-          with VNNI but no BF16 (Cascade Lake, Ice Lake) the default at every row count: few rows take the q
-          values from the packed tiles into vpdpwssd in registers, more meet them widened once per call, and
-          a row's result never depends on the batch
+          float activations, docs/quantized_matmul.md), integer products at up to twice float32's rate: up to 16
+          rows take the q values from the packed tiles into the products in registers, more meet them widened to
+          int16 once per call (the same bits); every row count, and a row's result never depends on the batch.
+          The default on AVX2 without AVX-512 and on AVX-512 with VNNI but no BF16 (Cascade Lake, Ice Lake)
   torch   the weight dequantized per call and F.linear: where the kernels are not built, or not on CPU (the
           model's device, given when the model is built: no call checks it)
 PAGEDLLM_MATMUL_PATH=<path> forces one path for every row count (tests use it to check each); forced brgemm leaves
@@ -52,11 +51,11 @@ BRGEMM_FROM_ROWS = {
     (torch.float32, "avx2"): 5,
 }
 
-# The row count from which int16 beats the rows kernel, per kernel variant. AVX2 (2 rows per pass there): over a
-# decode step's 30 x 4 layers and LM head, each kernel called alone, int16 takes 1.5x the rows kernel's time at 2
-# rows, 0.77x at 4. AVX-512 VNNI (Ice Lake): from one row, where its few-row body reads the packed tiles (per layer
-# shape and LM head 0.5-0.75x the rows kernel's time at 1 row, 0.45-0.65x at 5 and 8; `pagedllm bench kernels`).
-INT16_FROM_ROWS = {"avx2": 4, "avx512vnni": 1}
+# The kernel builds where activation_dtype auto multiplies float32 activations as int16 at every row count: few rows
+# straight from the packed tiles, many through widened panels (the same bits). AVX-512 VNNI (Ice Lake; `pagedllm
+# bench kernels`): per layer shape and LM head 0.55-0.75x the rows kernel's time at 1 row, 0.45-0.65x at 5 and 8.
+# AVX2 (the avx2 build measured on that Ice Lake, not yet on an AVX2-only CPU): 0.55-0.8x at 1 row, 0.3-0.6x at 3.
+INT16_VARIANTS = ("avx2", "avx512vnni")
 
 # The row count from which int8_tiles beats int8 (docs/quantized_matmul.md has the figures). Both give the same
 # bits for a row, so this is speed only: batch invariance holds across it.
@@ -80,17 +79,11 @@ def brgemm_isa(dtype: torch.dtype) -> str | None:
 
 
 def int16_is_faster(dtype: torch.dtype) -> bool:
-    """Whether activation_dtype auto takes the int16 path for many rows of dtype: float32 where the kernels are
-    the AVX2 build (a CPU without AVX-512), whose int16 products (vpmaddwd: 16 a instruction, then an addition)
-    beat float32's FMAs (8 an instruction), or the AVX-512 VNNI build (a CPU with VNNI but no BF16), whose
-    vpdpwssd multiplies and adds 32 at an FMA's rate of 16: both beat brgemm's float32 (docs/quantized_matmul.md)."""
-    return dtype == torch.float32 and kernels.kernels is not None and kernels.variant in INT16_FROM_ROWS
-
-
-def int16_from_rows() -> int:
-    """The row count from which the int16 path takes over from the rows kernel on this build (AVX2's where
-    unmeasured: activation_dtype="int16" asked for on another CPU)."""
-    return INT16_FROM_ROWS.get(kernels.variant, INT16_FROM_ROWS["avx2"])
+    """Whether activation_dtype auto takes the int16 path for dtype: float32 where the kernels are the AVX2 build (a
+    CPU without AVX-512), whose int16 products (vpmaddwd: 16 an instruction, then an addition) beat float32's FMAs (8
+    an instruction), or the AVX-512 VNNI build (a CPU with VNNI but no BF16), whose vpdpwssd multiplies and adds 32 at
+    an FMA's rate of 16: both beat the rows kernel and brgemm's float32 at every row count (docs/quantized_matmul.md)."""
+    return dtype == torch.float32 and kernels.kernels is not None and kernels.variant in INT16_VARIANTS
 
 
 @dataclass(frozen=True)
@@ -115,9 +108,8 @@ class Route:
 
 class QuantizedMatmul:
     """The kernels of one model's quantized layers. batch_invariant: a row's result is bitwise the same whatever
-    batch it shares: the rows kernel at every row count (activation_dtype auto or model), int16 at every row count
-    (activation_dtype int16, and auto where int16 is the default from one row), or int8 and int8_tiles (the same
-    bits per row).
+    batch it shares: the rows kernel at every row count (activation_dtype model, or auto where int16 is not the
+    default), int16 (always invariant), or int8 and int8_tiles (the same bits per row).
     device: the model's (off CPU every route is torch)."""
 
     def __init__(self, activation_dtype: str = "auto", batch_invariant: bool = False,
@@ -149,19 +141,11 @@ class QuantizedMatmul:
             return Route("torch", "torch", 1, None)
         if self.activation_dtype == "int8":
             return Route("int8", "int8_tiles", INT8_TILES_FROM_ROWS, None)
-        # int16 is batch-invariant itself (a row's sums ignore the other rows): only its crossover from the rows
-        # kernel is not.
-        int16_everywhere = Route("int16", "int16", 1, None)
-        if self.activation_dtype == "int16":
-            if self.batch_invariant or int16_from_rows() == 1:
-                return int16_everywhere
-            return Route("rows", "int16", int16_from_rows(), None)
-        if self.activation_dtype == "auto" and int16_is_faster(dtype) and int16_from_rows() == 1:
-            return int16_everywhere
+        # int16 runs every row count, so it is batch-invariant itself (a row's sums ignore the other rows).
+        if self.activation_dtype == "int16" or (self.activation_dtype == "auto" and int16_is_faster(dtype)):
+            return Route("int16", "int16", 1, None)
         if self.batch_invariant or isa is None:
             return Route("rows", "rows", 1, None)
-        if self.activation_dtype == "auto" and int16_is_faster(dtype):
-            return Route("rows", "int16", int16_from_rows(), None)
         return Route("rows", "brgemm", BRGEMM_FROM_ROWS[dtype, isa], isa)
 
     def kernel(self, dtype: torch.dtype, num_rows: int):

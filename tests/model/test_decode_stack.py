@@ -18,7 +18,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.attention.metadata import AttentionMetadata
 from pagedllm.model.decode_stack import FORCE_VARIABLE
-from pagedllm.model.quantized_matmul import int16_from_rows, int16_is_faster
+from pagedllm.model.quantized_matmul import int16_is_faster
 
 pytestmark = pytest.mark.kernels
 
@@ -140,9 +140,9 @@ def test_steps_with_more_than_decodes_run_in_python(make_tiny_model_dir, tmp_pat
                                  torch.zeros(num_decodes, 1, dtype=torch.int64), torch.ones(num_decodes, dtype=torch.int64),
                                  empty, empty, empty.view(0, 1), 16, **{"backend": backend, **fields})
 
-    int16_from = int16_from_rows() if int16_is_faster(torch.float32) else None
-    assert stack.path(meta(3, 3), 3) == ("int16" if int16_from == 1 else "rows")
-    assert stack.path(meta(64, 64), 64) == ("int16" if int16_from is not None else "brgemm")
+    int16 = int16_is_faster(torch.float32)
+    assert stack.path(meta(3, 3), 3) == ("int16" if int16 else "rows")
+    assert stack.path(meta(64, 64), 64) == ("int16" if int16 else "brgemm")
     assert stack.path(meta(3, 2), 3) is None          # a prefill token
     assert stack.path(meta(2, 2), 3) is None          # a padding row
     assert stack.path(meta(3, 3, decode_cascade=object()), 3) is None

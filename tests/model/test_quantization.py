@@ -18,8 +18,7 @@ from pagedllm.model.kernels import kernels as compiled
 from pagedllm.model.linear import ConcatLinear, Embedding, QuantizedLinear, fused_linear
 from pagedllm.model.quantization import GGUF_QUANTIZED_TYPES, QuantizedWeight, from_gguf, quantize
 from pagedllm.model.quantized_matmul import (BRGEMM_FROM_ROWS, FORCE_VARIABLE, INT8_TILES_FROM_ROWS,
-                                             QuantizedMatmul, brgemm_isa, int16_from_rows,
-                                             int16_is_faster)
+                                             QuantizedMatmul, brgemm_isa, int16_is_faster)
 
 # Byte offsets of each block type's float16 scale fields (gguf.quants' layouts): random bytes elsewhere
 # are valid quants, random float16 scales would be NaN or huge.
@@ -412,28 +411,23 @@ def test_the_bundled_gguf_runs_quantized_by_default():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_path_is_chosen_once_per_dtype_and_row_count(dtype, monkeypatch):
     """Default: the rows kernel below brgemm's crossover row count, brgemm from it (where oneDNN runs it for
-    dtype), or on AVX2 and AVX-512 VNNI builds in float32 int16 from its crossover (VNNI: from one row, int16 for
-    every row count); activation_dtype model: brgemm (or the rows kernel) everywhere; int16: int16 from its crossover
-    on every CPU; batch_invariant: the rows kernel at every row count (int16 with activation_dtype int16, and by
-    default where int16 takes every row count); activation_dtype int8: the int8 kernel."""
+    dtype), or on AVX2 and AVX-512 VNNI builds in float32 int16 for every row count; activation_dtype model: brgemm
+    (or the rows kernel) everywhere; int16: int16 for every row count on every CPU; batch_invariant: the rows kernel
+    at every row count (int16 where int16 is the default, and with activation_dtype int16); activation_dtype int8:
+    the int8 kernel."""
     monkeypatch.delenv(FORCE_VARIABLE, raising=False)
     matmul, isa = QuantizedMatmul(), brgemm_isa(dtype)
     if compiled is None:
         assert matmul.kernel(dtype, 1) is matmul.kernel(dtype, 4096) is None
         return
-    int16 = (QuantizedMatmul("int16"),) + ((matmul,) if int16_is_faster(dtype) else ())
-    int16_from = int16_from_rows()
-    for chosen in int16:
-        assert chosen.kernel(dtype, int16_from) is chosen.kernel(dtype, 4096) is compiled.quantized_linear_int16
-        if int16_from == 1:
-            assert chosen.describe(dtype) == "int16 for every row count"
-        else:
-            assert chosen.kernel(dtype, int16_from - 1) is compiled.quantized_linear_rows
-            assert chosen.describe(dtype) == f"rows below {int16_from} rows, int16 from {int16_from}"
-    if not int16_is_faster(dtype):
+    int16 = (QuantizedMatmul("int16"), QuantizedMatmul("int16", batch_invariant=True))
+    if int16_is_faster(dtype):
+        int16 += (matmul, QuantizedMatmul(batch_invariant=True))
+    else:
         assert matmul.routes[dtype] == QuantizedMatmul("model").routes[dtype]
-    int16_invariant = QuantizedMatmul("int16", batch_invariant=True)
-    assert int16_invariant.kernel(dtype, 1) is int16_invariant.kernel(dtype, 4096) is compiled.quantized_linear_int16
+    for chosen in int16:
+        assert chosen.kernel(dtype, 1) is chosen.kernel(dtype, 4096) is compiled.quantized_linear_int16
+        assert chosen.describe(dtype) == "int16 for every row count"
     matmul = QuantizedMatmul("model")
     if isa is None:
         assert matmul.kernel(dtype, 1) is matmul.kernel(dtype, 4096) is compiled.quantized_linear_rows
@@ -442,9 +436,9 @@ def test_the_path_is_chosen_once_per_dtype_and_row_count(dtype, monkeypatch):
         assert matmul.kernel(dtype, crossover - 1) is compiled.quantized_linear_rows
         assert matmul.kernel(dtype, crossover) is matmul.kernel(dtype, 4096) is compiled.quantized_linear_brgemm
         assert matmul.describe(dtype).startswith(f"rows below {crossover} rows, brgemm (oneDNN {isa}) from {crossover}")
-    invariant = QuantizedMatmul(batch_invariant=True)
-    everywhere = compiled.quantized_linear_int16 if int16_is_faster(dtype) and int16_from == 1 else compiled.quantized_linear_rows
-    assert invariant.kernel(dtype, 1) is invariant.kernel(dtype, 4096) is everywhere
+    if not int16_is_faster(dtype):
+        invariant = QuantizedMatmul(batch_invariant=True)
+        assert invariant.kernel(dtype, 1) is invariant.kernel(dtype, 4096) is compiled.quantized_linear_rows
     for int8 in (QuantizedMatmul("int8"), QuantizedMatmul("int8", batch_invariant=True)):   # the same bits per row
         assert int8.kernel(dtype, 1) is int8.kernel(dtype, INT8_TILES_FROM_ROWS - 1) is compiled.quantized_linear_int8
         assert int8.kernel(dtype, INT8_TILES_FROM_ROWS) is int8.kernel(dtype, 4096) is compiled.quantized_linear_int8_tiles
