@@ -159,12 +159,13 @@ def _measure_configuration(args: argparse.Namespace, batch_sizes: list[int], dat
                            activation_dtype: str, speculative_config: dict | None, adapter) -> None:
     """One engine's rows: every dataset and batch size; with an adapter, every request runs with it."""
     llm = _engine(args, batch_sizes, quantization, activation_dtype, speculative_config, adapter)
+    weights = _quantization_label(quantization, activation_dtype)
     speculative = _speculative_label(speculative_config)
     lora_label = adapter.lora_name if adapter else "none"
     for dataset in datasets:
         for batch_size in batch_sizes:
             prefills, decodes, tokens_per_second, acceptance = measure(llm, args, batch_size, dataset, adapter)
-            print(f"| {_quantization_label(quantization, activation_dtype)} | {str(llm.llm_engine.dtype).removeprefix('torch.')} | {speculative} "
+            print(f"| {weights} | {str(llm.llm_engine.dtype).removeprefix('torch.')} | {speculative} "
                   f"| {dataset} | {batch_size} | {statistics.median(prefills) * 1e3:.1f} "
                   f"| {percentile(prefills, 0.99) * 1e3:.1f} | {statistics.median(decodes) * 1e3:.1f} "
                   f"| {percentile(decodes, 0.99) * 1e3:.1f} | {tokens_per_second:.1f} "

@@ -81,7 +81,8 @@ def test_forcing_a_variant_the_cpu_lacks_or_that_does_not_exist_is_refused():
 
 
 # Run under each variant: the int16 path's results on fixed inputs (8-bit weights without mins, 4-bit with them;
-# odd row and output counts, bias; 5 and 13 rows take the VNNI build's few-row body, 37 its panels), saved to argv[1].
+# odd row and output counts, bias; 5 and 13 rows take the VNNI and AVX2 builds' few-row body, 37 their panels),
+# saved to argv[1].
 _INT16_PROBE = """
 import sys
 import torch
