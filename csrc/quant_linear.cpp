@@ -417,26 +417,28 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
 // times int8's resolution), so on CPUs without bfloat16 products the integers multiply at twice float32's rate:
 // AVX2's vpmaddwd multiplies 16 int16 pairs and sums each pair into an int32 lane, as an FMA does 8 floats, and
 // AVX-512 VNNI's vpdpwssd multiplies 32 pairs and adds them in one instruction, issued as often as an FMA of 16
-// floats (Ice Lake: 132 G products/s a core against 67 G for float32 FMAs, measured).
-// A tile's q values are widened to int16 once per call, half a tile (8 weight rows) at a time, each slot's
-// 4 columns of a weight row kept together: one 256-bit vector holds 4 weight rows x 4 columns (a 512-bit one all
-// 8 rows of the half), an activation's 4 columns are broadcast to every row, and each 32-bit lane sums 2 of a
-// row's columns. Per group the two lanes of a row are added (AVX2: vphaddd, whose sums come out in kFoldOrder;
-// VNNI: both halves' lanes paired by two permutes, in row order) and folded into float sums as the int8 paths
-// fold theirs, in the same arithmetic on every build. Every row's result is the same whatever rows it shares the
-// call with.
+// floats (Ice Lake: two a cycle, ~4.9 G a second a core, measured in a register-only loop).
+// Few rows multiply straight from the packed tiles (int16_direct_dots); many meet the tiles' q values widened to
+// int16 once per chunk of rows: on VNNI builds, column pairs of two tiles with one weight row a lane
+// (int16_panel_dots); on AVX2, half a tile (8 weight rows) at a time, each slot's 4 columns of a weight row kept
+// together (int16_dots). Per group the int32 sums are folded into float sums as the int8 paths fold theirs, in the
+// same arithmetic on every build. Every row's result is the same whatever rows it shares the call with.
 using Int16Rows = QuantizedRows<int16_t>;
 constexpr int kHalfRows = kTileRows / 2;
 #if defined(PAGEDLLM_VNNI)
-constexpr int kInt16BlockRows = 8;   // activation rows per pass: 16 int32 sums, 8 float sums, 2 weights, 1 broadcast
-constexpr int kFoldOrder[kHalfRows] = {0, 1, 2, 3, 4, 5, 6, 7};   // the weight row of each lane of the folded sums
+constexpr int kInt16BlockRows = 4;   // activation rows per pass over a panel: 12 int32 sums, 3 weights, 1 broadcast
 #else
 constexpr int kInt16BlockRows = 4;   // activation rows per pass: 8 int32 sums, 4 float sums, 2 weights, 1 broadcast
-constexpr int kFoldOrder[kHalfRows] = {0, 1, 4, 5, 2, 3, 6, 7};
+constexpr int kFoldOrder[kHalfRows] = {0, 1, 4, 5, 2, 3, 6, 7};   // the weight row of each lane of the folded sums
 #endif
 
 constexpr int64_t kInt16ChunkBytes = 256 << 10;   // int16 activations met by a thread's tiles in turn: within L2
 
+#if !defined(PAGEDLLM_VNNI)
+// AVX2 and the generic build: a tile's q values widened to int16, each slot's 4 columns of a weight row together.
+// One 256-bit vector holds 4 weight rows x 4 columns, an activation's 4 columns are broadcast to every row, and each
+// 32-bit lane sums 2 of a row's columns; per group the two lanes of a row are added (vphaddd: the sums come out in
+// kFoldOrder).
 struct Int16Panel {
   std::vector<int16_t> q;           // [2 halves, slots, 8 rows x 4 columns]
   std::vector<float> scales, mins;  // [groups, 2 halves, 8 rows in kFoldOrder]
@@ -501,44 +503,7 @@ void int16_dots(float (*out)[kTileRows], const Int16Panel& panel, int64_t slots,
   const int64_t groups = a.cols / a.group;
   const float* scales = panel.scales.data();
   const float* mins = with_mins ? panel.mins.data() : nullptr;
-#if defined(PAGEDLLM_VNNI)
-  // Each row's sums: lo for half 0 (weight rows 0-7), hi for half 1, two lanes a weight row; per group the
-  // permutes gather every row's first lane and every row's second, so that one addition gives 16 row sums.
-  const int16_t* q = panel.q.data();
-  const __m512i first_lanes = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i second_lanes = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  __m512 acc[kInt16BlockRows];
-  for (int r = 0; r < kInt16BlockRows; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i lo[kInt16BlockRows], hi[kInt16BlockRows];
-    for (int r = 0; r < kInt16BlockRows; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int i = 0; i < slots_per_group; ++i) {
-      const int64_t s = g * slots_per_group + i;
-      const __m512i w0 = _mm512_loadu_si512(q + s * 32), w1 = _mm512_loadu_si512(q + (slots + s) * 32);
-#pragma GCC unroll 8
-      for (int r = 0; r < kInt16BlockRows; ++r) {
-        int64_t four;
-        std::memcpy(&four, a.q + (first_row + r) * a.cols + s * 4, sizeof(four));
-        const __m512i x = _mm512_set1_epi64(four);
-        lo[r] = _mm512_dpwssd_epi32(lo[r], w0, x);
-        hi[r] = _mm512_dpwssd_epi32(hi[r], w1, x);
-        __asm__("" : "+v"(lo[r]), "+v"(hi[r]));   // each sum stays in its register (see the AVX2 loop)
-      }
-    }
-    const __m512 w_scales = _mm512_loadu_ps(scales + g * kTileRows);
-    const __m512 w_mins = with_mins ? _mm512_loadu_ps(mins + g * kTileRows) : _mm512_setzero_ps();
-    for (int r = 0; r < kInt16BlockRows; ++r) {
-      const int64_t ag = (first_row + r) * groups + g;
-      const __m512i row_sums = _mm512_add_epi32(_mm512_permutex2var_epi32(lo[r], first_lanes, hi[r]),
-                                                _mm512_permutex2var_epi32(lo[r], second_lanes, hi[r]));
-      const __m512 scales_of_row = _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_sums), scales_of_row, acc[r]);
-      if (with_mins) acc[r] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(a.scaled_sum[ag]), acc[r]);
-    }
-  }
-  for (int r = 0; r < kInt16BlockRows; ++r) _mm512_storeu_ps(out[r], acc[r]);
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
   const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);   // kFoldOrder is its own inverse
   for (int half = 0; half < 2; ++half) {
     const int16_t* q = panel.q.data() + half * slots * 32;
@@ -599,6 +564,7 @@ void int16_dots(float (*out)[kTileRows], const Int16Panel& panel, int64_t slots,
   }
 #endif
 }
+#endif   // !PAGEDLLM_VNNI
 
 #if defined(PAGEDLLM_VNNI) || defined(__AVX2__)
 // The few-row int16 body: a tile's q values go from the packed tile into the integer products in registers, with no
@@ -607,8 +573,8 @@ void int16_dots(float (*out)[kTileRows], const Int16Panel& panel, int64_t slots,
 // column pairs 0-1, 2-3, 4-5, 6-7 of the load's 8 columns; 8 bits: sign-extended bytes give 0-1 and 2-3 of its
 // 4), and the pair meets the activations of those two columns, broadcast as one 32-bit word in their natural
 // order (vpdpwssd on VNNI, vpmaddwd and an addition on AVX2). Each lane then sums its own weight row, so a group's
-// int32 sums are int16_dots's integers (exact) and are folded by the same arithmetic: every output is bitwise
-// int16_dots's. Few activation rows keep several chains of sums per row (added at the group's end, exactly) to
+// int32 sums are the panel bodies' integers (exact) and are folded by the same arithmetic: every output is bitwise
+// theirs. Few activation rows keep several chains of sums per row (added at the group's end, exactly) to
 // hide the products' latency. The next tile's line at the same offset is prefetched (see prefetch_ahead in
 // quant_matmul.cpp: without it the 8-bit LM head at one row read 14 GB/s).
 #if defined(PAGEDLLM_VNNI)
@@ -618,14 +584,29 @@ constexpr int kInt16DirectBlockRows = 8;   // activation rows per pass: 8 x 2 ch
 // one row 0.2-0.7x, where the panel's unpacking is paid for one row).
 constexpr int64_t kInt16DirectUpToRows = 16;
 
+// A 64-byte line of a packed tile as its column pairs (4 bits: 4 pairs; 8 bits: 2), one weight row a 32-bit lane.
+template <int bits>
+inline void expand_line(__m512i* w, const uint8_t* line) {
+  const __m512i pair_bytes = _mm512_set4_epi32(0x0F0D0E0C, 0x0B090A08, 0x07050604, 0x03010200);
+  const __m512i low_nibbles = _mm512_set1_epi32(0x000F000F);
+  const __m512i packed = _mm512_shuffle_epi8(_mm512_loadu_si512(line), pair_bytes);
+  if constexpr (bits == 4) {
+    w[0] = _mm512_and_si512(packed, low_nibbles);
+    w[1] = _mm512_and_si512(_mm512_srli_epi32(packed, 8), low_nibbles);
+    w[2] = _mm512_and_si512(_mm512_srli_epi32(packed, 4), low_nibbles);
+    w[3] = _mm512_and_si512(_mm512_srli_epi32(packed, 12), low_nibbles);
+  } else {
+    w[0] = _mm512_srai_epi16(_mm512_slli_epi16(packed, 8), 8);
+    w[1] = _mm512_srai_epi16(packed, 8);
+  }
+}
+
 template <int bits, int group, int block, bool with_mins, typename scale_t>
 void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
                        const Int16Rows& a, int64_t first_row, int64_t tile_bytes, int64_t params_per_tile) {
   constexpr int kColsPerLoad = bits == 4 ? 8 : 4, kPairsPerLoad = kColsPerLoad / 2;
   constexpr int kChains = block <= 2 ? 4 : 2;
   const int64_t groups = a.cols / group;
-  const __m512i pair_bytes = _mm512_set4_epi32(0x0F0D0E0C, 0x0B090A08, 0x07050604, 0x03010200);
-  const __m512i low_nibbles = _mm512_set1_epi32(0x000F000F);
   __m512 acc[block];
   for (int r = 0; r < block; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -638,17 +619,8 @@ void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale
       const int64_t col = g * group + i * kColsPerLoad;
       const uint8_t* line = tile + col / kColsPerLoad * 64;
       __builtin_prefetch(line + tile_bytes, 0, 3);
-      const __m512i packed = _mm512_shuffle_epi8(_mm512_loadu_si512(line), pair_bytes);
       __m512i w[kPairsPerLoad];
-      if constexpr (bits == 4) {
-        w[0] = _mm512_and_si512(packed, low_nibbles);
-        w[1] = _mm512_and_si512(_mm512_srli_epi32(packed, 8), low_nibbles);
-        w[2] = _mm512_and_si512(_mm512_srli_epi32(packed, 4), low_nibbles);
-        w[3] = _mm512_and_si512(_mm512_srli_epi32(packed, 12), low_nibbles);
-      } else {
-        w[0] = _mm512_srai_epi16(_mm512_slli_epi16(packed, 8), 8);
-        w[1] = _mm512_srai_epi16(packed, 8);
-      }
+      expand_line<bits>(w, line);
 #pragma GCC unroll 8
       for (int r = 0; r < block; ++r) {
         const int16_t* x = a.q + (first_row + r) * a.cols + col;
@@ -658,7 +630,7 @@ void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale
           std::memcpy(&pair, x + 2 * p, sizeof(pair));
           const int k = (i * kPairsPerLoad + p) % kChains;
           sums[r][k] = _mm512_dpwssd_epi32(sums[r][k], w[p], _mm512_set1_epi32(pair));
-          __asm__("" : "+v"(sums[r][k]));   // each sum stays in its register (see int16_dots)
+          __asm__("" : "+v"(sums[r][k]));   // each sum stays in its register (see the AVX2 int16_dots)
         }
       }
     }
@@ -675,6 +647,97 @@ void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale
     }
   }
   for (int r = 0; r < block; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+// Many rows: kInt16PanelTiles tiles' column pairs expanded once per chunk of rows (expand_line over every line, in
+// column order), then kInt16BlockRows activation rows at a time meet all of them, each activation pair broadcast
+// once for the panel's tiles and each weight vector loaded once for the block's rows. The direct body at many rows
+// loads a broadcast per product and is bound by the loads, and so is a panel of one tile at 8 rows. Rows x tiles a
+// pass, each against 4 x 3 in turn in short alternating processes (Ice Lake, 3072 x 576 at 128 rows and 576 x 1536
+// at 512, 2 threads, median time ratio): 6 x 2 1.30 / 1.17, 4 x 4 1.07 / 1.17, 5 x 3 1.06 / 1.16; the slot-order
+// panel this replaced (8 rows of one tile, each row's two lanes a weight row gathered by two permutes a group)
+// took 1.10 / 1.16 times 6 x 2's. The same integer sums and the same fold as int16_direct_dots: the same bits.
+constexpr int kInt16PanelTiles = 3;
+
+struct alignas(64) ColumnPair {
+  int16_t q[32];   // lane n: weight row n's q of the pair's two columns
+};
+
+struct Int16PairPanel {
+  std::vector<ColumnPair> pairs;     // [kInt16PanelTiles, columns / 2]
+  std::vector<float> scales, mins;   // [kInt16PanelTiles, params per tile]; a missing last tile is zeros
+};
+
+template <int bits, typename scale_t>
+void expand_panel(Int16PairPanel& panel, const uint8_t* tiles, int64_t tile_bytes, const scale_t* scales,
+                  const scale_t* mins, int64_t params_per_tile, int count, int64_t cols) {
+  constexpr int kColsPerLoad = bits == 4 ? 8 : 4;
+  const int64_t pairs = cols / 2;
+  panel.pairs.resize(kInt16PanelTiles * pairs);
+  panel.scales.assign(kInt16PanelTiles * params_per_tile, 0.f);   // a layer's last panel may lack a tile: its sums
+  panel.mins.assign(mins != nullptr ? kInt16PanelTiles * params_per_tile : 0, 0.f);   // must be finite
+  for (int t = count; t < kInt16PanelTiles; ++t) {
+    std::fill_n(panel.pairs.data() + t * pairs, pairs, ColumnPair{});
+  }
+  for (int t = 0; t < count; ++t) {
+    const uint8_t* tile = tiles + t * tile_bytes;
+    for (int64_t col = 0; col < cols; col += kColsPerLoad) {
+      auto* w = reinterpret_cast<__m512i*>(panel.pairs.data() + t * pairs + col / 2);
+      expand_line<bits>(w, tile + col / kColsPerLoad * 64);
+    }
+    for (int64_t i = 0; i < params_per_tile; ++i) {
+      panel.scales[t * params_per_tile + i] = static_cast<float>(scales[t * params_per_tile + i]);
+      if (mins != nullptr) panel.mins[t * params_per_tile + i] = static_cast<float>(mins[t * params_per_tile + i]);
+    }
+  }
+}
+
+// out[r][v * 16 + n] for activation rows first_row.. first_row + kInt16BlockRows against the panel's tile v. The
+// group's pairs are a constant so that their loop unrolls.
+template <int pairs_per_group, bool with_mins>
+void int16_panel_dots(float (*out)[kInt16PanelTiles * kTileRows], const Int16PairPanel& panel, int64_t params_per_tile,
+                      const Int16Rows& a, int64_t first_row) {
+  const int64_t groups = a.cols / a.group, pairs = a.cols / 2;
+  __m512 acc[kInt16BlockRows][kInt16PanelTiles];
+  for (int r = 0; r < kInt16BlockRows; ++r) {
+    for (int v = 0; v < kInt16PanelTiles; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sums[kInt16BlockRows][kInt16PanelTiles];
+    for (int r = 0; r < kInt16BlockRows; ++r) {
+      for (int v = 0; v < kInt16PanelTiles; ++v) sums[r][v] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < pairs_per_group; ++i) {
+      const int64_t pair_index = g * pairs_per_group + i;
+      __m512i w[kInt16PanelTiles];
+      for (int v = 0; v < kInt16PanelTiles; ++v) w[v] = _mm512_load_si512(panel.pairs.data() + v * pairs + pair_index);
+#pragma GCC unroll 8
+      for (int r = 0; r < kInt16BlockRows; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, a.q + (first_row + r) * a.cols + 2 * pair_index, sizeof(pair));
+        const __m512i x = _mm512_set1_epi32(pair);
+        for (int v = 0; v < kInt16PanelTiles; ++v) {
+          sums[r][v] = _mm512_dpwssd_epi32(sums[r][v], w[v], x);
+          __asm__("" : "+v"(sums[r][v]));   // each sum stays in its register (see the AVX2 int16_dots)
+        }
+      }
+    }
+    for (int v = 0; v < kInt16PanelTiles; ++v) {
+      const __m512 w_scales = _mm512_loadu_ps(panel.scales.data() + v * params_per_tile + g * kTileRows);
+      const __m512 w_mins = with_mins ? _mm512_loadu_ps(panel.mins.data() + v * params_per_tile + g * kTileRows)
+                                      : _mm512_setzero_ps();
+      for (int r = 0; r < kInt16BlockRows; ++r) {
+        const int64_t ag = (first_row + r) * groups + g;
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][v]), _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag])),
+                                    acc[r][v]);
+        if (with_mins) acc[r][v] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(a.scaled_sum[ag]), acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < kInt16BlockRows; ++r) {
+    for (int v = 0; v < kInt16PanelTiles; ++v) _mm512_storeu_ps(out[r] + v * kTileRows, acc[r][v]);
+  }
 }
 
 #else   // AVX2: 16 registers, so half a tile (8 weight rows, 32 bytes of each 64-byte line) a pass
@@ -815,7 +878,7 @@ void store_sums(scalar_t* result, const float (*sums)[width], const scalar_t* bi
 
 // quantized_linear_int16's work on tiles [first_tile_of_call, last_tile_of_call): split(first, last, f) runs f over
 // runs of those tiles, on the cores (at::parallel_for) or on the calling thread alone (a share). Few rows (VNNI and
-// AVX2 builds) multiply straight from the packed tiles; more meet each tile's int16 panel, unpacked once per chunk
+// AVX2 builds) multiply straight from the packed tiles; more meet the tiles widened to int16 (panels), once per chunk
 // of rows. Both give the same bits.
 template <typename Split>
 void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
@@ -827,7 +890,6 @@ void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, 
     constexpr int kBits = decltype(bits_constant)::value;
     using scale_t = scale_type_of<decltype(all_scales)>;
     const int64_t rows = x.size(0), out_features = out.size(1);
-    const int64_t slots = x.size(1) / 4, groups = x.size(1) / group;
     const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1);
     const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
     auto mins_of = [&](int64_t t) { return all_mins ? all_mins + t * params_per_tile : nullptr; };
@@ -852,15 +914,39 @@ void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, 
       return;
     }
 #endif
-    // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
-    const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_dots<8, true> : &int16_dots<8, false>)
-                                     : (all_mins != nullptr ? &int16_dots<4, true> : &int16_dots<4, false>);
     // Rows in chunks that stay in the core's L2 while they meet every tile of the thread's share (a 2,048-row
     // prefill's activations are 2.4 MB: met whole by each tile, they streamed from L3 once per tile); a tile is
     // unpacked again per chunk, a cost of 1 / chunk rows against its products.
     const int64_t row_bytes = x.size(1) * static_cast<int64_t>(sizeof(int16_t));
     const int64_t chunk_blocks = kInt16ChunkBytes / row_bytes / kInt16BlockRows;
     const int64_t chunk_rows = std::max<int64_t>(1, chunk_blocks) * kInt16BlockRows;
+#if defined(PAGEDLLM_VNNI)
+    // Groups of 32 columns are 16 pairs; 8-bit formats may have groups of 16 (8 pairs).
+    const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_panel_dots<16, true> : &int16_panel_dots<16, false>)
+                                     : (all_mins != nullptr ? &int16_panel_dots<8, true> : &int16_panel_dots<8, false>);
+    split(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
+      thread_local Int16PairPanel panel;   // kept from call to call: no allocation per call
+      float dots[kInt16BlockRows][kInt16PanelTiles * kTileRows];
+      for (int64_t chunk = 0; chunk < rows; chunk += chunk_rows) {
+        const int64_t chunk_end = std::min(rows, chunk + chunk_rows);
+        for (int64_t t = begin; t < end; t += kInt16PanelTiles) {
+          const int count = static_cast<int>(std::min<int64_t>(kInt16PanelTiles, end - t));
+          expand_panel<kBits>(panel, weights + t * tile_bytes, tile_bytes, all_scales + t * params_per_tile, mins_of(t),
+                              params_per_tile, count, x.size(1));
+          const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(count * kTileRows, out_features - first_out);
+          for (int64_t r = chunk; r < chunk_end; r += kInt16BlockRows) {
+            dots_of(dots, panel, params_per_tile, a, r);
+            store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
+                       out_features);
+          }
+        }
+      }
+    });
+#else
+    // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
+    const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_dots<8, true> : &int16_dots<8, false>)
+                                     : (all_mins != nullptr ? &int16_dots<4, true> : &int16_dots<4, false>);
+    const int64_t slots = x.size(1) / 4, groups = x.size(1) / group;
     split(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
       thread_local Int16Panel panel;   // kept from call to call: no allocation per call
       float dots[kInt16BlockRows][kTileRows];
@@ -878,6 +964,7 @@ void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, 
         }
       }
     });
+#endif
   });
 }
 
