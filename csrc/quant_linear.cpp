@@ -419,7 +419,7 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
 // AVX-512 VNNI's vpdpwssd multiplies 32 pairs and adds them in one instruction, issued as often as an FMA of 16
 // floats (Ice Lake: two a cycle, ~4.9 G a second a core, measured in a register-only loop).
 // Few rows multiply straight from the packed tiles (int16_direct_dots); many meet the tiles' q values widened to
-// int16 once per chunk of rows: on VNNI builds, column pairs of two tiles with one weight row a lane
+// int16 once per chunk of rows: on VNNI builds, column pairs of three tiles with one weight row a lane
 // (int16_panel_dots); on AVX2, half a tile (8 weight rows) at a time, each slot's 4 columns of a weight row kept
 // together (int16_dots). Per group the int32 sums are folded into float sums as the int8 paths fold theirs, in the
 // same arithmetic on every build. Every row's result is the same whatever rows it shares the call with.
