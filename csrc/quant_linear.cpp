@@ -579,9 +579,9 @@ void int16_dots(float (*out)[kTileRows], const Int16Panel& panel, int64_t slots,
 // quant_matmul.cpp: without it the 8-bit LM head at one row read 14 GB/s).
 #if defined(PAGEDLLM_VNNI)
 constexpr int kInt16DirectBlockRows = 8;   // activation rows per pass: 8 x 2 chains of int32 sums, 8 float sums
-// Up to this many rows the direct body beats the panel's (Ice Lake, `pagedllm bench kernels`, each way in turn in one
-// run: summed over a decode step's layers and LM head at 16 rows ~0.88x the panel's time, at 32 ~1.3x; per layer at
-// one row 0.2-0.7x, where the panel's unpacking is paid for one row).
+// Up to this many rows the direct body is at least as fast as the panels (Ice Lake, each way in turn in short
+// alternating processes, median time panel / direct: 3072 x 576 at 8 rows 1.62, at 16 1.02; 576 x 1536 1.46 and
+// 1.15).
 constexpr int64_t kInt16DirectUpToRows = 16;
 
 // A 64-byte line of a packed tile as its column pairs (4 bits: 4 pairs; 8 bits: 2), one weight row a 32-bit lane.
