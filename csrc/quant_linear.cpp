@@ -181,6 +181,14 @@ inline __m512 load16(const c10::Half* p) {
 }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
+// A group's int32 sums added to a row's float sums: sums * (the weights' scales * the row's scale), then the weights'
+// mins * the row's scaled sum. Every integer body folds with it, so that their outputs are the same bits.
+inline __m512 fold_group(__m512 acc, __m512i sums, __m512 w_scales, __m512 w_mins, bool with_mins, float scale,
+                         float scaled_sum) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(w_scales, _mm512_set1_ps(scale)), acc);
+  return with_mins ? _mm512_fmadd_ps(w_mins, _mm512_set1_ps(scaled_sum), acc) : acc;
+}
+
 inline __m512i broadcast4(const int8_t* p) {
   int32_t four;
   std::memcpy(&four, p, sizeof(four));
@@ -228,9 +236,8 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
     const __m512 w_mins = mins != nullptr ? load16(mins + g * kTileRows) : _mm512_setzero_ps();
     for (int r = 0; r < block; ++r) {
       const int64_t ag = (first_row + r) * groups + g;
-      const __m512 group_sums = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r], sums_odd[r]));
-      acc[r] = _mm512_fmadd_ps(group_sums, _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag])), acc[r]);
-      if (mins != nullptr) acc[r] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(a.scaled_sum[ag]), acc[r]);
+      acc[r] = fold_group(acc[r], _mm512_add_epi32(sums[r], sums_odd[r]), w_scales, w_mins, mins != nullptr, a.scale[ag],
+                          a.scaled_sum[ag]);
     }
   }
   for (int r = 0; r < block; ++r) _mm512_storeu_ps(out[r], acc[r]);
@@ -318,9 +325,7 @@ void panel_dots(float (*out)[kPanelTiles * kTileRows], const Panel& panel, int64
                                       : _mm512_setzero_ps();
       for (int r = 0; r < kBlockRows; ++r) {
         const int64_t ag = (first_row + r) * groups + g;
-        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][v]), _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag])),
-                                    acc[r][v]);
-        if (with_mins) acc[r][v] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(a.scaled_sum[ag]), acc[r][v]);
+        acc[r][v] = fold_group(acc[r][v], sums[r][v], w_scales, w_mins, with_mins, a.scale[ag], a.scaled_sum[ag]);
       }
     }
   }
@@ -642,8 +647,7 @@ void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale
       const int64_t ag = (first_row + r) * groups + g;
       __m512i row_sums = sums[r][0];
       for (int k = 1; k < kChains; ++k) row_sums = _mm512_add_epi32(row_sums, sums[r][k]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(row_sums), _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag])), acc[r]);
-      if (with_mins) acc[r] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(a.scaled_sum[ag]), acc[r]);
+      acc[r] = fold_group(acc[r], row_sums, w_scales, w_mins, with_mins, a.scale[ag], a.scaled_sum[ag]);
     }
   }
   for (int r = 0; r < block; ++r) _mm512_storeu_ps(out[r], acc[r]);
@@ -729,9 +733,7 @@ void int16_panel_dots(float (*out)[kInt16PanelTiles * kTileRows], const Int16Pai
                                       : _mm512_setzero_ps();
       for (int r = 0; r < kInt16BlockRows; ++r) {
         const int64_t ag = (first_row + r) * groups + g;
-        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][v]), _mm512_mul_ps(w_scales, _mm512_set1_ps(a.scale[ag])),
-                                    acc[r][v]);
-        if (with_mins) acc[r][v] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(a.scaled_sum[ag]), acc[r][v]);
+        acc[r][v] = fold_group(acc[r][v], sums[r][v], w_scales, w_mins, with_mins, a.scale[ag], a.scaled_sum[ag]);
       }
     }
   }
