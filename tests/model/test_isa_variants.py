@@ -82,21 +82,23 @@ def test_forcing_a_variant_the_cpu_lacks_or_that_does_not_exist_is_refused():
 
 # Run under each variant: the int16 path's results on fixed inputs (8-bit weights without mins, 4-bit with them;
 # odd row and output counts, bias; 5 and 13 rows take the VNNI and AVX2 builds' few-row body, 37 their panels),
-# saved to argv[1].
+# saved to argv[1]. 100 outputs are 7 tiles, the last with 4 rows; on 2 threads each thread's 4 and 3 tiles make
+# VNNI panels of 3 and 1 tiles and of 3 (a panel's missing tiles and the last tile's missing rows both covered).
 _INT16_PROBE = """
 import sys
 import torch
 from pagedllm.model import kernels
 from pagedllm.model.quantization import quantize
+torch.set_num_threads(2)
 generator = torch.Generator().manual_seed(0)
 x = torch.randn(37, 512, generator=generator)
 x[0, :7] *= 20
-bias = torch.randn(40, generator=generator)
+bias = torch.randn(100, generator=generator)
 results = {}
 for bits in (8, 4):
-    weight = quantize(torch.randn(40, 512, generator=generator) * 0.05, bits)
+    weight = quantize(torch.randn(100, 512, generator=generator) * 0.05, bits)
     for rows in (37, 13, 5):
-        out = torch.empty(rows, 40)
+        out = torch.empty(rows, 100)
         kernels.kernels.quantized_linear_int16(out, x[:rows], weight.qweight, weight.scales, weight.mins, bias,
                                                weight.bits, weight.group_size)
         results[bits, rows] = out
