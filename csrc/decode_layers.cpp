@@ -114,9 +114,9 @@ void DecodeStack::layers_in_turn(const StepBuffers& b, const StepInputs& in) con
 // with a barrier after each. Shares are at::parallel_for's split (equal runs of tiles, the last shorter), and
 // each kernel's own parallel_for runs inline on its thread inside the region. An adapter-wrapped projection's
 // update runs in the same phase, with no barrier of its own: the thread runs its share of the shrink into the
-// shared h, its matmul share, waits (at a counter, almost never in vain) for the other shares of h, then runs the
-// expand over the columns it just wrote. Before the barrier that ends a projection's phase, the thread hints the CPU to fetch the next
-// adapter's A and its share of that adapter's B, so the wait at the barrier starts their cold streams. Every
+// shared h, its matmul share, waits (at a counter, almost never in vain) for the other shares of h, then runs
+// the expand over the columns it just wrote. Before the barrier that ends a projection's phase, the thread hints
+// the CPU to fetch its shares of the next adapter's A and B, so their cold streams start before the wait. Every
 // output element is computed the same way whichever thread computes it, so results are the kernels' own, bit for
 // bit. The adapters' plans are made before the region (their checks may throw); an error inside it stops the
 // work but not the barriers, and is rethrown after the region.

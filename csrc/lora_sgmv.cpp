@@ -309,7 +309,8 @@ void LoRAUpdate::prefetch(int64_t first, int64_t last, int64_t begin, int64_t en
     fetched_slot = tile.slot;
     for (int64_t p = 0; p < s.parts; ++p) {
       const int64_t rank = s.rank_of(tile.slot, p);
-      const int64_t first_column = std::max(begin, s.column_starts[p]), last_column = std::min(end, s.column_starts[p + 1]);
+      const int64_t first_column = std::max(begin, s.column_starts[p]);
+      const int64_t last_column = std::min(end, s.column_starts[p + 1]);
       for (int64_t k = 0; k < rank && first_column < last_column; ++k)
         fetch(b_data + ((tile.slot * s.max_rank + k) * s.out + first_column) * element,
               (last_column - first_column) * element);

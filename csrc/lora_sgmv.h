@@ -50,13 +50,13 @@ class LoRAUpdate {
 
   // A one-row decode step's threads each run a share of the shrink's tasks (x . A, a chunk of rank rows each)
   // into one shared h (h_size() floats), then, once every share is in h, the expand of their own columns (out's
-  // columns [begin, end) of every adapter row += h . B) (decode_layers.cpp). Each thread reading all of A
-  // instead cost as much again as its share of B: a core's reads, not the memory's, bound the step.
+  // columns [begin, end) of every adapter row += h . B) (decode_layers.cpp). Each thread running the whole shrink
+  // read all of A (half the adapter's bytes) twice over a step; split, the adapter step costs ~2 points less.
   int64_t h_size() const { return h_size_; }
   void shrink_tasks(float* h, int64_t first, int64_t last) const;
   void expand_from(const float* h, int64_t begin, int64_t end) const;
   // Hints the CPU to fetch what shrink_tasks(.., first, last) and expand_from(.., begin, end) will read (those
-  // tasks' rows of A, B's columns [begin, end)) into L2, so a thread waiting at a barrier starts the next
+  // tasks' rows of A, B's columns [begin, end)) into L2: a thread about to wait at a barrier starts the next
   // projection's cold adapter streams.
   void prefetch(int64_t first, int64_t last, int64_t begin, int64_t end) const;
   // All of it, the shrink and then the expand each split over the cores (what lora_sgmv runs).
