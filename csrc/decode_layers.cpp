@@ -113,10 +113,10 @@ void DecodeStack::layers_in_turn(const StepBuffers& b, const StepInputs& in) con
 //   o | norm (thread 0) | gate_up | silu (thread 0) | down
 // with a barrier after each. Shares are at::parallel_for's split (equal runs of tiles, the last shorter), and
 // each kernel's own parallel_for runs inline on its thread inside the region. An adapter-wrapped projection's
-// update runs in the same phase, with no barrier of its own: the thread runs the whole shrink into its own h
-// (every thread computes each element of h the same way), its matmul share, then the expand over the columns it
-// just wrote. Before the barrier that ends a projection's phase, the thread hints the CPU to fetch the next
-// adapter's A and its share of that adapter's B, so the wait at the barrier starts their cold streams. Every
+// update runs in the same phase, with no barrier of its own: the thread runs its share of the shrink into the
+// shared h, its matmul share, waits (at a counter, almost never in vain) for the other shares of h, then runs
+// the expand over the columns it just wrote. Before the barrier that ends a projection's phase, the thread hints
+// the CPU to fetch its shares of the next adapter's A and B, so their cold streams start before the wait. Every
 // output element is computed the same way whichever thread computes it, so results are the kernels' own, bit for
 // bit. The adapters' plans are made before the region (their checks may throw); an error inside it stops the
 // work but not the barriers, and is rethrown after the region.
@@ -132,7 +132,7 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
   };
   // Projection n's adapter update (none where updates[n] is empty, and no updates on a step without adapter rows).
   std::vector<std::optional<LoRAUpdate>> updates(in.lora == nullptr ? 0 : 4 * num_layers);   // made in place
-  int64_t h_size = 0;   // the largest update's h, each thread's own
+  int64_t h_size = 0;   // the largest update's h, shared by the threads
   if (in.lora != nullptr) {   // made serially before the region, every step
     RECORD_FUNCTION("pagedllm::decode_lora_plans", std::vector<c10::IValue>());   // the plans' cost, apart
     for (size_t i = 0; i < num_layers; ++i) {
@@ -152,6 +152,11 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
     }
   }
   const int64_t group = num_heads_ / num_kv_heads_;
+  std::vector<float> h(h_size);
+  // Shrink shares put in h so far, over all threads and projections: an update's expand waits for its
+  // projection's shares at this counter, not at a barrier, as the other thread's share was done before its
+  // share of the matmul (the wait is almost never a wait).
+  std::atomic<int64_t> shrinks_done{0};
   std::atomic<bool> failed{false};
   std::exception_ptr error;
 #pragma omp parallel
@@ -183,24 +188,31 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
     };
     auto prefetch_adapter = [&](size_t n) {   // projection n's adapter, as this thread will read it
       if (n < updates.size() && updates[n]) {
+        const auto [first, last] = share(updates[n]->num_shrinks());
         const auto [begin, end] = columns(n);
-        updates[n]->prefetch(begin, end);
+        updates[n]->prefetch(first, last, begin, end);
       }
     };
-    std::vector<float> h(h_size);
+    int64_t adapter_projections = 0;   // projections with an update so far, the same count on every thread
     auto project = [&](const at::Tensor& out, const at::Tensor& x, size_t n) {   // projection n of the step
       const Projection& p = projection_at(n);
       const LoRAUpdate* update = n < updates.size() && updates[n] ? &*updates[n] : nullptr;
       const auto [first_tile, last_tile] = share(p.qweight.size(0));
-      guarded([&] {
-        if (update != nullptr) update->shrink_into(h.data());
-        in.share(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group, first_tile, last_tile);
-        if (update != nullptr) {
+      if (update != nullptr) {
+        const auto [first, last] = share(update->num_shrinks());
+        guarded([&] { update->shrink_tasks(h.data(), first, last); });
+        shrinks_done.fetch_add(1, std::memory_order_release);   // even after a failure: no thread waits for ever
+        ++adapter_projections;
+      }
+      guarded([&] { in.share(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group, first_tile, last_tile); });
+      if (update != nullptr) {
+        while (shrinks_done.load(std::memory_order_acquire) < threads * adapter_projections) {}
+        guarded([&] {
           const auto [begin, end] = columns(n);
           update->expand_from(h.data(), begin, end);
-        }
-        prefetch_adapter(n + 1);
-      });
+        });
+      }
+      guarded([&] { prefetch_adapter(n + 1); });
 #pragma omp barrier
     };
     // This thread's kv heads, and the views of its query and key heads.

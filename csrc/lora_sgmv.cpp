@@ -252,8 +252,6 @@ LoRAUpdate::LoRAUpdate(const at::Tensor& out, const at::Tensor& x, const LoRAWei
                x.stride(0), out.stride(0), weights.ranks, weights.column_starts, groups.rows};
 }
 
-void LoRAUpdate::shrink_into(float* h) const { shrink_tasks(h, 0, num_shrinks()); }
-
 void LoRAUpdate::shrink_tasks(float* h, int64_t first, int64_t last) const {
   if (first >= last) return;
   const Step& s = step_;
@@ -292,7 +290,7 @@ void LoRAUpdate::expand_from(const float* h, int64_t begin, int64_t end) const {
   for (const Tile& tile : tiles_) expand_tile(h, tile, begin, end);
 }
 
-void LoRAUpdate::prefetch(int64_t begin, int64_t end) const {
+void LoRAUpdate::prefetch(int64_t first, int64_t last, int64_t begin, int64_t end) const {
   const Step& s = step_;
   const int64_t element = c10::elementSize(lora_type_);
   const char* a_data = static_cast<const char*>(a_);
@@ -300,16 +298,22 @@ void LoRAUpdate::prefetch(int64_t begin, int64_t end) const {
   auto fetch = [](const char* data, int64_t bytes) {
     for (int64_t offset = 0; offset < bytes; offset += kCacheLine) __builtin_prefetch(data + offset, 0, 2);
   };
+  for (int64_t index = first; index < last; ++index) {
+    const ShrinkTask& task = shrinks_[index];
+    const int64_t slot = tiles_[task.tile].slot, row = task.part * s.max_rank + task.first;
+    fetch(a_data + ((slot * s.parts * s.max_rank + row) * s.in) * element, (task.last - task.first) * s.in * element);
+  }
   int64_t fetched_slot = -1;
   for (const Tile& tile : tiles_) {
     if (tile.slot == fetched_slot) continue;   // one row's tiles, or a segment's, share their slot
     fetched_slot = tile.slot;
     for (int64_t p = 0; p < s.parts; ++p) {
       const int64_t rank = s.rank_of(tile.slot, p);
-      fetch(a_data + ((tile.slot * s.parts + p) * s.max_rank * s.in) * element, rank * s.in * element);
-      const int64_t first = std::max(begin, s.column_starts[p]), last = std::min(end, s.column_starts[p + 1]);
-      for (int64_t k = 0; k < rank && first < last; ++k)
-        fetch(b_data + ((tile.slot * s.max_rank + k) * s.out + first) * element, (last - first) * element);
+      const int64_t first_column = std::max(begin, s.column_starts[p]);
+      const int64_t last_column = std::min(end, s.column_starts[p + 1]);
+      for (int64_t k = 0; k < rank && first_column < last_column; ++k)
+        fetch(b_data + ((tile.slot * s.max_rank + k) * s.out + first_column) * element,
+              (last_column - first_column) * element);
     }
   }
 }
