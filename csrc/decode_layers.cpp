@@ -115,8 +115,7 @@ void DecodeStack::layers_in_turn(const StepBuffers& b, const StepInputs& in) con
 // each kernel's own parallel_for runs inline on its thread inside the region. An adapter-wrapped projection's
 // update runs in the same phase, with no barrier of its own: the thread runs its share of the shrink into the
 // shared h, its matmul share, waits (at a counter, almost never in vain) for the other shares of h, then runs
-// the expand over the columns it just wrote. Before the barrier that ends a projection's phase, the thread hints
-// the CPU to fetch its shares of the next adapter's A and B, so their cold streams start before the wait. Every
+// the expand over the columns it just wrote. Every
 // output element is computed the same way whichever thread computes it, so results are the kernels' own, bit for
 // bit. The adapters' plans are made before the region (their checks may throw); an error inside it stops the
 // work but not the barriers, and is rethrown after the region.
@@ -186,13 +185,6 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
       if (thread == 0) guarded(work);
 #pragma omp barrier
     };
-    auto prefetch_adapter = [&](size_t n) {   // projection n's adapter, as this thread will read it
-      if (n < updates.size() && updates[n]) {
-        const auto [first, last] = share(updates[n]->num_shrinks());
-        const auto [begin, end] = columns(n);
-        updates[n]->prefetch(first, last, begin, end);
-      }
-    };
     int64_t adapter_projections = 0;   // projections with an update so far, the same count on every thread
     auto project = [&](const at::Tensor& out, const at::Tensor& x, size_t n) {   // projection n of the step
       const Projection& p = projection_at(n);
@@ -212,7 +204,6 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
           update->expand_from(h.data(), begin, end);
         });
       }
-      guarded([&] { prefetch_adapter(n + 1); });
 #pragma omp barrier
     };
     // This thread's kv heads, and the views of its query and key heads.
@@ -223,7 +214,6 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
       k_mine = b.k_rotated.narrow(1, kv_first, kv_end - kv_first);
     });
 
-    guarded([&] { prefetch_adapter(0); });
     for (size_t i = 0; i < num_layers; ++i) {
       const DecodeLayer& layer = layers_[i];
       on_one_thread([&] {

@@ -24,6 +24,17 @@ constexpr int64_t kTileRows = 4;         // rows of one slot sharing each weight
 constexpr int64_t kRankChunk = 8;        // rank rows of one part per shrink task
 constexpr int64_t kColumnBlock = 128;    // output columns per expand task
 constexpr int64_t kCacheLine = 64;       // bytes per prefetch hint
+// A one-row update reads its adapter once, from memory, in runs of a few KB (a block of A's rank rows, B's columns
+// of a rank row) too short for the hardware prefetchers: the shrink hints the CPU to fetch the block of A after
+// its own, the expand each rank row's columns kExpandAhead steps on, as they read.
+constexpr int64_t kExpandAhead = 2;
+constexpr int64_t kExpandStep = 4 * kLanes;   // output columns per expand_block
+
+// Hints the CPU to fetch [data, data + bytes) into L2.
+inline void prefetch_bytes(const void* data, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += kCacheLine)
+    __builtin_prefetch(static_cast<const char*>(data) + offset, 0, 2);
+}
 // Work per task that outweighs waking a thread, in multiply-adds; each weight element read counts kReadWork more,
 // as a decode step's few rows are bound by reading the adapter from memory, not by arithmetic: split that way,
 // one row's update of one layer runs on every core.
@@ -36,10 +47,13 @@ using Step = LoRAUpdate::Step;
 
 // h[t][j] = x_t . a_j for J rank rows a_j of one slot's A (rows `in` apart) and T rows x_t (float, zero-padded
 // to whole vectors, in_padded apart): T * J independent accumulators keep the FMA units busy even for one row.
+// The J rows after these are fetched as these are read.
 template <int T, int J, typename lora_t>
 void shrink_block(float* h, int64_t h_stride, const float* xs, const lora_t* a, const Step& s) {
   vfloat acc[T][J] = {};
+  const lora_t* next = a + J * s.in;
   for (int64_t i = 0; i < s.in; i += kLanes) {
+    prefetch_bytes(next + J * i, J * kLanes * static_cast<int64_t>(sizeof(lora_t)));
     const int64_t width = std::min<int64_t>(kLanes, s.in - i);
     vfloat w[J];
     for (int j = 0; j < J; ++j) w[j] = width == kLanes ? widen(a + j * s.in + i) : widen_partial(a + j * s.in + i, width);
@@ -62,12 +76,15 @@ void shrink_task(float* h, const float* xs, const lora_t* a_slot, const ShrinkTa
 }
 
 // out_t[c] += sum_k h_t[k] b[k][c] over C column vectors of one part (b's rows `out` apart), for T rows;
-// kPartial: one vector of `width` < kLanes columns (a part's last columns).
+// kPartial: one vector of `width` < kLanes columns (a part's last columns). Whole steps fetch each rank row's
+// columns kExpandAhead steps on as they read.
 template <int T, int C, bool kPartial, typename scalar_t, typename lora_t>
 void expand_block(scalar_t* const* out_rows, const float* h, int64_t h_stride, const lora_t* b, int64_t rank,
                   int64_t width, const Step& s) {
   vfloat acc[T][C] = {};
   for (int64_t k = 0; k < rank; ++k) {
+    if constexpr (C * kLanes == kExpandStep)
+      prefetch_bytes(b + k * s.out + kExpandAhead * kExpandStep, kExpandStep * static_cast<int64_t>(sizeof(lora_t)));
     vfloat w[C];
     for (int c = 0; c < C; ++c) w[c] = kPartial ? widen_partial(b + k * s.out, width) : widen(b + k * s.out + c * kLanes);
     for (int t = 0; t < T; ++t) {
@@ -104,7 +121,7 @@ void expand_tile(scalar_t* out, const float* h_tile, const Tile& tile, const lor
       return rows;
     };
     int64_t c = first;
-    for (; c + 4 * kLanes <= last; c += 4 * kLanes) expand_block<T, 4, false>(at(c), h, h_stride, b_slot + c, rank, 0, s);
+    for (; c + kExpandStep <= last; c += kExpandStep) expand_block<T, 4, false>(at(c), h, h_stride, b_slot + c, rank, 0, s);
     for (; c + kLanes <= last; c += kLanes) expand_block<T, 1, false>(at(c), h, h_stride, b_slot + c, rank, 0, s);
     if (c < last) expand_block<T, 1, true>(at(c), h, h_stride, b_slot + c, rank, last - c, s);
   }
@@ -288,34 +305,6 @@ void LoRAUpdate::expand_tile(const float* h, const Tile& tile, int64_t begin, in
 void LoRAUpdate::expand_from(const float* h, int64_t begin, int64_t end) const {
   if (begin >= end) return;
   for (const Tile& tile : tiles_) expand_tile(h, tile, begin, end);
-}
-
-void LoRAUpdate::prefetch(int64_t first, int64_t last, int64_t begin, int64_t end) const {
-  const Step& s = step_;
-  const int64_t element = c10::elementSize(lora_type_);
-  const char* a_data = static_cast<const char*>(a_);
-  const char* b_data = static_cast<const char*>(b_);
-  auto fetch = [](const char* data, int64_t bytes) {
-    for (int64_t offset = 0; offset < bytes; offset += kCacheLine) __builtin_prefetch(data + offset, 0, 2);
-  };
-  for (int64_t index = first; index < last; ++index) {
-    const ShrinkTask& task = shrinks_[index];
-    const int64_t slot = tiles_[task.tile].slot, row = task.part * s.max_rank + task.first;
-    fetch(a_data + ((slot * s.parts * s.max_rank + row) * s.in) * element, (task.last - task.first) * s.in * element);
-  }
-  int64_t fetched_slot = -1;
-  for (const Tile& tile : tiles_) {
-    if (tile.slot == fetched_slot) continue;   // one row's tiles, or a segment's, share their slot
-    fetched_slot = tile.slot;
-    for (int64_t p = 0; p < s.parts; ++p) {
-      const int64_t rank = s.rank_of(tile.slot, p);
-      const int64_t first_column = std::max(begin, s.column_starts[p]);
-      const int64_t last_column = std::min(end, s.column_starts[p + 1]);
-      for (int64_t k = 0; k < rank && first_column < last_column; ++k)
-        fetch(b_data + ((tile.slot * s.max_rank + k) * s.out + first_column) * element,
-              (last_column - first_column) * element);
-    }
-  }
 }
 
 void LoRAUpdate::run() const {

@@ -55,10 +55,6 @@ class LoRAUpdate {
   int64_t h_size() const { return h_size_; }
   void shrink_tasks(float* h, int64_t first, int64_t last) const;
   void expand_from(const float* h, int64_t begin, int64_t end) const;
-  // Hints the CPU to fetch what shrink_tasks(.., first, last) and expand_from(.., begin, end) will read (those
-  // tasks' rows of A, B's columns [begin, end)) into L2: a thread about to wait at a barrier starts the next
-  // projection's cold adapter streams.
-  void prefetch(int64_t first, int64_t last, int64_t begin, int64_t end) const;
   // All of it, the shrink and then the expand each split over the cores (what lora_sgmv runs).
   void run() const;
 
