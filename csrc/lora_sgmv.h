@@ -1,7 +1,7 @@
 // One layer's LoRA update for one step (lora_sgmv.cpp), checked and planned once, then run: the shrink (x . A)
 // and the expand (. B, added to out). lora_sgmv runs the two over the cores itself, a parallel region each; the
 // compiled decode stack runs a one-row step's update inside the step's one parallel region instead
-// (decode_layers.cpp), each thread the whole shrink and its share of the expand's columns, as a decode step's
+// (decode_layers.cpp), each thread its share of the shrink and of the expand's columns, as a decode step's
 // 120 updates spent more in waking, joining and waiting for threads than in reading the adapter.
 #pragma once
 
