@@ -16,6 +16,7 @@
 #include <atomic>
 #include <exception>
 #include <optional>
+#include <thread>
 #include <utility>
 #if defined(_OPENMP)
 #include <omp.h>
@@ -114,10 +115,9 @@ void DecodeStack::layers_in_turn(const StepBuffers& b, const StepInputs& in) con
 // with a barrier after each. Shares are at::parallel_for's split (equal runs of tiles, the last shorter), and
 // each kernel's own parallel_for runs inline on its thread inside the region. An adapter-wrapped projection's
 // update runs in the same phase, with no barrier of its own: the thread runs its share of the shrink into the
-// shared h, its matmul share, waits (at a counter, almost never in vain) for the other shares of h, then runs
-// the expand over the columns it just wrote. Every
-// output element is computed the same way whichever thread computes it, so results are the kernels' own, bit for
-// bit. The adapters' plans are made before the region (their checks may throw); an error inside it stops the
+// shared h, its matmul share, waits (at a counter, almost never in vain; yielding, for more threads than cores)
+// for the other shares of h, then runs the expand over the columns it just wrote. Every output element is
+// computed the same way whichever thread computes it, so results are the kernels' own, bit for bit. The adapters' plans are made before the region (their checks may throw); an error inside it stops the
 // work but not the barriers, and is rethrown after the region.
 void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) const {
 #if defined(_OPENMP)
@@ -198,7 +198,7 @@ void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) con
       }
       guarded([&] { in.share(out, x, p.qweight, p.scales, p.mins, p.bias, p.bits, p.group, first_tile, last_tile); });
       if (update != nullptr) {
-        while (shrinks_done.load(std::memory_order_acquire) < threads * adapter_projections) {}
+        while (shrinks_done.load(std::memory_order_acquire) < threads * adapter_projections) std::this_thread::yield();
         guarded([&] {
           const auto [begin, end] = columns(n);
           update->expand_from(h.data(), begin, end);
