@@ -117,8 +117,9 @@ void DecodeStack::layers_in_turn(const StepBuffers& b, const StepInputs& in) con
 // update runs in the same phase, with no barrier of its own: the thread runs its share of the shrink into the
 // shared h, its matmul share, waits (at a counter, almost never in vain; yielding, for more threads than cores)
 // for the other shares of h, then runs the expand over the columns it just wrote. Every output element is
-// computed the same way whichever thread computes it, so results are the kernels' own, bit for bit. The adapters' plans are made before the region (their checks may throw); an error inside it stops the
-// work but not the barriers, and is rethrown after the region.
+// computed the same way whichever thread computes it, so results are the kernels' own, bit for bit. The adapters'
+// plans are made before the region (their checks may throw); an error inside it stops the work but not the
+// barriers, and is rethrown after the region.
 void DecodeStack::layers_one_row(const StepBuffers& b, const StepInputs& in) const {
 #if defined(_OPENMP)
   RECORD_FUNCTION("pagedllm::decode_one_row", std::vector<c10::IValue>());   // torch.profiler names the path
