@@ -11,9 +11,10 @@
 // model's (kv_cache_dtype): its elements are widened to float as they are read, and an int8
 // cache's per-slot scales multiply the scores and the probabilities instead of each element.
 //
-// Where queries and cache are both bfloat16, the tile products may instead run as small matrix
-// multiplications through oneDNN's brgemm (BrgemmTiles, brgemm_tiles.h: AMX tiles where the CPU has
-// them), the tile's K and V packed into the layout it reads; the softmax between them is the same.
+// The tile products may instead run as small matrix multiplications through oneDNN's brgemm (BrgemmTiles,
+// brgemm_tiles.h: bfloat16 queries and cache, on AMX tiles where the CPU has them; or float queries over a
+// float or bfloat16 cache), the tile's K and V packed into the layout it reads; the softmax between them is
+// the same.
 //
 // A row may see a range of keys (a sliding-window layer: its last `window` keys) rather than all before
 // it, and scores may be soft-capped (Gemma 2: cap * tanh(score / cap)) before the softmax.
@@ -130,8 +131,9 @@ struct TileScratch {
 };
 
 // The brgemm products' per-thread scratch: its end gives back the AMX tiles the thread's calls took.
-struct BrgemmScratch : TileScratch<c10::BFloat16> {
-  ~BrgemmScratch() { BrgemmTiles::release(); }
+template <typename Operand>
+struct BrgemmScratch : TileScratch<Operand> {
+  ~BrgemmScratch() { BrgemmTiles<Operand>::release(); }
 };
 
 // Attention state of rows kept outside a row set, [tokens][heads]: values accumulated against the
@@ -147,7 +149,8 @@ struct RowStates {
 template <typename cache_t, typename Pairs, int RowBlock = kRowBlock>
 class TileAttention {
   using Operand = typename Pairs::Operand;
-  static constexpr bool kBrgemm = std::is_same_v<Pairs, BrgemmTiles>;
+  static constexpr bool kBrgemm = kIsBrgemmTiles<Pairs>;
+  using Packed = typename BrgemmTiles<Operand>::Packed;
 
  public:
   // group: query heads per kv head; num_heads: all of them (out's row width, in heads); softcap: 0 for none.
@@ -157,7 +160,7 @@ class TileAttention {
         head_dim_(cache.head_dim),
         tile_keys_(tile_keys_for(cache.block_size)),
         // + kLanes: the softmax reads whole vectors past the last key; brgemm writes up to its aligned count
-        score_stride_((kBrgemm ? BrgemmTiles::aligned_keys(tile_keys_) : tile_keys_) + kLanes) {}
+        score_stride_((kBrgemm ? BrgemmTiles<Operand>::aligned_keys(tile_keys_) : tile_keys_) + kLanes) {}
 
   // Rows: count query tokens (token_at(i) gives the i-th) times the query heads of kv_head. Row r is
   // token r / group, head kv_head * group + r % group. Rows past the last (to fill the last block of
@@ -197,7 +200,7 @@ class TileAttention {
 
   // The same over tiles BrgemmTiles::pack packed beforehand, on their grid: keys of the first tile before
   // key_begin are masked as each row's first_key says.
-  void walk(const BrgemmTiles::Packed& packed, int64_t key_begin, int64_t key_end) {
+  void walk(const Packed& packed, int64_t key_begin, int64_t key_end) {
     static_assert(kBrgemm, "packed tiles are for the brgemm products");
     packed_ = &packed;
     walk_tiles(key_begin - (key_begin - packed.origin) % tile_keys_, key_end);
@@ -255,7 +258,7 @@ class TileAttention {
   // scores[r][j] = q_r . k_(key0 + j), unscaled.
   void score(int64_t key0, int64_t count) {
     if constexpr (kBrgemm) {
-      BrgemmTiles::score(packed_->keys + packed_->offset(key0), count, packed_->ld_keys, head_dim_, s_.queries.data(),
+      Pairs::score(packed_->keys + packed_->offset(key0), count, packed_->ld_keys, head_dim_, s_.queries.data(),
                          padded_rows_, s_.scores.data(), score_stride_);
     } else {
       score_in_registers(key0, count);
@@ -265,7 +268,7 @@ class TileAttention {
   // acc[r] += sum_j probs[r][j] * v_(key0 + j).
   void accumulate_values(int64_t key0, int64_t count) {
     if constexpr (kBrgemm) {
-      BrgemmTiles::accumulate(packed_->values + packed_->offset(key0), count, head_dim_, s_.probs.data(),
+      Pairs::accumulate(packed_->values + packed_->offset(key0), count, head_dim_, s_.probs.data(),
                               padded_rows_, score_stride_, s_.acc.data());
     } else {
       accumulate_in_registers(key0, count);
@@ -277,18 +280,22 @@ class TileAttention {
     const int64_t block_size = cache_.block_size;
     for (int64_t key = key0; key < key0 + count;) {
       const int64_t slot = key % block_size;
-      const int64_t width = std::min<int64_t>({kLanes, block_size - slot, key0 + count - key});
+      // Slots [slot, slot + readable) lie in this block; the keys of this walk end at slot + width. Loads take
+      // every readable slot: a partial load (copied through the stack) stalls on store forwarding, and the
+      // scores of slots past width are never read.
+      const int64_t readable = std::min<int64_t>(kLanes, block_size - slot);
+      const int64_t width = std::min<int64_t>(readable, key0 + count - key);
       const cache_t* keys = cache_.keys(table_[key / block_size], kv_head_) + slot;
       for (int64_t r0 = 0; r0 < padded_rows_; r0 += RowBlock) {
         vfloat acc[RowBlock] = {};
         for (int64_t d = 0; d < head_dim_; d += 2) {
-          const auto pair = Pairs::load(keys + d * block_size, keys + (d + 1) * block_size, width);
+          const auto pair = Pairs::load(keys + d * block_size, keys + (d + 1) * block_size, readable);
           const Operand* q = s_.queries.data() + r0 * head_dim_ + d;
           for (int64_t r = 0; r < RowBlock; ++r) acc[r] = Pairs::dot(acc[r], q + r * head_dim_, pair);
         }
         if constexpr (kScaled<cache_t>) {
           const float* scales = cache_.key_scales(table_[key / block_size], kv_head_) + slot;
-          const vfloat scale = width == kLanes ? widen(scales) : widen_partial(scales, width);
+          const vfloat scale = readable == kLanes ? widen(scales) : widen_partial(scales, readable);
           for (int64_t r = 0; r < RowBlock; ++r) acc[r] *= scale;
         }
         // Whole vectors: lanes past width are overwritten by the next keys or never read.
@@ -392,7 +399,7 @@ class TileAttention {
   const int64_t group_, num_heads_, head_dim_, tile_keys_, score_stride_;
   int64_t kv_head_ = 0, rows_ = 0, padded_rows_ = 0;
   const int64_t* table_ = nullptr;
-  const BrgemmTiles::Packed* packed_ = nullptr;
+  const Packed* packed_ = nullptr;
 };
 
 // Query positions per task of a chunk: enough rows (positions x group) to reuse each K/V load,

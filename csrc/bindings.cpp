@@ -14,8 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("query_starts"), arg("context_lens"), arg("scale"), arg("sliding_window") = 0,
         arg("logit_softcap") = 0.0);
   m.def("prefill_attention_brgemm", &prefill_attention_brgemm,
-        "Paged causal attention for prefill chunks, tile products through oneDNN brgemm (CPU, bfloat16)", arg("out"),
-        arg("q"), arg("k_cache"), arg("v_cache"), arg("k_scales"), arg("v_scales"), arg("block_tables"),
+        "Paged causal attention for prefill chunks, tile products through oneDNN brgemm (CPU, bfloat16 or float)",
+        arg("out"), arg("q"), arg("k_cache"), arg("v_cache"), arg("k_scales"), arg("v_scales"), arg("block_tables"),
         arg("query_starts"), arg("context_lens"), arg("scale"), arg("sliding_window") = 0,
         arg("logit_softcap") = 0.0);
   m.def("cascade_attention", &cascade_attention, "Paged attention reading shared prefix blocks once per group (CPU)",

@@ -1,10 +1,11 @@
 // The two products of an attention tile (scores = Q K^T, then acc += P V) as small matrix multiplications
-// through oneDNN's batch-reduce GEMM micro-kernel (at::native::cpublas::brgemm), bfloat16 operands and float
-// results: oneDNN generates it for AMX tiles where the CPU has them and for AVX512-BF16 elsewhere. brgemm reads
-// its B operand in VNNI pairs ([K / 2][N][2]: rows 2k and 2k + 1 side by side), so a sequence's keys and values
-// are first packed, tile by tile, from the paged blocks (read through the block table) into a contiguous
-// buffer, zeros past a tile's last key; every task of the sequence then reads the packed tiles (packing per
-// task instead cost a fifth of the kernel's time, and would cost more where AMX makes the products fast).
+// through oneDNN's batch-reduce GEMM micro-kernel (at::native::cpublas::brgemm), float results. Operands are
+// bfloat16 (oneDNN generates AMX tiles where the CPU has them, AVX512-BF16 elsewhere; B read in VNNI pairs,
+// [K / 2][N][2]: rows 2k and 2k + 1 side by side) or float (a float model's queries, over a float or bfloat16
+// cache, widened as packed; AVX-512 or AVX2 FMAs). A sequence's keys and values are first packed, tile by
+// tile, from the paged blocks (read through the block table) into a contiguous buffer, zeros past a tile's last
+// key; every task of the sequence then reads the packed tiles (packing per task instead cost a fifth of the
+// kernel's time, and would cost more where AMX makes the products fast).
 // A tile's keys are rounded up to kKeyAlign, so a walk meets few distinct matrix shapes (oneDNN generates a
 // kernel per shape and thread, and keeps it).
 #pragma once
@@ -14,11 +15,13 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace pagedllm {
 
+template <typename T>
 struct BrgemmTiles {
-  using Operand = c10::BFloat16;   // queries and probabilities; the cache must be bfloat16 too
+  using Operand = T;   // queries, probabilities and packed K/V: bfloat16 (the cache must be too) or float
   static constexpr int64_t kKeyAlign = 32;
 
   static int64_t aligned_keys(int64_t count) { return (count + kKeyAlign - 1) / kKeyAlign * kKeyAlign; }
@@ -33,10 +36,12 @@ struct BrgemmTiles {
     int64_t offset(int64_t key0) const { return (key0 - origin) / tile_keys * tile_elements; }
   };
 
-  // Keys [key0, key0 + count) of table's kv_head (one tile) as brgemm reads them: K^T into keys
-  // ([head_dim / 2][ld_keys][2], columns count to aligned_keys(count) zero), V into values
-  // ([aligned_keys(count) / 2][head_dim][2], rows past count zero).
-  static void pack(const PagedCache<Operand>& cache, const int64_t* table, int64_t kv_head, int64_t key0,
+  // Keys [key0, key0 + count) of table's kv_head (one tile) as brgemm reads them: K^T into keys (bfloat16:
+  // [head_dim / 2][ld_keys][2]; float: [head_dim][ld_keys]; columns count to aligned_keys(count) zero), V into
+  // values (bfloat16: [aligned_keys(count) / 2][head_dim][2]; float: [aligned_keys(count)][head_dim]; rows
+  // past count zero).
+  template <typename cache_t>
+  static void pack(const PagedCache<cache_t>& cache, const int64_t* table, int64_t kv_head, int64_t key0,
                    int64_t count, int64_t ld_keys, Operand* keys, Operand* values);
 
   // scores [rows][ld_scores] = queries [rows][head_dim] times the first count keys of a packed tile (columns
@@ -52,5 +57,10 @@ struct BrgemmTiles {
   // Gives back the AMX tile state a thread's brgemm calls took (nothing to do elsewhere).
   static void release();
 };
+
+template <typename Pairs>
+inline constexpr bool kIsBrgemmTiles = false;
+template <typename T>
+inline constexpr bool kIsBrgemmTiles<BrgemmTiles<T>> = true;
 
 }  // namespace pagedllm

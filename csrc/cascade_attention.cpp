@@ -6,8 +6,9 @@
 // (its sequences' query tokens x the query heads of a kv head) attend to the shared blocks together,
 // as one prefill-shaped tile walk (attention_tiles.h) that reads each shared K/V element once per task
 // of up to kSharedTaskRows rows, and the two partial softmaxes are merged through their log-sum-exps.
-// With bfloat16 queries and cache on AVX512-BF16, that shared walk's products are brgemm calls over
-// K/V tiles packed once per call (brgemm_tiles.h), packed while the own keys are attended. A sequence
+// With bfloat16 queries and cache on AVX512-BF16, or float queries over a float or bfloat16 cache on
+// AVX-512, that shared walk's products are brgemm calls over K/V tiles packed once per call
+// (brgemm_tiles.h), packed while the own keys are attended. A sequence
 // may have several query rows (a prefill chunk, speculative decoding's verification rows) or one (a
 // decode). Scores may be soft-capped (Gemma 2's global layers); sliding-window layers never come here.
 #include "ops.h"
@@ -89,23 +90,30 @@ std::vector<SharedTask> shared_tasks(const Groups& groups, const int64_t* shared
   return tasks;
 }
 
-// Whether the shared pass runs its tile products as brgemm calls over packed tiles: bfloat16 queries and cache in
-// the variant built for AVX512-BF16, where oneDNN runs bfloat16 brgemm natively (on AMX tiles where the CPU has them).
+// Whether the shared pass runs its tile products as brgemm calls over packed tiles (BrgemmTiles<scalar_t>):
+// bfloat16 queries and cache in the variant built for AVX512-BF16, where oneDNN runs bfloat16 brgemm natively (on
+// AMX tiles where the CPU has them); float queries over a float or bfloat16 cache in the AVX-512 variants, where
+// oneDNN's float brgemm multiplies at about twice the register tiles' rate (docs/kv-cache.md, "float queries").
 template <typename scalar_t, typename cache_t>
 constexpr bool kSharedByBrgemm =
 #if defined(__AVX512BF16__)
-    std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
-#else
-    false;
+    (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) ||
 #endif
+#if defined(__AVX512F__)
+    (std::is_same_v<scalar_t, float> && (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>)) ||
+#endif
+    false;
 
 // Every group's shared keys and values, each kv head, packed tile by tile as brgemm reads them
 // (BrgemmTiles::pack), once per call: the shared pass's tasks of a group and kv head all read the same tiles.
+template <typename Operand, typename cache_t>
 class PackedShared {
+  using Tiles = BrgemmTiles<Operand>;
+
  public:
-  PackedShared(const PagedCache<c10::BFloat16>& cache, const int64_t* tables, int64_t max_blocks,
+  PackedShared(const PagedCache<cache_t>& cache, const int64_t* tables, int64_t max_blocks,
                const int64_t* members, const int64_t* group_starts, const int64_t* shared_lens, int64_t num_groups)
-      : cache_(cache), tile_keys_(tile_keys_for(cache.block_size)), ld_keys_(BrgemmTiles::aligned_keys(tile_keys_)),
+      : cache_(cache), tile_keys_(tile_keys_for(cache.block_size)), ld_keys_(Tiles::aligned_keys(tile_keys_)),
         tile_elements_(ld_keys_ * cache.head_dim) {
     for (int64_t g = 0; g < num_groups; ++g) {
       const int64_t* table = tables + members[group_starts[g]] * max_blocks;
@@ -116,8 +124,8 @@ class PackedShared {
           items_.push_back({table, kv_head, t * tile_keys_, std::min(tile_keys_, shared_lens[g] - t * tile_keys_)});
       }
     }
-    keys_.reset(new c10::BFloat16[items_.size() * tile_elements_]);
-    values_.reset(new c10::BFloat16[items_.size() * tile_elements_]);
+    keys_.reset(new Operand[items_.size() * tile_elements_]);
+    values_.reset(new Operand[items_.size() * tile_elements_]);
   }
 
   // Tiles to pack, each a task of its own.
@@ -125,11 +133,11 @@ class PackedShared {
 
   void pack(int64_t i) const {
     const Item& item = items_[i];
-    BrgemmTiles::pack(cache_, item.table, item.kv_head, item.key0, item.count, ld_keys_,
+    Tiles::pack(cache_, item.table, item.kv_head, item.key0, item.count, ld_keys_,
                       keys_.get() + i * tile_elements_, values_.get() + i * tile_elements_);
   }
 
-  BrgemmTiles::Packed of(int64_t group, int64_t kv_head) const {
+  typename Tiles::Packed of(int64_t group, int64_t kv_head) const {
     const int64_t first = first_tile_[group * cache_.num_kv_heads + kv_head] * tile_elements_;
     return {keys_.get() + first, values_.get() + first, 0, tile_keys_, ld_keys_, tile_elements_};
   }
@@ -139,11 +147,11 @@ class PackedShared {
     const int64_t* table;
     int64_t kv_head, key0, count;
   };
-  const PagedCache<c10::BFloat16>& cache_;
+  const PagedCache<cache_t>& cache_;
   const int64_t tile_keys_, ld_keys_, tile_elements_;
   std::vector<Item> items_;
   std::vector<int64_t> first_tile_;   // per group and kv head
-  std::unique_ptr<c10::BFloat16[]> keys_, values_;
+  std::unique_ptr<Operand[]> keys_, values_;
 };
 
 template <typename scalar_t, typename cache_t>
@@ -164,7 +172,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
   const scalar_t* queries = q.data_ptr<scalar_t>();
   scalar_t* output = out.data_ptr<scalar_t>();
   const float softmax_scale = static_cast<float>(scale);
-  std::optional<PackedShared> packed;
+  std::optional<PackedShared<scalar_t, cache_t>> packed;
   if constexpr (kSharedByBrgemm<scalar_t, cache_t>)
     packed.emplace(cache, tables, max_blocks, members, firsts, shared, num_groups);
   const int64_t num_packs = packed ? packed->num_tiles() : 0;
@@ -176,7 +184,10 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
   const RowStates states{acc.data(), peak.data(), total.data(), num_heads, head_dim};
   const std::vector<ChunkTask> suffix_tasks = chunk_tasks(starts, contexts, num_seqs, group, num_kv_heads);
   for_each_task<Scratch>(num_packs + static_cast<int64_t>(suffix_tasks.size()), [&](int64_t t, Scratch& scratch) {
-    if (t < num_packs) return packed->pack(t);
+    if (t < num_packs) {
+      if constexpr (kSharedByBrgemm<scalar_t, cache_t>) packed->pack(t);
+      return;
+    }
     const ChunkTask& task = suffix_tasks[t - num_packs];
     const int64_t start = starts[task.chunk] + task.first, position = contexts[task.chunk] + task.first;
     const int64_t prefix = groups.seq_shared[task.chunk];
@@ -207,10 +218,11 @@ void attend(const at::Tensor& out, const at::Tensor& q, const PagedCache<cache_t
     tiles.store(output);
   };
   if constexpr (kSharedByBrgemm<scalar_t, cache_t>) {
-    for_each_task<BrgemmScratch>(static_cast<int64_t>(prefix_tasks.size()), [&](int64_t t, BrgemmScratch& scratch) {
+    using Tiles = BrgemmTiles<scalar_t>;
+    for_each_task<BrgemmScratch<scalar_t>>(static_cast<int64_t>(prefix_tasks.size()), [&](int64_t t, auto& scratch) {
       const SharedTask& task = prefix_tasks[t];
-      attend_shared(task, TileAttention<cache_t, BrgemmTiles, kSharedRowBlock>(cache, softmax_scale, group, num_heads,
-                                                                               scratch, softcap),
+      attend_shared(task, TileAttention<cache_t, Tiles, kSharedRowBlock>(cache, softmax_scale, group, num_heads,
+                                                                         scratch, softcap),
                     packed->of(task.group, task.kv_head));
     });
   } else {

@@ -37,8 +37,8 @@ void prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Ten
                        std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
                        at::Tensor block_tables, at::Tensor query_starts, at::Tensor context_lens, double scale,
                        int64_t sliding_window, double logit_softcap);
-// The same with the tile products as oneDNN brgemm calls (AMX where the CPU has it, AVX512-BF16 elsewhere):
-// bfloat16 queries and cache only.
+// The same with the tile products as oneDNN brgemm calls: bfloat16 queries and cache (AMX where the CPU has it,
+// AVX512-BF16 elsewhere), or float queries over a float or bfloat16 cache.
 void prefill_attention_brgemm(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                               std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
                               at::Tensor block_tables, at::Tensor query_starts, at::Tensor context_lens, double scale,

@@ -11,8 +11,9 @@
 // layer a task's walk starts at its first position's first visible key.
 //
 // prefill_attention_brgemm walks the same tasks with the tile products as oneDNN brgemm calls
-// (BrgemmTiles: bfloat16 queries and cache only) over K/V tiles packed once per call, tasks of up to
-// kBrgemmTaskRows rows padded to kBrgemmRowBlock, so the matrix shapes stay few.
+// (BrgemmTiles: bfloat16 queries and cache, or float queries over a float or bfloat16 cache) over K/V
+// tiles packed once per call, tasks of up to kBrgemmTaskRows rows padded to kBrgemmRowBlock, so the
+// matrix shapes stay few.
 #include "ops.h"
 #include "attention_tiles.h"
 
@@ -78,10 +79,12 @@ void attend(const Prefill<scalar_t, cache_t>& p) {
 
 // The brgemm products: each batch of chunks' K/V tiles packed first (every kv head, from the tile of the
 // first key a chunk's first position sees), then the batch's tasks walk the packed tiles.
-void attend_brgemm(const Prefill<c10::BFloat16, c10::BFloat16>& p) {
-  using Packed = BrgemmTiles::Packed;
+template <typename scalar_t, typename cache_t>
+void attend_brgemm(const Prefill<scalar_t, cache_t>& p) {
+  using Tiles = BrgemmTiles<scalar_t>;
+  using Packed = typename Tiles::Packed;
   const int64_t num_kv_heads = p.cache.num_kv_heads, tile_keys = tile_keys_for(p.cache.block_size);
-  const int64_t ld_keys = BrgemmTiles::aligned_keys(tile_keys), tile_elements = ld_keys * p.cache.head_dim;
+  const int64_t ld_keys = Tiles::aligned_keys(tile_keys), tile_elements = ld_keys * p.cache.head_dim;
   auto origin = [&](int64_t chunk) {   // the packed grid's first key: a multiple of tile_keys
     const int64_t first = first_visible_key(p.contexts[chunk], p.window);
     return first - first % tile_keys;
@@ -95,18 +98,17 @@ void attend_brgemm(const Prefill<c10::BFloat16, c10::BFloat16>& p) {
     int64_t tiles = 0;
     for (last = first; last < p.num_chunks; ++last) {
       const int64_t more = num_tiles(last) * num_kv_heads;
-      if (last > first && (tiles + more) * tile_elements * 2 * int64_t{sizeof(c10::BFloat16)} > kBrgemmPackBytes)
+      if (last > first && (tiles + more) * tile_elements * 2 * int64_t{sizeof(scalar_t)} > kBrgemmPackBytes)
         break;
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
         for (int64_t t = 0; t < num_tiles(last); ++t) items.push_back({last, kv_head, t, tiles++});
     }
-    std::unique_ptr<c10::BFloat16[]> keys(new c10::BFloat16[tiles * tile_elements]),
-        values(new c10::BFloat16[tiles * tile_elements]);
+    std::unique_ptr<scalar_t[]> keys(new scalar_t[tiles * tile_elements]), values(new scalar_t[tiles * tile_elements]);
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t stop) {
       for (int64_t i = begin; i < stop; ++i) {
         const Item& item = items[i];
         const int64_t key0 = origin(item.chunk) + item.tile * tile_keys;
-        BrgemmTiles::pack(p.cache, p.tables + item.chunk * p.max_blocks, item.kv_head, key0,
+        Tiles::pack(p.cache, p.tables + item.chunk * p.max_blocks, item.kv_head, key0,
                           std::min(tile_keys, end(item.chunk) - key0), ld_keys, keys.get() + item.at * tile_elements,
                           values.get() + item.at * tile_elements);
       }
@@ -119,7 +121,7 @@ void attend_brgemm(const Prefill<c10::BFloat16, c10::BFloat16>& p) {
     std::vector<ChunkTask> tasks = chunk_tasks(p.starts + first, p.contexts + first, last - first, p.group,
                                                num_kv_heads, kBrgemmTaskRows);
     for (ChunkTask& task : tasks) task.chunk += first;
-    run_tasks<BrgemmTiles, kBrgemmRowBlock, BrgemmScratch>(tasks, p, [&](const ChunkTask& task) -> const Packed& {
+    run_tasks<Tiles, kBrgemmRowBlock, BrgemmScratch<scalar_t>>(tasks, p, [&](const ChunkTask& task) -> const Packed& {
       return packed[(task.chunk - first) * num_kv_heads + task.kv_head];
     });
   }
@@ -167,11 +169,19 @@ void prefill_attention_brgemm(at::Tensor out, at::Tensor q, at::Tensor k_cache, 
   RECORD_FUNCTION("pagedllm::prefill_attention_brgemm", std::vector<c10::IValue>({out}));   // torch.profiler names it
   check_prefill(out, q, k_cache, v_cache, k_scales, v_scales, block_tables, query_starts, context_lens, sliding_window,
                 logit_softcap, "prefill_attention_brgemm");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
-              "prefill_attention_brgemm: queries and caches must be bfloat16, got ", q.scalar_type(), " queries and a ",
-              k_cache.scalar_type(), " cache");
-  using bf16 = c10::BFloat16;
-  const PagedCache<bf16> cache = paged_cache<bf16>(k_cache, v_cache, k_scales, v_scales);
-  attend_brgemm(prefill_of<bf16>(out, q, cache, block_tables, query_starts, context_lens, scale, sliding_window,
-                                 logit_softcap));
+  const at::ScalarType queries = q.scalar_type(), held = k_cache.scalar_type();
+  TORCH_CHECK((queries == at::kBFloat16 && held == at::kBFloat16) ||
+              (queries == at::kFloat && (held == at::kFloat || held == at::kBFloat16)),
+              "prefill_attention_brgemm: needs bfloat16 queries and caches, or float queries and float or bfloat16 "
+              "caches, got ", queries, " queries and a ", held, " cache");
+  auto attend_over = [&](auto query_element, auto cache_element) {
+    using scalar_t = decltype(query_element);
+    using cache_t = decltype(cache_element);
+    const PagedCache<cache_t> cache = paged_cache<cache_t>(k_cache, v_cache, k_scales, v_scales);
+    attend_brgemm(prefill_of<scalar_t>(out, q, cache, block_tables, query_starts, context_lens, scale, sliding_window,
+                                       logit_softcap));
+  };
+  if (queries == at::kBFloat16) attend_over(c10::BFloat16(), c10::BFloat16());
+  else if (held == at::kFloat) attend_over(float(), float());
+  else attend_over(float(), c10::BFloat16());
 }

@@ -64,8 +64,8 @@ Linear(weight.to(dtype))(x)
 _ATTENTION_PROBE = """
 import torch
 from pagedllm.model.kernels import kernels
-q = torch.randn(32, 2, 64, dtype=torch.bfloat16)
-k_cache, v_cache = torch.randn(2, 1, 64, 16, dtype=torch.bfloat16), torch.randn(2, 1, 16, 64, dtype=torch.bfloat16)
+q = torch.randn(32, 2, 64, dtype=torch.{dtype})
+k_cache, v_cache = torch.randn(2, 1, 64, 16, dtype=torch.{dtype}), torch.randn(2, 1, 16, 64, dtype=torch.{dtype})
 kernels.prefill_attention_brgemm(torch.empty_like(q), q, k_cache, v_cache, None, None, torch.tensor([[0, 1]]),
                                  torch.tensor([0, 32]), torch.tensor([0]), 0.125)
 """
@@ -148,15 +148,15 @@ def run(args: argparse.Namespace) -> None:
 def attention_table(config, dtype, prompt_lens: list[int], block_size: int, min_time: float) -> None:
     """Each prefill attention path's time for one whole prompt of each length, the model's heads, K/V in shuffled
     blocks of a cache of the model's dtype; GFLOP/s counts the causal products (4 * heads * head_dim per query-key
-    pair a query sees). The brgemm path runs bfloat16 only."""
+    pair a query sees). The brgemm path runs bfloat16 and float32 (prefill_path.brgemm_operands)."""
     import torch
 
     from pagedllm.model import kernels
     from pagedllm.model.attention.cache import kv_cache_shapes
-    from pagedllm.model.attention.prefill_path import PrefillPath, choose_prefill_path
+    from pagedllm.model.attention.prefill_path import PrefillPath, brgemm_operands, choose_prefill_path
     from pagedllm.model.quantized_matmul import brgemm_isa
 
-    isa = brgemm_isa(dtype) if dtype == torch.bfloat16 else None
+    isa = brgemm_isa(dtype) if brgemm_operands(dtype, dtype) else None
     paths = [PrefillPath("tiles")] + ([PrefillPath("brgemm", isa)] if isa else [])
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     dtype_name = str(dtype).removeprefix("torch.")
@@ -165,7 +165,7 @@ def attention_table(config, dtype, prompt_lens: list[int], block_size: int, min_
           f"(from the CPU's features): {isa or 'not used'}; engine's choice: "
           f"{choose_prefill_path(dtype, dtype).describe()}")
     if isa:
-        for line in onednn_lines("bfloat16", "rows", _ATTENTION_PROBE):
+        for line in onednn_lines(dtype_name, "rows", _ATTENTION_PROBE):
             print(f"  oneDNN: {line}")
     print(f"| prompt | {' | '.join(f'{path.name} ms' for path in paths)} | "
           f"{' | '.join(f'{path.name} GFLOP/s' for path in paths)} | fastest | chosen |")

@@ -178,16 +178,19 @@ def test_every_kv_cache_dtype(dtype, cache_dtype, block_size):
     assert_matches(groups, block_size, dtype=dtype, cache_dtype=cache_dtype)
 
 
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                               (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("block_size", [16, 24])
-def test_bfloat16_groups_over_several_key_tiles(block_size):
-    """bfloat16 queries and cache (the shared pass's brgemm tiles on AVX512-BF16, packed once per call): two
-    groups whose prefixes span more than one key tile (blocks of 24 make tiles of 504 keys, not a multiple of
-    brgemm's 32-key alignment), with decodes, verification rows and a prefill chunk, and a lone sequence."""
+def test_groups_over_several_key_tiles(block_size, dtype, cache_dtype):
+    """The pairs whose shared pass runs brgemm over tiles packed once per call (bfloat16 on AVX512-BF16, float
+    queries on AVX-512; the register tiles elsewhere): two groups whose prefixes span more than one key tile
+    (blocks of 24 make tiles of 504 keys, not a multiple of brgemm's 32-key alignment), with decodes,
+    verification rows and a prefill chunk, and a lone sequence."""
     big = 1100 // block_size
     groups = [(big, decodes([big * block_size + i for i in range(1, 41)]) + [(big * block_size + 5, 4)]),
               (30, [(30 * block_size, 1), (30 * block_size + 2, 1), (31 * block_size + 7, 17)]),
               (0, decodes([50]))]
-    found = assert_matches(groups, block_size, dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
+    found = assert_matches(groups, block_size, dtype=dtype, cache_dtype=cache_dtype)
     assert sorted(found.shared_lens.tolist()) == [30 * block_size, big * block_size]
 
 

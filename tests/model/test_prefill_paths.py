@@ -1,13 +1,12 @@
 """Both prefill attention paths (model/attention/prefill_path.py: the register tiles, the brgemm tiles) against
-dense attention in float32 over the same bfloat16 inputs, within a bound derived for bfloat16; and how the path
-is chosen, forced and refused."""
+dense attention in float32 over the same bfloat16 inputs, within a bound derived for bfloat16, and over float32
+queries on float32 and bfloat16 caches to 1e-5; and how the path is chosen, forced and refused."""
 import logging
 
 import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.model.attention import prefill_path
 from pagedllm.model.attention.cache import CacheTensor
 from pagedllm.model.attention.cpu import CpuAttentionBackend
 from pagedllm.model.attention.metadata import AttentionMetadata, LayerAttention
@@ -15,7 +14,7 @@ from pagedllm.model.attention.prefill_path import FORCE_VARIABLE, PrefillPath, c
 from pagedllm.model.attention.torch_reference import TorchAttentionBackend
 from pagedllm.model.kernels import kernels as _C
 from pagedllm.model.quantized_matmul import brgemm_isa
-from tests.attention_reference import caches_of, causal_scores
+from tests.attention_reference import caches_of, causal_reference, causal_scores
 from tests.model.test_attention import scattered_cache
 
 pytestmark = pytest.mark.kernels
@@ -25,6 +24,11 @@ BRGEMM_ISA = brgemm_isa(BF16)
 NO_BRGEMM = "oneDNN's brgemm does not run bfloat16 here (it needs AVX512-BF16 or AMX and the C++ kernels)"
 PATHS = [PrefillPath("tiles"),
          pytest.param(PrefillPath("brgemm", BRGEMM_ISA), marks=pytest.mark.skipif(BRGEMM_ISA is None, reason=NO_BRGEMM))]
+FLOAT_ISA = brgemm_isa(torch.float32)
+FLOAT_PATHS = [PrefillPath("tiles"),
+               pytest.param(PrefillPath("brgemm", FLOAT_ISA), marks=pytest.mark.skipif(
+                   FLOAT_ISA is None, reason="oneDNN's brgemm does not run float32 here (it needs AVX2 and the C++ "
+                                             "kernels)"))]
 UNIT_ROUNDOFF = {BF16: 2.0 ** -8, torch.float32: 2.0 ** -24}   # 8 and 24 significant bits, rounded to nearest
 
 
@@ -97,37 +101,67 @@ def test_prefill_paths_keep_sliding_windows_and_soft_caps(path, window, softcap)
         assert ((out[rows].float() - expected).abs() <= bound).all(), f"chunk {chunks[i]}"
 
 
-@pytest.mark.skipif(BRGEMM_ISA is None, reason=NO_BRGEMM)
+@pytest.mark.parametrize("block_size", [16, 24])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, BF16], ids=["float32 cache", "bfloat16 cache"])
+@pytest.mark.parametrize("path", FLOAT_PATHS, ids=lambda path: path.name)
+def test_float_queries_match_dense_attention(path, cache_dtype, block_size):
+    """A float32 model's queries over a float32 cache and over a bfloat16 one (widened as read, or as packed for
+    brgemm): against dense float32 attention over the values the cache holds, to 1e-5. Whole prompts across two
+    512-key tiles, chunks after a cached prefix, lengths around block and tile edges (blocks of 24: tiles of 504)."""
+    generator = torch.Generator().manual_seed(29)
+    chunks = [(0, 1), (0, 37), (0, 1100), (16, 5), (300, 400), (511, 514), (1024, 32)]
+    k_cache, v_cache, tables, keys, values = scattered_cache([context + length for context, length in chunks],
+                                                             block_size, 3, 64, torch.float32, generator, cache_dtype)
+    num_tokens = sum(length for _, length in chunks)
+    q = torch.randn(num_tokens, 9, 64, generator=generator)
+    out, starts = run_path(path, q, k_cache, v_cache, tables, chunks, 64 ** -0.5)
+    expected = torch.cat([causal_reference(q[starts[i]:starts[i + 1]], keys[i], values[i], context, 64 ** -0.5)
+                          for i, (context, _) in enumerate(chunks)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_brgemm_kernel_refuses_other_dtypes_with_the_reason():
-    q = torch.zeros(4, 2, 32)
-    k_cache, v_cache = torch.zeros(1, 1, 32, 16), torch.zeros(1, 1, 16, 32)
-    with pytest.raises(RuntimeError, match="queries and caches must be bfloat16, got Float queries and a Float cache"):
+    q = torch.zeros(4, 2, 32, dtype=torch.float16)
+    k_cache, v_cache = torch.zeros(1, 1, 32, 16, dtype=torch.float16), torch.zeros(1, 1, 16, 32, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="needs bfloat16 queries and caches, or float queries and float or bfloat16 "
+                                           "caches, got Half queries and a Half cache"):
         _C.prefill_attention_brgemm(torch.empty_like(q), q, k_cache, v_cache, None, None, torch.tensor([[0]]),
                                     torch.tensor([0, 4]), torch.tensor([0]), 1.0)
 
 
-def test_the_default_is_brgemm_on_amx_for_bfloat16_and_tiles_elsewhere(monkeypatch):
+def test_the_default_is_brgemm_on_amx_for_bfloat16_on_avx512_for_float32_and_tiles_elsewhere(monkeypatch):
     monkeypatch.delenv(FORCE_VARIABLE, raising=False)
-    expected = "brgemm" if BRGEMM_ISA in prefill_path.BRGEMM_BY_DEFAULT else "tiles"
-    assert choose_prefill_path(BF16, BF16).name == expected
-    for dtype, cache_dtype in [(torch.float32, torch.float32), (BF16, torch.int8), (torch.float32, BF16)]:
+    bfloat16 = PrefillPath("brgemm", BRGEMM_ISA) if BRGEMM_ISA == "avx512_core_amx" else PrefillPath("tiles")
+    assert choose_prefill_path(BF16, BF16) == bfloat16
+    float32 = PrefillPath("brgemm", FLOAT_ISA) if FLOAT_ISA == "avx512_core" else PrefillPath("tiles")
+    for cache_dtype in (torch.float32, BF16):
+        assert choose_prefill_path(torch.float32, cache_dtype) == float32
+    for dtype, cache_dtype in [(BF16, torch.int8), (BF16, torch.float32), (torch.float32, torch.int8),
+                               (torch.float16, torch.float16)]:
         assert choose_prefill_path(dtype, cache_dtype) == PrefillPath("tiles")
 
 
 def test_the_environment_forces_a_path_or_says_why_it_cannot(monkeypatch):
     monkeypatch.setenv(FORCE_VARIABLE, "tiles")
     assert choose_prefill_path(BF16, BF16) == PrefillPath("tiles")
+    assert choose_prefill_path(torch.float32, torch.float32) == PrefillPath("tiles")
     monkeypatch.setenv(FORCE_VARIABLE, "amx")
     with pytest.raises(ValueError, match="PAGEDLLM_ATTENTION_PATH must be one of tiles, brgemm, got 'amx'"):
         choose_prefill_path(BF16, BF16)
     monkeypatch.setenv(FORCE_VARIABLE, "brgemm")
+    with pytest.raises(ValueError, match="needs a bfloat16 model and KV cache, or a float32 model and a float32 or "
+                                         "bfloat16 KV cache, got a bfloat16 model and a int8 cache"):
+        choose_prefill_path(BF16, torch.int8)
+    if FLOAT_ISA is None:
+        with pytest.raises(ValueError, match="brgemm does not run float32 on this CPU"):
+            choose_prefill_path(torch.float32, BF16)
+    else:
+        assert choose_prefill_path(torch.float32, BF16) == PrefillPath("brgemm", FLOAT_ISA)
     if BRGEMM_ISA is None:
         with pytest.raises(ValueError, match="brgemm does not run bfloat16 on this CPU"):
             choose_prefill_path(BF16, BF16)
-        return
-    assert choose_prefill_path(BF16, BF16) == PrefillPath("brgemm", BRGEMM_ISA)
-    with pytest.raises(ValueError, match="needs a bfloat16 model and KV cache, got a float32 model and a float32 cache"):
-        choose_prefill_path(torch.float32, torch.float32)
+    else:
+        assert choose_prefill_path(BF16, BF16) == PrefillPath("brgemm", BRGEMM_ISA)
 
 
 @pytest.mark.skipif(BRGEMM_ISA is None, reason=NO_BRGEMM)
