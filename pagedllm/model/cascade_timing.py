@@ -18,8 +18,10 @@ from pagedllm.model.attention.cache import has_scales, kv_cache_shapes, kv_scale
 from pagedllm.model.cascade import ALWAYS, CascadeRule, CascadeTiming, find_shared_prefixes, rule_from_timings
 
 # The start-up grid: group sizes from a pair to a large batch, shared lengths from a few blocks to a long system
-# prompt. Longer prefixes and larger groups follow the longest and largest entries (the cascade gains with both).
-STARTUP_GROUP_SIZES = (2, 4, 8, 16, 64)
+# prompt. Longer prefixes and larger groups follow the longest and largest entries (the cascade gains with both);
+# a size between two entries follows the smaller one's, so the steps are no coarser than doubling (without 32,
+# the 62 sequences of 64 requests that hit one cached prompt followed 16's "never" on Ice Lake).
+STARTUP_GROUP_SIZES = (2, 4, 8, 16, 32, 64)
 STARTUP_SHARED_LENS = (64, 128, 256, 512, 1024)
 STARTUP_REPS = 5       # best of 5 calls per kernel and point
 # Idle, the grid takes a few tenths of a second; on a loaded machine every call waits for descheduled threads, and

@@ -113,7 +113,7 @@ def test_kernel_and_pytorch_paths_agree_inside_paged_attention(cache_dtype, laye
     k_new = torch.randn(num_rows, 2, 32, generator=generator)
     v_new = torch.randn(num_rows, 2, 32, generator=generator)
     results, caches = [], []
-    for backend in (CpuAttentionBackend(), TorchAttentionBackend()):
+    for backend in (CpuAttentionBackend(torch.float32, cache_dtype), TorchAttentionBackend()):
         meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=2, decode_block_tables=tables[:2],
                                  decode_seq_lens=torch.tensor(seq_lens[:2]), prefill_query_starts=torch.tensor([2, 19, 39]),
                                  prefill_context_lens=torch.tensor([60, 0]), prefill_block_tables=tables[2:],
