@@ -259,7 +259,7 @@ class TileAttention {
   void score(int64_t key0, int64_t count) {
     if constexpr (kBrgemm) {
       Pairs::score(packed_->keys + packed_->offset(key0), count, packed_->ld_keys, head_dim_, s_.queries.data(),
-                         padded_rows_, s_.scores.data(), score_stride_);
+                   padded_rows_, s_.scores.data(), score_stride_);
     } else {
       score_in_registers(key0, count);
     }
@@ -268,8 +268,8 @@ class TileAttention {
   // acc[r] += sum_j probs[r][j] * v_(key0 + j).
   void accumulate_values(int64_t key0, int64_t count) {
     if constexpr (kBrgemm) {
-      Pairs::accumulate(packed_->values + packed_->offset(key0), count, head_dim_, s_.probs.data(),
-                              padded_rows_, score_stride_, s_.acc.data());
+      Pairs::accumulate(packed_->values + packed_->offset(key0), count, head_dim_, s_.probs.data(), padded_rows_,
+                        score_stride_, s_.acc.data());
     } else {
       accumulate_in_registers(key0, count);
     }

@@ -8,9 +8,9 @@
 // of up to kSharedTaskRows rows, and the two partial softmaxes are merged through their log-sum-exps.
 // With bfloat16 queries and cache on AVX512-BF16, or float queries over a float or bfloat16 cache on
 // AVX-512, that shared walk's products are brgemm calls over K/V tiles packed once per call
-// (brgemm_tiles.h), packed while the own keys are attended. A sequence
-// may have several query rows (a prefill chunk, speculative decoding's verification rows) or one (a
-// decode). Scores may be soft-capped (Gemma 2's global layers); sliding-window layers never come here.
+// (brgemm_tiles.h), packed while the own keys are attended. A sequence may have several query rows
+// (a prefill chunk, speculative decoding's verification rows) or one (a decode). Scores may be
+// soft-capped (Gemma 2's global layers); sliding-window layers never come here.
 #include "ops.h"
 #include "attention_tiles.h"
 
@@ -93,7 +93,8 @@ std::vector<SharedTask> shared_tasks(const Groups& groups, const int64_t* shared
 // Whether the shared pass runs its tile products as brgemm calls over packed tiles (BrgemmTiles<scalar_t>):
 // bfloat16 queries and cache in the variant built for AVX512-BF16, where oneDNN runs bfloat16 brgemm natively (on
 // AMX tiles where the CPU has them); float queries over a float or bfloat16 cache in the AVX-512 variants, where
-// oneDNN's float brgemm multiplies at about twice the register tiles' rate (docs/kv-cache.md, "float queries").
+// oneDNN's float brgemm multiplies at about twice the register tiles' rate (docs/kv-cache.md, "Float queries on
+// brgemm").
 template <typename scalar_t, typename cache_t>
 constexpr bool kSharedByBrgemm =
 #if defined(__AVX512BF16__)
@@ -133,8 +134,8 @@ class PackedShared {
 
   void pack(int64_t i) const {
     const Item& item = items_[i];
-    Tiles::pack(cache_, item.table, item.kv_head, item.key0, item.count, ld_keys_,
-                      keys_.get() + i * tile_elements_, values_.get() + i * tile_elements_);
+    Tiles::pack(cache_, item.table, item.kv_head, item.key0, item.count, ld_keys_, keys_.get() + i * tile_elements_,
+                values_.get() + i * tile_elements_);
   }
 
   typename Tiles::Packed of(int64_t group, int64_t kv_head) const {
