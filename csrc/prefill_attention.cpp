@@ -109,8 +109,8 @@ void attend_brgemm(const Prefill<scalar_t, cache_t>& p) {
         const Item& item = items[i];
         const int64_t key0 = origin(item.chunk) + item.tile * tile_keys;
         Tiles::pack(p.cache, p.tables + item.chunk * p.max_blocks, item.kv_head, key0,
-                          std::min(tile_keys, end(item.chunk) - key0), ld_keys, keys.get() + item.at * tile_elements,
-                          values.get() + item.at * tile_elements);
+                    std::min(tile_keys, end(item.chunk) - key0), ld_keys, keys.get() + item.at * tile_elements,
+                    values.get() + item.at * tile_elements);
       }
     });
     std::vector<Packed> packed;   // per chunk and kv head of the batch

@@ -21,6 +21,7 @@ KERNEL_TESTS = ["tests/model/test_layer_ops.py", "tests/model/test_attention.py"
                 "tests/model/test_cascade_attention.py",
                 "tests/model/test_prefill_paths.py::test_prefill_paths_match_dense_attention_within_the_bfloat16_bound",
                 "tests/model/test_prefill_paths.py::test_prefill_paths_keep_sliding_windows_and_soft_caps",
+                "tests/model/test_prefill_paths.py::test_float_queries_match_dense_attention",
                 "tests/worker/test_sampling.py::test_logits_summary_kernel_matches_logsumexp_and_argmax",
                 "tests/worker/test_sampling.py::test_top_k_top_p_keep_the_tokens_their_definition_keeps",
                 "tests/worker/test_logit_controls.py::"
