@@ -107,11 +107,20 @@ def test_prefill_paths_keep_sliding_windows_and_soft_caps(path, window, softcap)
 def test_float_queries_match_dense_attention(path, cache_dtype, block_size):
     """A float32 model's queries over a float32 cache and over a bfloat16 one (widened as read, or as packed for
     brgemm): against dense float32 attention over the values the cache holds, to 1e-5. Whole prompts across two
-    512-key tiles, chunks after a cached prefix, lengths around block and tile edges (blocks of 24: tiles of 504)."""
+    512-key tiles, chunks after a cached prefix, lengths around block and tile edges (blocks of 24: tiles of 504).
+    Every slot no sequence wrote holds NaN (a freed block's old bits may be any): the register tiles load whole
+    vectors of a block past a sequence's last key, and no such lane may reach an output."""
     generator = torch.Generator().manual_seed(29)
     chunks = [(0, 1), (0, 37), (0, 1100), (16, 5), (300, 400), (511, 514), (1024, 32)]
-    k_cache, v_cache, tables, keys, values = scattered_cache([context + length for context, length in chunks],
-                                                             block_size, 3, 64, torch.float32, generator, cache_dtype)
+    seq_lens = [context + length for context, length in chunks]
+    k_cache, v_cache, tables, keys, values = scattered_cache(seq_lens, block_size, 3, 64, torch.float32, generator,
+                                                             cache_dtype)
+    written = torch.zeros(k_cache.data.shape[0], block_size, dtype=torch.bool)
+    for table, n in zip(tables, seq_lens):
+        positions = torch.arange(n)
+        written[table[positions // block_size], positions % block_size] = True
+    k_cache.data.masked_fill_(~written[:, None, None, :], float("nan"))   # [blocks, kv heads, head_dim, slots]
+    v_cache.data.masked_fill_(~written[:, None, :, None], float("nan"))   # [blocks, kv heads, slots, head_dim]
     num_tokens = sum(length for _, length in chunks)
     q = torch.randn(num_tokens, 9, 64, generator=generator)
     out, starts = run_path(path, q, k_cache, v_cache, tables, chunks, 64 ** -0.5)
