@@ -24,10 +24,12 @@ def layer_matmul_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     return [(q + 2 * kv, hidden), (hidden, q), (2 * mlp, hidden), (hidden, mlp)]
 
 
-def workload_flops(config: ModelConfig, workload: list[BenchRequest]) -> float:
-    """Model matmul FLOPs: every token that passes the layers, plus the LM head once per output token."""
+def workload_flops(config: ModelConfig, workload: list[BenchRequest], num_cached_tokens: int = 0) -> float:
+    """Model matmul FLOPs: every token that passes the layers, plus the LM head once per output token.
+    num_cached_tokens: prompt tokens the run found in the prefix cache (RequestOutput.num_cached_tokens), which
+    never pass the layers."""
     per_token = 2 * config.num_hidden_layers * sum(o * i for o, i in layer_matmul_shapes(config))
-    tokens_through_layers = sum(len(r.prompt_token_ids) + r.max_tokens - 1 for r in workload)
+    tokens_through_layers = sum(len(r.prompt_token_ids) + r.max_tokens - 1 for r in workload) - num_cached_tokens
     sampled = sum(r.max_tokens for r in workload)
     return tokens_through_layers * per_token + sampled * 2 * config.hidden_size * config.vocab_size
 

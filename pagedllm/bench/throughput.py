@@ -125,7 +125,7 @@ def run_pagedllm(args: argparse.Namespace, workload: list[BenchRequest], quantiz
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.stats()
     rate = measure_matmul_rate(engine.model_config, engine.dtype)
-    floor = workload_flops(engine.model_config, workload) / rate
+    floor = workload_flops(engine.model_config, workload, sum(o.num_cached_tokens for o in outputs)) / rate
     loras = f", {len(adapters)} LoRAs" if adapters else ""
     kv = f", kv_cache_dtype={kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
     activations = f", activation_dtype={activation_dtype}" if activation_dtype != "auto" else ""
