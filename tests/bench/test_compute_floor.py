@@ -24,5 +24,6 @@ def test_every_prompt_token_and_every_output_token_but_the_last_pass_the_layers(
 
 def test_prompt_tokens_from_the_prefix_cache_are_not_counted():
     workload = [BenchRequest([1] * 10, 4), BenchRequest([2] * 3, 1)]
-    assert workload_flops(CONFIG, workload) - workload_flops(CONFIG, workload, num_cached_tokens=8) == \
-        8 * 2 * LAYER_FLOPS_PER_TOKEN
+    tokens_through_layers = (10 - 8 + 3) + (3 + 0)   # 8 of the first prompt's tokens came from the cache
+    expected = tokens_through_layers * 2 * LAYER_FLOPS_PER_TOKEN + (4 + 1) * HEAD_FLOPS_PER_TOKEN
+    assert workload_flops(CONFIG, workload, num_cached_tokens=8) == expected
