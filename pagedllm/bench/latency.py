@@ -9,8 +9,9 @@ With `--lora` or `--num-loras`, every configuration is measured also with an ada
 engine with LoRA on, beside the base on one without. `--alternate-rounds N` holds every configuration's
 engine at once and measures them in turn, N rounds over (the order reversed every other round), printing each
 round's decode step p50 and decode tok/s of each and its decode time a token over the first configuration's
-(the first's tok/s over its), then the median of those ratios: on a shared machine, whose speed drifts
-between runs by more than a feature costs, drift moves every part of a round alike and cancels in its ratios.
+(the first's tok/s over its), its prefill p50 and that over the first's, then the medians of those ratios: on a
+shared machine, whose speed drifts between runs by more than a feature costs, drift moves every part of a round
+alike and cancels in its ratios.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alternate-rounds", type=int, default=0,
                         help="measure the configurations (quantizations x speculative configs x base/adapter) in "
                              "turn (ABAB..) this many rounds, each round's decode step p50s, tok/s and time a token "
-                             "against the first configuration, and the median ratio (default: 0, off)")
+                             "against the first configuration, its prefill p50 against the first's, and the median "
+                             "ratios (default: 0, off)")
 
 
 def _speculative_configs(values: list[str] | None) -> list[dict | None]:
@@ -129,30 +131,37 @@ def _alternate(args: argparse.Namespace, batch_sizes: list[int], datasets: list[
     labels = [_label(*configuration) for configuration in configurations]
     print(f"{len(configurations)} configurations in turn, {args.alternate_rounds} rounds; the first: {labels[0]}")
     print("| dataset | batch | round | configuration | decode step ms p50 | decode tok/s "
-          "| time a token against the first |")
-    print("|---|---|---|---|---|---|---|")
+          "| time a token against the first | prefill ms p50 | prefill time against the first |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for dataset in datasets:
         for batch_size in batch_sizes:
             ratios = [[] for _ in configurations]
+            prefill_ratios = [[] for _ in configurations]
             for round_index in range(1, args.alternate_rounds + 1):
                 order = list(range(len(engines)))
                 if round_index % 2 == 0:   # ABBA: a steady drift of the machine lands on both sides
                     order.reverse()
                 results = [None] * len(engines)
                 for index in order:
-                    _, decodes, tokens_per_second, _ = measure(engines[index], args, batch_size, dataset,
-                                                               configurations[index][-1])
-                    results[index] = (statistics.median(decodes), tokens_per_second)
-                for index, (label, (step, tokens_per_second)) in enumerate(zip(labels, results)):
+                    prefills, decodes, tokens_per_second, _ = measure(engines[index], args, batch_size, dataset,
+                                                                      configurations[index][-1])
+                    results[index] = (statistics.median(decodes), tokens_per_second, statistics.median(prefills))
+                for index, (label, (step, tokens_per_second, prefill)) in enumerate(zip(labels, results)):
                     ratios[index].append(results[0][1] / tokens_per_second)
+                    prefill_ratios[index].append(prefill / results[0][2])
                     print(f"| {dataset} | {batch_size} | {round_index} | {label} | {step * 1e3:.2f} "
-                          f"| {tokens_per_second:.1f} | {ratios[index][-1]:.3f} |")
-            for label, config_ratios in list(zip(labels, ratios))[1:]:
+                          f"| {tokens_per_second:.1f} | {ratios[index][-1]:.3f} | {prefill * 1e3:.1f} "
+                          f"| {prefill_ratios[index][-1]:.3f} |")
+            for label, config_ratios, config_prefill_ratios in list(zip(labels, ratios, prefill_ratios))[1:]:
                 print(f"dataset {dataset}, batch {batch_size}, {label}: median ratio "
-                      f"{statistics.median(config_ratios):.3f} (min {min(config_ratios):.3f}, "
-                      f"max {max(config_ratios):.3f}) over {len(config_ratios)} rounds")
+                      f"{_spread(config_ratios)}; prefill median ratio {_spread(config_prefill_ratios)}")
     for llm in engines:
         llm.llm_engine.shutdown()
+
+
+def _spread(ratios: list[float]) -> str:
+    return (f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}) "
+            f"over {len(ratios)} rounds")
 
 
 def _measure_configuration(args: argparse.Namespace, batch_sizes: list[int], datasets: list[str], quantization: str,

@@ -249,23 +249,30 @@ def alternation_cells(out: str) -> list[list[str]]:
 
 def test_latency_alternates_the_base_and_an_adapter_round_by_round(tiny_dir, capsys):
     """--alternate-rounds: a row per configuration and round with its step p50, tok/s and time a token against
-    the first configuration's (the first's tok/s over its), then each other configuration's median ratio."""
+    the first configuration's (the first's tok/s over its), its prefill p50 over the first's, then each other
+    configuration's median ratios."""
     out = run_bench(capsys, "latency", tiny_dir, "--batch-size", "1", "--input-len", "8", "--output-len", "3",
                     "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--quantization", "none",
                     "--num-loras", "1", "--lora-rank", "8", "--alternate-rounds", "3")
     cells = alternation_cells(out)
     base, adapter = "none, speculative none, LoRA none", "none, speculative none, LoRA adapter-0"
     assert [(row[2], row[3]) for row in cells] == [(str(r), label) for r in (1, 2, 3) for label in (base, adapter)]
-    ratios = []
-    for first, other in zip(cells[::2], cells[1::2]):   # tok/s printed to 0.05, ratios to 0.0005
-        assert first[6] == "1.000"
+    ratios, prefill_ratios = [], []
+    for first, other in zip(cells[::2], cells[1::2]):   # tok/s and ms printed to 0.05, ratios to 0.0005
+        assert first[6] == first[8] == "1.000"
         rate_first, rate_other, ratio = float(first[5]), float(other[5]), float(other[6])
         assert (rate_first - 0.05) / (rate_other + 0.05) - 0.0005 <= ratio <= \
             (rate_first + 0.05) / (rate_other - 0.05) + 0.0005
         ratios.append(ratio)
+        prefill_first, prefill_other, prefill_ratio = float(first[7]), float(other[7]), float(other[8])
+        assert (prefill_other - 0.05) / (prefill_first + 0.05) - 0.0005 <= prefill_ratio <= \
+            (prefill_other + 0.05) / (prefill_first - 0.05) + 0.0005
+        prefill_ratios.append(prefill_ratio)
     ratios.sort()
+    prefill_ratios.sort()
     assert f"dataset random, batch 1, {adapter}: median ratio {ratios[1]:.3f} (min {ratios[0]:.3f}, " \
-           f"max {ratios[2]:.3f}) over 3 rounds" in out
+           f"max {ratios[2]:.3f}) over 3 rounds; prefill median ratio {prefill_ratios[1]:.3f} " \
+           f"(min {prefill_ratios[0]:.3f}, max {prefill_ratios[2]:.3f}) over 3 rounds" in out
 
 
 def test_latency_alternates_quantizations_and_speculative_configs(tiny_dir, capsys):
