@@ -54,7 +54,8 @@ BRGEMM_FROM_ROWS = {
 # The kernel builds where activation_dtype auto multiplies float32 activations as int16 at every row count: few rows
 # straight from the packed tiles, many through widened panels (the same bits). AVX-512 VNNI (Ice Lake; `pagedllm
 # bench kernels`): per layer shape and LM head 0.55-0.75x the rows kernel's time at 1 row, 0.45-0.65x at 5 and 8.
-# AVX2 (the avx2 build measured on that Ice Lake, not yet on an AVX2-only CPU): 0.55-0.8x at 1 row, 0.3-0.6x at 3.
+# AVX2 (an AVX2-only EPYC, and the avx2 build on that Ice Lake): 0.55-0.85x at 1 row, 0.35-0.6x at 3, and below brgemm's
+# float32 from 1 to 2,048 rows.
 INT16_VARIANTS = ("avx2", "avx512vnni")
 
 # The row count from which int8_tiles beats int8 (docs/quantized_matmul.md has the figures). Both give the same
