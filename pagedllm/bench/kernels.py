@@ -25,8 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="activation dtype (auto: the engine's choice on this CPU)")
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds each measurement runs")
     parser.add_argument("--attention", action="store_true",
-                        help="time the attention kernels (--dtype's model and cache, the model's heads) instead of "
-                             "the matmuls")
+                        help="time the attention kernels (--dtype's model, --kv-cache-dtype's cache, the model's "
+                             "heads) instead of the matmuls")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="--attention: the KV cache's dtype (auto: the engine's choice for --dtype on this CPU, "
+                             "e.g. bfloat16 under a float32 model it chose itself)")
     parser.add_argument("--prompt-lens", default="128,512,1024",
                         help="--attention: comma-separated prompt lengths (one whole prompt per call)")
     parser.add_argument("--decode-contexts", default="128,512,2048",
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from pagedllm.bench.compute_floor import layer_matmul_shapes
-    from pagedllm.config.resolve import resolve_dtype
+    from pagedllm.config.resolve import resolve_dtype, resolve_kv_cache_dtype
     from pagedllm.model import kernels, linear
     from pagedllm.model.loader import load_checkpoint
     from pagedllm.model.quantization import quantize
@@ -102,8 +105,10 @@ def run(args: argparse.Namespace) -> None:
     config = load_checkpoint(args.model).config
     dtype = resolve_dtype(args.dtype, None, torch.device("cpu"))
     if args.attention:
-        attention_table(config, dtype, [int(n) for n in args.prompt_lens.split(",")], args.block_size, args.min_time)
-        decode_attention_table(config, dtype, [int(n) for n in args.decode_contexts.split(",")],
+        cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, dtype, torch.device("cpu"))
+        attention_table(config, dtype, cache_dtype, [int(n) for n in args.prompt_lens.split(",")], args.block_size,
+                        args.min_time)
+        decode_attention_table(config, dtype, cache_dtype, [int(n) for n in args.decode_contexts.split(",")],
                                args.decode_sequences, args.block_size, args.min_time)
         return
     dtype_name = str(dtype).removeprefix("torch.")
@@ -145,9 +150,14 @@ def run(args: argparse.Namespace) -> None:
                       + f" | {fastest} | {engine_path} |")
 
 
-def attention_table(config, dtype, prompt_lens: list[int], block_size: int, min_time: float) -> None:
+def cache_label(dtype, cache_dtype) -> str:
+    names = [str(d).removeprefix("torch.") for d in (dtype, cache_dtype)]
+    return f"{names[0]} model and cache" if dtype == cache_dtype else f"{names[0]} model, {names[1]} cache"
+
+
+def attention_table(config, dtype, cache_dtype, prompt_lens: list[int], block_size: int, min_time: float) -> None:
     """Each prefill attention path's time for one whole prompt of each length, the model's heads, K/V in shuffled
-    blocks of a cache of the model's dtype; GFLOP/s counts the causal products (4 * heads * head_dim per query-key
+    blocks of a cache of cache_dtype; GFLOP/s counts the causal products (4 * heads * head_dim per query-key
     pair a query sees). The brgemm path runs bfloat16 and float32 (prefill_path.brgemm_operands)."""
     import torch
 
@@ -156,16 +166,16 @@ def attention_table(config, dtype, prompt_lens: list[int], block_size: int, min_
     from pagedllm.model.attention.prefill_path import PrefillPath, brgemm_operands, choose_prefill_path
     from pagedllm.model.quantized_matmul import brgemm_isa
 
-    isa = brgemm_isa(dtype) if brgemm_operands(dtype, dtype) else None
+    operands = brgemm_operands(dtype, cache_dtype)
+    isa = brgemm_isa(operands) if operands is not None else None
     paths = [PrefillPath("tiles")] + ([PrefillPath("brgemm", isa)] if isa else [])
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    dtype_name = str(dtype).removeprefix("torch.")
-    print(f"prefill attention: CPU kernels {kernels.variant}, {dtype_name} model and cache, {heads} heads on "
+    print(f"prefill attention: CPU kernels {kernels.variant}, {cache_label(dtype, cache_dtype)}, {heads} heads on "
           f"{kv_heads} kv heads of {head_dim}, blocks of {block_size}, {torch.get_num_threads()} threads; brgemm's ISA "
           f"(from the CPU's features): {isa or 'not used'}; engine's choice: "
-          f"{choose_prefill_path(dtype, dtype).describe()}")
+          f"{choose_prefill_path(dtype, cache_dtype).describe()}")
     if isa:
-        for line in onednn_lines(dtype_name, "rows", _ATTENTION_PROBE):
+        for line in onednn_lines(str(operands).removeprefix("torch."), "rows", _ATTENTION_PROBE):
             print(f"  oneDNN: {line}")
     print(f"| prompt | {' | '.join(f'{path.name} ms' for path in paths)} | "
           f"{' | '.join(f'{path.name} GFLOP/s' for path in paths)} | fastest | chosen |")
@@ -174,7 +184,7 @@ def attention_table(config, dtype, prompt_lens: list[int], block_size: int, min_
     for length in prompt_lens:
         num_blocks = -(-length // block_size)
         k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, head_dim)
-        k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for shape in (k_shape, v_shape))
+        k_cache, v_cache = (torch.randn(shape, generator=generator).to(cache_dtype) for shape in (k_shape, v_shape))
         table = torch.randperm(num_blocks, generator=generator)[None]
         q = torch.randn(length, heads, head_dim, generator=generator).to(dtype)
         out = torch.empty_like(q)
@@ -188,13 +198,13 @@ def attention_table(config, dtype, prompt_lens: list[int], block_size: int, min_
         flops = 4 * heads * head_dim * length * (length + 1) / 2
         print(f"| {length} | " + " | ".join(f"{seconds * 1e3:.3f}" for seconds in times.values()) + " | "
               + " | ".join(f"{flops / seconds / 1e9:.0f}" for seconds in times.values())
-              + f" | {min(times, key=times.get)} | {choose_prefill_path(dtype, dtype).name} |")
+              + f" | {min(times, key=times.get)} | {choose_prefill_path(dtype, cache_dtype).name} |")
 
 
-def decode_attention_table(config, dtype, contexts: list[int], sequences: int, block_size: int,
+def decode_attention_table(config, dtype, cache_dtype, contexts: list[int], sequences: int, block_size: int,
                            min_time: float) -> None:
     """Decode attention's time for `sequences` query tokens, each over its own context of each length (the
-    model's heads, K/V in shuffled blocks of a cache of the model's dtype), and the K/V bytes it read per second:
+    model's heads, K/V in shuffled blocks of a cache of cache_dtype), and the K/V bytes it read per second:
     a decode step reads each cached element once, so memory bandwidth is its bound."""
     import torch
 
@@ -202,7 +212,7 @@ def decode_attention_table(config, dtype, contexts: list[int], sequences: int, b
     from pagedllm.model.attention.cache import kv_cache_shapes
 
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    print(f"\ndecode attention: CPU kernels {kernels.variant}, {str(dtype).removeprefix('torch.')} model and cache, "
+    print(f"\ndecode attention: CPU kernels {kernels.variant}, {cache_label(dtype, cache_dtype)}, "
           f"{sequences} sequences, blocks of {block_size}, {torch.get_num_threads()} threads")
     print("| context | ms | K/V GB/s |")
     print("|---|---|---|")
@@ -210,7 +220,7 @@ def decode_attention_table(config, dtype, contexts: list[int], sequences: int, b
     for context in contexts:
         blocks_per_sequence = -(-context // block_size)
         k_shape, v_shape = kv_cache_shapes(sequences * blocks_per_sequence, block_size, kv_heads, head_dim)
-        k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for shape in (k_shape, v_shape))
+        k_cache, v_cache = (torch.randn(shape, generator=generator).to(cache_dtype) for shape in (k_shape, v_shape))
         tables = torch.randperm(sequences * blocks_per_sequence, generator=generator).view(sequences, -1)
         q = torch.randn(sequences, heads, head_dim, generator=generator).to(dtype)
         out = torch.empty_like(q)

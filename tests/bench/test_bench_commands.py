@@ -96,6 +96,16 @@ def test_kernels_attention_prints_a_row_per_prompt_length_and_decode_context(cap
     assert [row.split("|")[1].strip() for row in table_rows(out, "| context | ms | K/V GB/s |")] == ["8", "33"]
 
 
+def test_kernels_attention_times_the_cache_dtype_asked_for(capsys):
+    """--kv-cache-dtype: both tables run over that cache, and their headers name the model's and the cache's
+    dtypes."""
+    out = run_bench(capsys, "kernels", "--attention", "--prompt-lens", "16", "--decode-contexts", "8",
+                    "--decode-sequences", "3", "--dtype", "float32", "--kv-cache-dtype", "bfloat16",
+                    "--min-time", "0.001")
+    assert out.count("float32 model, bfloat16 cache") == 2
+    assert len(table_rows(out, "| prompt | tiles ms |")) == 1
+
+
 def test_latency_prints_a_row_per_batch_size(tiny_dir, capsys):
     out = run_bench(capsys, "latency", tiny_dir, "--batch-size", "1,2", "--input-len", "8", "--output-len", "3",
                     "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--quantization", "none")
