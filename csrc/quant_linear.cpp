@@ -7,6 +7,7 @@
 // so a group's sums come out per row with no horizontal reduction and are scaled once (VNNI
 // vpdpbusd on AVX-512, maddubs on AVX2). A tile's weights are unpacked once and met by up to 8
 // activation rows. dequantize writes float rows (the reference the tests hold every path to).
+#include "kept_scratch.h"
 #include "ops.h"
 #include "quant_format.h"
 #include "vectors.h"
@@ -41,6 +42,7 @@ using pagedllm::vfloat;
 using pagedllm::widen;
 
 using pagedllm::check_format;
+using pagedllm::KeptScratch;
 using pagedllm::check_matmul;
 using pagedllm::dispatch_format;
 using pagedllm::scale_type_of;
@@ -57,27 +59,20 @@ constexpr int kRowBlock = 4;
 
 // Activation rows quantized per group to q_t (int8: the int8 paths; int16: the int16 path): q in -qmax..qmax
 // (so negating one cannot overflow), scale = absmax / qmax, and scale * sum(q) for the weights' min term. The
-// arrays live in storage the calling thread keeps from call to call (up to kKeptBytes; larger, as a long
-// prefill's, only for the call): fresh vectors were zero-filled on every call, and past glibc's mmap threshold (a
-// 2,048-row down projection's 3 MB) faulted their pages in again.
+// arrays are the calling thread's KeptScratch (tags 10-13).
 template <typename q_t>
 constexpr float kQMax = std::is_same_v<q_t, int8_t> ? 127.f : 32767.f;
 
 template <typename q_t>
-struct RowStorage {
-  std::vector<q_t> q;                          // [rows, cols]
-  std::vector<float> scale, scaled_sum;        // [rows, groups]
-  std::vector<int32_t> sum;                    // [rows, groups]: sum(q), for the int8 tiles kernel's 8-bit weights
-};
-constexpr int64_t kKeptBytes = 8 << 20;
-
-template <typename q_t>
 struct QuantizedRows {
   int64_t rows, cols, group;
+  KeptScratch<q_t, 10> q_storage;                                 // [rows, cols]
+  KeptScratch<float, 11> scale_storage;                           // [rows, groups]
+  KeptScratch<float, 12> scaled_sum_storage;                      // [rows, groups]
+  KeptScratch<int32_t, 13> sum_storage;   // [rows, groups]: sum(q), for the int8 tiles kernel's 8-bit weights
   const q_t* q;
   const float *scale, *scaled_sum;
   const int32_t* sum;
-  std::unique_ptr<RowStorage<q_t>> own;   // storage for this call alone, where the kept storage would be too large
 };
 
 // One group's q (x * qmax / absmax rounded to nearest, ties to even); returns sum(q), sets *scale.
@@ -148,21 +143,13 @@ int32_t quantize_group(const scalar_t* x, int64_t group, q_t* q, float* scale) {
 template <typename q_t, typename scalar_t>
 QuantizedRows<q_t> quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, int64_t group, int64_t padded_rows) {
   const int64_t groups = cols / group;
-  thread_local RowStorage<q_t> kept;
-  std::unique_ptr<RowStorage<q_t>> own;
-  const bool too_large = padded_rows * (cols * static_cast<int64_t>(sizeof(q_t)) + 12 * groups) > kKeptBytes;
-  if (too_large) own = std::make_unique<RowStorage<q_t>>();
-  RowStorage<q_t>& storage = too_large ? *own : kept;
-  if (static_cast<int64_t>(storage.q.size()) < padded_rows * cols) storage.q.resize(padded_rows * cols);
-  if (static_cast<int64_t>(storage.scale.size()) < padded_rows * groups) {
-    storage.scale.resize(padded_rows * groups);
-    storage.scaled_sum.resize(padded_rows * groups);
-    storage.sum.resize(padded_rows * groups);
-  }
-  // By pointer: inside the workers, `kept` would name their own thread_local.
-  q_t* q_data = storage.q.data();
-  float *scale_data = storage.scale.data(), *scaled_sum_data = storage.scaled_sum.data();
-  int32_t* sum_data = storage.sum.data();
+  QuantizedRows<q_t> result{rows, cols, group, KeptScratch<q_t, 10>(padded_rows * cols),
+                            KeptScratch<float, 11>(padded_rows * groups), KeptScratch<float, 12>(padded_rows * groups),
+                            KeptScratch<int32_t, 13>(padded_rows * groups)};
+  // By pointer: inside the workers, the scratch would be their own thread's.
+  q_t* q_data = result.q_storage.data();
+  float *scale_data = result.scale_storage.data(), *scaled_sum_data = result.scaled_sum_storage.data();
+  int32_t* sum_data = result.sum_storage.data();
   at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t rg = begin; rg < end; ++rg) {
       const int64_t start = rg * group;   // rows are contiguous, so group rg starts at rg * group
@@ -170,7 +157,11 @@ QuantizedRows<q_t> quantize_rows(const scalar_t* x, int64_t rows, int64_t cols, 
       scaled_sum_data[rg] = scale_data[rg] * static_cast<float>(sum_data[rg]);
     }
   });
-  return QuantizedRows<q_t>{rows, cols, group, q_data, scale_data, scaled_sum_data, sum_data, std::move(own)};
+  result.q = q_data;
+  result.scale = scale_data;
+  result.scaled_sum = scaled_sum_data;
+  result.sum = sum_data;
+  return result;
 }
 
 using Int8Rows = QuantizedRows<int8_t>;

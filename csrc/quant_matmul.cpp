@@ -21,6 +21,7 @@
 // exact in float32 and brgemm accumulates in float32, so only the weights' rounding to bfloat16 is added, at
 // twice float32's rate.
 #include "ops.h"
+#include "kept_scratch.h"
 #include "quant_format.h"
 
 #include <ATen/Parallel.h>
@@ -43,6 +44,7 @@ namespace {
 
 using pagedllm::check_matmul;
 using pagedllm::dispatch_format;
+using pagedllm::KeptScratch;
 using pagedllm::scale_type_of;
 using pagedllm::kTileRows;
 
@@ -447,32 +449,6 @@ constexpr int64_t kCacheBytes = 512 * 1024;   // activations a thread keeps in c
 int64_t cache_rows(int64_t row_bytes) {
   return std::max<int64_t>(1, kCacheBytes / row_bytes / kBlockRows) * kBlockRows;
 }
-
-// Scratch of `elements` for the calling thread, kept from call to call (tag: which scratch): a fresh vector was
-// zero-filled on every call, and one over glibc's mmap threshold faulted its pages in again: a many-row call
-// re-allocated its 0.3 MB of per-thread blocks and, past kCacheBytes of rows, the whole weight's (up to 3.5 MB).
-// Scratch over kKeptBytes (an LM head's 57 MB at many rows) is not kept: it lives as long as the call.
-constexpr int64_t kKeptBytes = 8 << 20;
-
-template <typename T, int tag>
-class KeptScratch {
- public:
-  explicit KeptScratch(int64_t elements) {
-    thread_local std::vector<T> kept;
-    if (elements * static_cast<int64_t>(sizeof(T)) > kKeptBytes) {
-      own_.reset(new T[elements]);
-      data_ = own_.get();
-      return;
-    }
-    if (static_cast<int64_t>(kept.size()) < elements) kept.resize(elements);
-    data_ = kept.data();
-  }
-  T* data() const { return data_; }
-
- private:
-  std::unique_ptr<T[]> own_;
-  T* data_;
-};
 
 }  // namespace
 
