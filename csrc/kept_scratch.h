@@ -1,8 +1,7 @@
 // Per-thread scratch of the matmul kernels (quant_matmul.cpp, quant_linear.cpp), kept from call to call: a fresh
 // vector was zero-filled on every call, and one over glibc's mmap threshold faulted its pages in again. Scratch
 // over kKeptBytes (an LM head's 57 MB of dequantized weights, a long prefill's 25 MB of int16 activations) is not
-// kept: it lives as long as the call, and is not zero-filled (the caller writes it before reading it; on one
-// thread, zero-filling a long prefill's activations cost more than quantizing them on two).
+// kept: it lives as long as the call, and is not zero-filled (the caller writes it before reading it).
 #pragma once
 
 #include <cstdint>

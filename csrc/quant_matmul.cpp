@@ -20,8 +20,8 @@
 // bfloat16 activations may come back as float32 sums (out float32: the LM head's logits): bfloat16 products are
 // exact in float32 and brgemm accumulates in float32, so only the weights' rounding to bfloat16 is added, at
 // twice float32's rate.
-#include "ops.h"
 #include "kept_scratch.h"
+#include "ops.h"
 #include "quant_format.h"
 
 #include <ATen/Parallel.h>
