@@ -102,10 +102,14 @@ def test_each_kv_cache_dtype_generates_as_transformers_with_the_same_kv_rounding
         assert (reference.max(-1).values - theirs <= 2 * tolerance).all(), (kv_cache_dtype, tolerance)
     if kv_cache_dtype == "int8":
         # Two greedy samples per prompt share the prompt's blocks, and the partial last block is copied
-        # on write: the copies must carry their scales, or the second sample would read other K/V.
+        # on write: the copies must carry their scales, or the second sample would read other K/V. The two
+        # samples of a prompt run in one batch on the same inputs, so they agree exactly. Against the run above
+        # they need not: that ran 8 rows a step and this one 16, float layers round by batch (oneDNN's float32
+        # matmuls have no batch-invariant mode), and int8's coarse K/V can turn that into a near tie's flip
+        # (on an AVX2-only CPU one of the eight prompts parted at its 11th token).
         pairs = generate(llm, SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-        alone = [list(completion.token_ids) for completion in completions]
-        assert [completions[0] for completions in pairs] == [completions[1] for completions in pairs] == alone
+        assert all(len(samples) == 2 for samples in pairs)
+        assert [samples[0] for samples in pairs] == [samples[1] for samples in pairs]
 
 
 def test_teacher_forcing_reproduces_the_engines_own_greedy_decode(auto_llm):
