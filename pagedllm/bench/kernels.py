@@ -163,17 +163,17 @@ def attention_table(config, dtype, cache_dtype, prompt_lens: list[int], block_si
 
     from pagedllm.model import kernels
     from pagedllm.model.attention.cache import kv_cache_shapes
-    from pagedllm.model.attention.prefill_path import PrefillPath, brgemm_operands, choose_prefill_path
+    from pagedllm.model.attention.prefill_path import BRGEMM_OP, PrefillPath, brgemm_operands, choose_prefill_path
     from pagedllm.model.quantized_matmul import brgemm_isa
 
     operands = brgemm_operands(dtype, cache_dtype)
     isa = brgemm_isa(operands) if operands is not None else None
     paths = [PrefillPath("tiles")] + ([PrefillPath("brgemm", isa)] if isa else [])
+    engine_path = choose_prefill_path(dtype, cache_dtype)
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     print(f"prefill attention: CPU kernels {kernels.variant}, {cache_label(dtype, cache_dtype)}, {heads} heads on "
           f"{kv_heads} kv heads of {head_dim}, blocks of {block_size}, {torch.get_num_threads()} threads; brgemm's ISA "
-          f"(from the CPU's features): {isa or 'not used'}; engine's choice: "
-          f"{choose_prefill_path(dtype, cache_dtype).describe()}")
+          f"(from the CPU's features): {isa or 'not used'}; engine's choice: {engine_path.describe()}")
     if isa:
         for line in onednn_lines(str(operands).removeprefix("torch."), "rows", _ATTENTION_PROBE):
             print(f"  oneDNN: {line}")
@@ -191,14 +191,15 @@ def attention_table(config, dtype, cache_dtype, prompt_lens: list[int], block_si
         starts, contexts = torch.tensor([0, length]), torch.tensor([0])
 
         def call(path: PrefillPath):
-            kernel = getattr(kernels.kernels, path.op)
+            kernel = getattr(kernels.kernels, path.op_for(length))
             return lambda: kernel(out, q, k_cache, v_cache, None, None, table, starts, contexts, head_dim ** -0.5)
 
         times = {path.name: _seconds_per_call(call(path), min_time) for path in paths}
         flops = 4 * heads * head_dim * length * (length + 1) / 2
+        chosen = "brgemm" if engine_path.op_for(length) == BRGEMM_OP else "tiles"
         print(f"| {length} | " + " | ".join(f"{seconds * 1e3:.3f}" for seconds in times.values()) + " | "
               + " | ".join(f"{flops / seconds / 1e9:.0f}" for seconds in times.values())
-              + f" | {min(times, key=times.get)} | {choose_prefill_path(dtype, cache_dtype).name} |")
+              + f" | {min(times, key=times.get)} | {chosen} |")
 
 
 def decode_attention_table(config, dtype, cache_dtype, contexts: list[int], sequences: int, block_size: int,

@@ -56,8 +56,9 @@ def dense_attention_and_bound(q, keys, values, context_len, scale, window=None, 
 def run_path(path, q, k_cache, v_cache, tables, chunks, scale, window=0, softcap=0.0):
     starts = torch.tensor([0] + [length for _, length in chunks]).cumsum(0)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
-    getattr(_C, path.op)(out, q, *caches_of(k_cache, v_cache), tables, starts,
-                         torch.tensor([context for context, _ in chunks]), scale, window, softcap)
+    kernel = getattr(_C, path.op_for(max(length for _, length in chunks)))
+    kernel(out, q, *caches_of(k_cache, v_cache), tables, starts, torch.tensor([context for context, _ in chunks]),
+           scale, window, softcap)
     return out, starts
 
 
@@ -138,16 +139,53 @@ def test_brgemm_kernel_refuses_other_dtypes_with_the_reason():
                                     torch.tensor([0, 4]), torch.tensor([0]), 1.0)
 
 
-def test_the_default_is_brgemm_on_amx_for_bfloat16_on_avx512_for_float32_and_tiles_elsewhere(monkeypatch):
+def test_the_default_is_brgemm_on_amx_for_bfloat16_on_avx512_and_avx2_for_float32_and_tiles_elsewhere(monkeypatch):
     monkeypatch.delenv(FORCE_VARIABLE, raising=False)
     bfloat16 = PrefillPath("brgemm", BRGEMM_ISA) if BRGEMM_ISA == "avx512_core_amx" else PrefillPath("tiles")
     assert choose_prefill_path(BF16, BF16) == bfloat16
-    float32 = PrefillPath("brgemm", FLOAT_ISA) if FLOAT_ISA == "avx512_core" else PrefillPath("tiles")
+    float32 = {"avx512_core": PrefillPath("brgemm", FLOAT_ISA),
+               "avx2": PrefillPath("brgemm", FLOAT_ISA, tiles_below=256)}.get(FLOAT_ISA, PrefillPath("tiles"))
     for cache_dtype in (torch.float32, BF16):
         assert choose_prefill_path(torch.float32, cache_dtype) == float32
     for dtype, cache_dtype in [(BF16, torch.int8), (BF16, torch.float32), (torch.float32, torch.int8),
                                (torch.float16, torch.float16)]:
         assert choose_prefill_path(dtype, cache_dtype) == PrefillPath("tiles")
+
+
+def test_a_path_with_a_length_takes_brgemm_from_that_chunk_length_and_the_tiles_below_it():
+    by_length = PrefillPath("brgemm", "avx2", tiles_below=256)
+    assert [by_length.op_for(n) for n in (0, 1, 255, 256, 4096)] == ["prefill_attention"] * 3 + [
+        "prefill_attention_brgemm"] * 2
+    assert by_length.ops == ("prefill_attention_brgemm", "prefill_attention")
+    assert by_length.describe() == "brgemm (oneDNN avx2); tiles for steps whose chunks are all under 256 tokens"
+    always = PrefillPath("brgemm", "avx512_core")
+    assert {always.op_for(n) for n in (0, 1, 4096)} == {"prefill_attention_brgemm"} and always.ops == (
+        "prefill_attention_brgemm",)
+    assert {PrefillPath("tiles").op_for(n) for n in (1, 4096)} == {"prefill_attention"}
+
+
+@pytest.mark.parametrize("chunk", [8, 300])
+def test_the_backend_runs_the_kernel_its_path_names_for_the_steps_longest_chunk(monkeypatch, chunk):
+    """The default backend of a float32 model over a bfloat16 cache, one prefill chunk after 600 cached tokens: its
+    output has the bits of the kernel its path names for the chunk (on AVX2 the tiles for 8 tokens, brgemm for
+    300; past one 512-key tile the two sum in different orders, so their float32 results differ in the last bits)."""
+    monkeypatch.delenv(FORCE_VARIABLE, raising=False)
+    backend = CpuAttentionBackend(torch.float32, BF16)
+    generator = torch.Generator().manual_seed(5)
+    k_cache, v_cache, tables, _, _ = scattered_cache([chunk + 600], 16, 2, 32, BF16, generator)
+    q = torch.randn(chunk, 4, 32, generator=generator)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(chunk, dtype=torch.int64), num_decode_tokens=0,
+                             decode_block_tables=tables[:0], decode_seq_lens=torch.tensor([], dtype=torch.int64),
+                             prefill_query_starts=torch.tensor([0, chunk]), prefill_context_lens=torch.tensor([600]),
+                             prefill_block_tables=tables, block_size=16, max_query_len=chunk)
+    out = torch.empty_like(q)
+    backend.prefill(out, q, None, None, k_cache, v_cache, meta, LayerAttention(32 ** -0.5))
+    paths = [PrefillPath("tiles")] + ([PrefillPath("brgemm", FLOAT_ISA)] if FLOAT_ISA else [])
+    results = {path.op_for(chunk): run_path(path, q, k_cache, v_cache, tables, [(600, chunk)], 32 ** -0.5)[0]
+               for path in paths}
+    if len(results) == 2:
+        assert not torch.equal(*results.values()), "the two kernels' bits should tell them apart"
+    assert torch.equal(out, results[backend.prefill_path.op_for(chunk)])
 
 
 def test_the_environment_forces_a_path_or_says_why_it_cannot(monkeypatch):

@@ -5,7 +5,7 @@ blocks), which read K/V in place through the block tables, cached prefix include
 Groups of sequences that share leading blocks go to the cascade kernel, which reads each group's shared
 blocks once for all its query rows; not in sliding-window layers, whose shared blocks may lie outside a
 token's window: those run the plain kernels. The other prefill chunks take the path prefill_path.py chose
-(the register tile kernel, or its brgemm twin).
+(the register tile kernel, or its brgemm twin; on AVX2 brgemm for steps with a long enough chunk).
 """
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ class CpuAttentionBackend(DecodePrefillBackend):
         the prefill path for a model of dtype over a cache of cache_dtype (default: dtype)."""
         cpu = torch.device("cpu")
         self.prefill_path = choose_prefill_path(dtype, cache_dtype or dtype)
-        self._write_kv, self._paged_attention, self._prefill_attention, self._cascade_attention = (
-            kernel_for(op, cpu) for op in ("write_kv", "paged_attention", self.prefill_path.op, "cascade_attention"))
+        self._write_kv, self._paged_attention, self._cascade_attention = (
+            kernel_for(op, cpu) for op in ("write_kv", "paged_attention", "cascade_attention"))
+        self._prefill_kernels = {op: kernel_for(op, cpu) for op in self.prefill_path.ops}
 
     def describe(self) -> str:
         return f"{self.name} (prefill: {self.prefill_path.describe()})"
@@ -65,6 +66,6 @@ class CpuAttentionBackend(DecodePrefillBackend):
             self._cascade(out, q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_starts,
                           meta.prefill_context_lens, meta.prefill_cascade, layer)
             return
-        self._prefill_attention(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales,
-                                meta.prefill_block_tables, meta.prefill_query_starts, meta.prefill_context_lens,
-                                layer.scale, *layer.kernel_limits())
+        kernel = self._prefill_kernels[self.prefill_path.op_for(meta.max_query_len)]
+        kernel(out, q, k_cache.data, v_cache.data, k_cache.scales, v_cache.scales, meta.prefill_block_tables,
+               meta.prefill_query_starts, meta.prefill_context_lens, layer.scale, *layer.kernel_limits())
