@@ -50,7 +50,11 @@ using OptionalTensor = std::optional<at::Tensor>;
 inline void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const OptionalTensor& k_scales,
                          const OptionalTensor& v_scales, const char* op) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.sizes() == v_cache.transpose(2, 3).sizes(),
+  // K [blocks, kv_heads, head_dim, block_size] against V [blocks, kv_heads, block_size, head_dim], compared in place:
+  // a transposed view would be a dispatched op per kernel call (two a layer, every step).
+  const at::IntArrayRef k = k_cache.sizes(), v = v_cache.sizes();
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k.size() == 4 && v.size() == 4 && k[0] == v[0] &&
+                  k[1] == v[1] && k[2] == v[3] && k[3] == v[2],
               op, ": K and V caches must match");
   const bool scaled = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(k_scales.has_value() == scaled && v_scales.has_value() == scaled, op,

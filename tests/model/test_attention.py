@@ -202,6 +202,16 @@ def test_kernels_refuse_int8_caches_without_scales_and_scales_elsewhere():
         _C.write_kv(k_cache.float(), v_cache.float(), scales, scales, k, k, slots)
 
 
+@pytest.mark.parametrize("v_shape", [(2, 1, 32, 8), (3, 1, 8, 32), (2, 2, 8, 32), (2, 1, 8, 16), (2, 8, 32)])
+def test_kernels_refuse_a_v_cache_that_is_not_the_k_cache_transposed(v_shape):
+    """K is [blocks, kv_heads, head_dim, block_size], V [blocks, kv_heads, block_size, head_dim]: V laid out as K,
+    or differing in blocks, kv heads, block size or rank, is refused by name."""
+    k_cache, k, slots = torch.zeros(2, 1, 32, 8), torch.zeros(1, 1, 32), torch.tensor([0])
+    with pytest.raises(RuntimeError, match="write_kv: K and V caches must match"):
+        _C.write_kv(k_cache, torch.zeros(v_shape), None, None, k, k, slots)
+    _C.write_kv(k_cache, torch.zeros(2, 1, 8, 32), None, None, k, k, slots)   # the layout that matches
+
+
 @pytest.mark.parametrize("dtype,cache_dtype,block_size", layouts([8, 16, 24]))
 @pytest.mark.parametrize("sliding_window,softcap", [(1, None), (7, None), (40, None), (None, 5.0), (13, 5.0)])
 def test_kernels_attend_within_the_window_and_cap_scores(dtype, cache_dtype, block_size, sliding_window, softcap):
