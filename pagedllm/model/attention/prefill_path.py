@@ -30,7 +30,7 @@ PATHS = ("tiles", "brgemm")
 FORCE_VARIABLE = "PAGEDLLM_ATTENTION_PATH"
 TILES_OP, BRGEMM_OP = "prefill_attention", "prefill_attention_brgemm"
 # Per operand dtype, the oneDNN ISAs on which brgemm is the default (where it was measured faster, or built for:
-# AMX), each with the longest prefill chunk below which a step keeps the tiles (0: none).
+# AMX), each with the chunk length below which a step keeps the tiles (0: none).
 BRGEMM_BY_DEFAULT = {torch.bfloat16: {"avx512_core_amx": 0}, torch.float32: {"avx512_core": 0, "avx2": 256}}
 
 
