@@ -168,11 +168,12 @@ def test_a_path_with_a_length_takes_brgemm_from_that_chunk_length_and_the_tiles_
 def test_the_backend_runs_the_kernel_its_path_names_for_the_steps_longest_chunk(monkeypatch, chunk):
     """The default backend of a float32 model over a bfloat16 cache, one prefill chunk after 600 cached tokens: its
     output has the bits of the kernel its path names for the chunk (on AVX2 the tiles for 8 tokens, brgemm for
-    300; past one 512-key tile the two sum in different orders, so their float32 results differ in the last bits)."""
+    300; past one 512-key tile the two sum in different orders, so their float32 results differ in the last bits),
+    and both agree with dense float32 attention over the values the cache holds to 1e-5."""
     monkeypatch.delenv(FORCE_VARIABLE, raising=False)
     backend = CpuAttentionBackend(torch.float32, BF16)
     generator = torch.Generator().manual_seed(5)
-    k_cache, v_cache, tables, _, _ = scattered_cache([chunk + 600], 16, 2, 32, BF16, generator)
+    k_cache, v_cache, tables, keys, values = scattered_cache([chunk + 600], 16, 2, 32, BF16, generator)
     q = torch.randn(chunk, 4, 32, generator=generator)
     meta = AttentionMetadata(slot_mapping=torch.zeros(chunk, dtype=torch.int64), num_decode_tokens=0,
                              decode_block_tables=tables[:0], decode_seq_lens=torch.tensor([], dtype=torch.int64),
@@ -186,6 +187,7 @@ def test_the_backend_runs_the_kernel_its_path_names_for_the_steps_longest_chunk(
     if len(results) == 2:
         assert not torch.equal(*results.values()), "the two kernels' bits should tell them apart"
     assert torch.equal(out, results[backend.prefill_path.op_for(chunk)])
+    torch.testing.assert_close(out, causal_reference(q, keys[0], values[0], 600, 32 ** -0.5), atol=1e-5, rtol=1e-5)
 
 
 def test_the_environment_forces_a_path_or_says_why_it_cannot(monkeypatch):
