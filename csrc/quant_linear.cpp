@@ -738,8 +738,8 @@ void int16_panel_dots(float (*out)[kInt16PanelTiles * kTileRows], const Int16Pai
 
 #else   // AVX2: 16 registers, so half a tile (8 weight rows, 32 bytes of each 64-byte line) a pass
 // Activation rows per pass: 5 int32 sums, 5 float sums, one weight vector. A speculative verification of 4 tokens
-// (5 rows) thus reads each tile once: as 4 + 1 rows it took 1.18x the time (the 3072 x 576 layer and the 8-bit LM
-// head, `bench kernels --rows 5`, alternated).
+// (5 rows) thus reads each tile once: as 4 + 1 rows it took 1.18x the time (`bench kernels --rows 5`, summed over
+// the bundled model's shapes; docs/quantized_matmul.md).
 constexpr int kInt16DirectBlockRows = 5;
 constexpr int64_t kInt16DirectUpToRows = 16;   // the VNNI body's; at 16 rows it also beat brgemm (Ice Lake, avx2 build)
 
