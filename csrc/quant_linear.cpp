@@ -737,7 +737,10 @@ void int16_panel_dots(float (*out)[kInt16PanelTiles * kTileRows], const Int16Pai
 }
 
 #else   // AVX2: 16 registers, so half a tile (8 weight rows, 32 bytes of each 64-byte line) a pass
-constexpr int kInt16DirectBlockRows = 4;   // activation rows per pass: 4 int32 sums (2 chains each below 3), 4 float sums
+// Activation rows per pass: 5 int32 sums, 5 float sums, one weight vector. A speculative verification of 4 tokens
+// (5 rows) thus reads each tile once: as 4 + 1 rows it took 1.18x the time (`bench kernels --rows 5`, summed over
+// the bundled model's shapes; docs/quantized_matmul.md).
+constexpr int kInt16DirectBlockRows = 5;
 constexpr int64_t kInt16DirectUpToRows = 16;   // the VNNI body's; at 16 rows it also beat brgemm (Ice Lake, avx2 build)
 
 template <int bits, int group, int block, bool with_mins, typename scale_t>
@@ -774,13 +777,17 @@ void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale
           w[0] = _mm256_srai_epi16(_mm256_slli_epi16(packed, 8), 8);
           w[1] = _mm256_srai_epi16(packed, 8);
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < block; ++r) {
-          const int16_t* x = a.q + (first_row + r) * a.cols + col;
-#pragma GCC unroll 4
-          for (int p = 0; p < kPairsPerLoad; ++p) {
+        // Up to 4 rows every weight vector of the load stays live (the 8-bit LM head at 4 rows 4% faster than
+        // below); 5 rows' sums fit beside one weight vector only, so the rows take each vector in turn.
+        constexpr bool kVectorOuter = block > 4;
+#pragma GCC unroll 5
+        for (int outer = 0; outer < (kVectorOuter ? kPairsPerLoad : block); ++outer) {
+          if constexpr (kVectorOuter) __asm__("" : "+x"(w[outer]));   // computed here, not all ahead of the products
+#pragma GCC unroll 5
+          for (int inner = 0; inner < (kVectorOuter ? block : kPairsPerLoad); ++inner) {
+            const int r = kVectorOuter ? inner : outer, p = kVectorOuter ? outer : inner;
             int32_t pair;
-            std::memcpy(&pair, x + 2 * p, sizeof(pair));
+            std::memcpy(&pair, a.q + (first_row + r) * a.cols + col + 2 * p, sizeof(pair));
             const int k = (i * kPairsPerLoad + p) % kChains;
             sums[r][k] = _mm256_add_epi32(sums[r][k], _mm256_madd_epi16(w[p], _mm256_set1_epi32(pair)));
             __asm__("" : "+x"(sums[r][k]));   // each sum stays in its register (see int16_dots)
@@ -897,13 +904,17 @@ void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, 
                                                              : &int16_direct_block<kBits, 16, false, scale_t>);
       split(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
         float dots[kInt16DirectBlockRows][kTileRows];
+        // As few passes as the block allows, of even sizes: 8 rows run as 4 + 4, not 5 + 3 (with VNNI, 9 as 5 + 4:
+        // the same unpacks and products as 8 + 1).
+        const int64_t passes = (rows + kInt16DirectBlockRows - 1) / kInt16DirectBlockRows;
         for (int64_t t = begin; t < end; ++t) {
           const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(kTileRows, out_features - first_out);
-          for (int64_t r = 0; r < rows; r += kInt16DirectBlockRows) {
-            const int block = static_cast<int>(std::min<int64_t>(kInt16DirectBlockRows, rows - r));
+          for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
+            const int block = static_cast<int>((rows - r) / (passes - pass));   // the rows left, shared evenly
             direct(dots, weights + t * tile_bytes, all_scales + t * params_per_tile, mins_of(t), a, r, block,
                    tile_bytes, params_per_tile);
             store_sums(result, dots, bias_values, r, block, first_out, valid, out_features);
+            r += block;
           }
         }
       });

@@ -286,6 +286,24 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch_they_share(dtype, activ
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int16_rows_have_their_bits_alone_in_every_pass_size(dtype, monkeypatch):
+    """int16 sums each row's products in integers and folds them per group in one order, whichever pass of the
+    few-row body a row falls in (up to 5 rows a pass on AVX2, 8 with VNNI, split evenly: 6 = 3 + 3, 9 = 5 + 4,
+    16 = 4 x 4) or the panels past 16 rows. So every row of a call has the bits it has alone: the rows of a
+    speculative verification are the rows its tokens would have as decodes."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(24, 256, generator=generator).to(dtype)
+    bias = torch.randn(33, generator=generator).to(dtype)
+    matmul = forced("int16", monkeypatch)
+    for weight in quantized_weights(5, 33, 256):
+        layer = QuantizedLinear(weight, bias, matmul)
+        alone = torch.cat([layer(x[row:row + 1]) for row in range(len(x))])
+        for count in (2, 4, 5, 6, 8, 9, 10, 16, 17, 24):
+            assert torch.equal(layer(x[:count]), alone[:count]), (weight.source, count)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(33, 256), (96, 512), (7, 32)])
 def test_int8_tiles_gives_the_int8_kernels_bits(dtype, shape):
     """The many-row int8 kernel sums each group in integers and folds it into floats in the int8 kernel's order
