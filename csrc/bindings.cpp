@@ -27,7 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "Residual add, then RMSNorm (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "Rotary position embedding in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
-  m.def("dequantize", &dequantize, "Group-quantized weights to floats (CPU)");
+  m.def("dequantize", &dequantize, "Group-quantized weights to floats, all rows or the given ones (CPU)", arg("out"),
+        arg("qweight"), arg("scales"), arg("mins"), arg("bits"), arg("group"), arg("rows") = pybind11::none());
   m.def("logits_summary", &logits_summary, "Per-row logsumexp and argmax of float32 logits (CPU)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "Disallowed tokens of a packed bitmask to -inf, in place (CPU)");
   m.def("controlled_argmax", &controlled_argmax, "Argmax of rows under logit controls, without a copy (CPU)");

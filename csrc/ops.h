@@ -130,9 +130,10 @@ void quantized_linear_int16_share(const at::Tensor& out, const at::Tensor& x, co
                                   const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group,
                                   int64_t first_tile, int64_t last_tile);
 
-// The weight as floats: out [rows, cols] = scale * q + min, exactly as gguf's dequantization computes it.
+// The weight as floats: out [rows, cols] = scale * q + min, exactly as gguf's dequantization computes it; with
+// `rows` (int64 weight row ids) only those rows, out[i] = row rows[i] (an embedding lookup).
 void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,
-                int64_t bits, int64_t group);
+                int64_t bits, int64_t group, c10::optional<at::Tensor> rows);
 
 // One layer's LoRA update for a step (lora_sgmv.cpp): out[rows[i]] += x[rows[i]] . A . B with the A and B of the
 // slot of the segment (slot, start, end) in `segments` holding position i; rows in no segment are left alone.

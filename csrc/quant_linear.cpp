@@ -1059,40 +1059,73 @@ void quantized_linear_int16_share(const at::Tensor& out, const at::Tensor& x, co
                [](int64_t first, int64_t last, const auto& f) { f(first, last); });
 }
 
+// One weight row's q values out of its tile, row-major: each of its 4-byte pieces of the tile's 64-byte slots.
+template <int bits, typename q_t>
+void untile_row(q_t* dst, const uint8_t* tile, int64_t row, int64_t cols) {
+  for (int64_t s = 0; s < cols / 4; ++s) {
+    for (int c = 0; c < 4; ++c) dst[s * 4 + c] = static_cast<q_t>(TileLayout<bits>::value(tile, row, s * 4 + c));
+  }
+}
+
 void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,
-                int64_t bits, int64_t group) {
+                int64_t bits, int64_t group, c10::optional<at::Tensor> rows) {
   RECORD_FUNCTION("pagedllm::dequantize", std::vector<c10::IValue>({out}));   // torch.profiler names it
   const int64_t tiles = qweight.size(0), cols = out.size(1);
   check_format(qweight, scales, mins, bits, group, cols);
-  TORCH_CHECK(out.is_contiguous() && out.size(0) == tiles * kTileRows, "dequantize: out must be contiguous [tiles * 16, cols]");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2, "dequantize: out must be contiguous [rows, cols]");
+  if (rows) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->is_contiguous() &&
+                rows->size(0) == out.size(0), "dequantize: rows must be contiguous int64 [out rows]");
+  } else {
+    TORCH_CHECK(out.size(0) == tiles * kTileRows, "dequantize: out must be [tiles * 16, cols] without rows");
+  }
+  const int64_t* row_ids = rows ? rows->data_ptr<int64_t>() : nullptr;   // (nullptr for no rows too)
+  const int64_t count = out.size(0);
+  for (int64_t i = 0; rows && i < count; ++i) {
+    TORCH_CHECK(0 <= row_ids[i] && row_ids[i] < tiles * kTileRows, "dequantize: row ", row_ids[i], " is outside 0..",
+                tiles * kTileRows - 1);
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize", [&] {
     scalar_t* result = out.data_ptr<scalar_t>();
     dispatch_format(bits, scales, mins, [&](auto bits_constant, auto all_scales, auto all_mins) {
       constexpr int kBits = decltype(bits_constant)::value;
       using scale_t = scale_type_of<decltype(all_scales)>;
       using q_t = std::conditional_t<kBits == 4, uint8_t, int8_t>;
+      using q_vector_t = std::conditional_t<kBits == 4, vbytes, vsbytes>;
       const int64_t tile_bytes = qweight.size(1), params_per_tile = scales.size(1), groups = cols / group;
       const auto* weights = static_cast<const uint8_t*>(qweight.data_ptr());
+      // Output row i is weight row `row` (its q values row-major in q) of tile t: scale * q + min per group.
+      auto write_row = [&](scalar_t* dst, const q_t* q, int64_t t, int64_t row) {
+        const scale_t* tile_scales = all_scales + t * params_per_tile;
+        const scale_t* tile_mins = all_mins ? all_mins + t * params_per_tile : nullptr;
+        for (int64_t g = 0; g < groups; ++g) {
+          // scale * q is exact for every source format (see quantization.py), so a fused
+          // multiply-add rounds as gguf's separate multiply and add do.
+          const vfloat scale = broadcast(param(tile_scales, g, row));
+          const vfloat min = broadcast(tile_mins ? param(tile_mins, g, row) : 0.f);
+          for (int64_t c = g * group; c < (g + 1) * group; c += kLanes) {
+            q_vector_t values;
+            std::memcpy(&values, q + c, sizeof(values));
+            narrow(__builtin_convertvector(values, vfloat) * scale + min, dst + c);
+          }
+        }
+      };
+      if (rows) {   // an embedding lookup: each row's own bytes, not its tile's 16 rows
+        at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+          std::vector<q_t> values(cols);
+          for (int64_t i = begin; i < end; ++i) {
+            const int64_t t = row_ids[i] / kTileRows, row = row_ids[i] % kTileRows;
+            untile_row<kBits>(values.data(), weights + t * tile_bytes, row, cols);
+            write_row(result + i * cols, values.data(), t, row);
+          }
+        });
+        return;
+      }
       at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         std::vector<q_t> values(kTileRows * cols);   // one tile's q, row-major
         for (int64_t t = begin; t < end; ++t) {
           untile<kBits>(reinterpret_cast<uint8_t*>(values.data()), weights + t * tile_bytes, cols);
-          const scale_t* tile_scales = all_scales + t * params_per_tile;
-          const scale_t* tile_mins = all_mins ? all_mins + t * params_per_tile : nullptr;
-          for (int64_t n = 0; n < kTileRows; ++n) {
-            scalar_t* dst = result + (t * kTileRows + n) * cols;
-            for (int64_t g = 0; g < groups; ++g) {
-              // scale * q is exact for every source format (see quantization.py), so a fused
-              // multiply-add rounds as gguf's separate multiply and add do.
-              const vfloat scale = broadcast(param(tile_scales, g, n));
-              const vfloat min = broadcast(tile_mins ? param(tile_mins, g, n) : 0.f);
-              for (int64_t c = g * group; c < (g + 1) * group; c += kLanes) {
-                std::conditional_t<kBits == 4, vbytes, vsbytes> q;
-                std::memcpy(&q, values.data() + n * cols + c, sizeof(q));
-                narrow(__builtin_convertvector(q, vfloat) * scale + min, dst + c);
-              }
-            }
-          }
+          for (int64_t n = 0; n < kTileRows; ++n) write_row(result + (t * kTileRows + n) * cols, values.data() + n * cols, t, n);
         }
       });
     });

@@ -370,13 +370,29 @@ def test_embedding_rows_and_the_tied_head_share_the_packed_table():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_rows_match_gguf_dequantization_at_every_row_of_a_tile(type_name, dtype):
     """Each looked-up row is the row gguf's own dequantization gives (rounded to dtype once), whichever of its
-    tile's 16 rows it is, in any order, repeated, the last tile padded (37 rows)."""
+    tile's 16 rows it is, in any order, repeated, the last tile padded (37 rows): the layer's (the compiled
+    dequantize where built) and the torch formula it falls back to elsewhere."""
     rows, cols = 37, 256
     data = random_gguf_tensor(type_name, rows, cols, seed=3)
     ids = torch.cat([torch.arange(rows).flip(0), torch.tensor([16, 16, 0, 36])])
-    looked_up = Embedding(from_gguf(data, type_name, (rows, cols)), dtype)(ids)
-    assert looked_up.dtype == dtype
-    assert torch.equal(looked_up, gguf_reference(data, type_name, rows, cols)[ids].to(dtype))
+    weight = from_gguf(data, type_name, (rows, cols))
+    expected = gguf_reference(data, type_name, rows, cols)[ids].to(dtype)
+    for looked_up in (Embedding(weight, dtype)(ids), weight.dequantize_rows(ids, dtype)):
+        assert looked_up.dtype == dtype
+        assert torch.equal(looked_up, expected)
+
+
+@pytest.mark.skipif(compiled is None, reason="the C++ kernels are not built")
+def test_dequantize_of_rows_refuses_ids_outside_the_table():
+    weight = quantize(torch.randn(37, 64), 4)
+    out = torch.empty(1, 64)
+    for bad in (37 + 11, -1):   # past the padded last tile's rows too (48)
+        with pytest.raises(RuntimeError, match=f"dequantize: row {bad} is outside 0..47"):
+            compiled.dequantize(out, weight.qweight, weight.scales, weight.mins, 4, 32, torch.tensor([bad]))
+    with pytest.raises(RuntimeError, match="rows must be contiguous int64"):
+        compiled.dequantize(out, weight.qweight, weight.scales, weight.mins, 4, 32, torch.tensor([1], dtype=torch.int32))
+    empty = torch.empty(0, 64)
+    compiled.dequantize(empty, weight.qweight, weight.scales, weight.mins, 4, 32, torch.empty(0, dtype=torch.int64))
 
 
 def test_projections_of_different_formats_run_side_by_side():
