@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pagedllm.model.kernels import kernel_for
-from pagedllm.worker.input_batch import SamplingColumns
+from pagedllm.worker.input_batch import RowFeature, SamplingColumns
 from pagedllm.worker.logit_controls import LogitControlsBatch
 from pagedllm.worker.token_bitmask import bitmask_words
 
@@ -68,43 +68,40 @@ class SamplingBatch:
             return torch.from_numpy(values).to(device, non_blocking=True).unsqueeze(1)
 
         greedy = columns.greedy[rows]
-        num_logprobs = columns.num_logprobs[rows]
-        seeded = np.flatnonzero(columns.seeded[rows] & ~greedy)
+        used = RowFeature(int(np.bitwise_or.reduce(columns.features[rows]))) if len(rows) else RowFeature(0)
+        num_logprobs = columns.num_logprobs[rows] if used & RowFeature.LOGPROBS else None
+        seeded = np.flatnonzero(columns.seeded[rows] & ~greedy) if used & RowFeature.SEEDED else ()
         batch = cls(
             temperatures=column(columns.temperature[rows]),
             all_greedy=bool(greedy.all()),
             seeded_rows=[(int(i), columns.generators[rows[i]]) for i in seeded],
-            num_top_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+            num_top_logprobs=None if num_logprobs is None else int(num_logprobs.max()),
         )
         if greedy.any():
             batch.greedy = torch.from_numpy(greedy).to(device, non_blocking=True)
-        top_k = columns.top_k[rows]
-        if (top_k > 0).any():
+        if used & RowFeature.TOP_K:
+            top_k = columns.top_k[rows]
             batch.top_k = column(np.where(top_k > 0, top_k, vocab_size))
-        top_p = columns.top_p[rows]
-        if (top_p < 1.0).any():
-            batch.top_p = column(top_p)
-        log_min_p = columns.log_min_p[rows]
-        if (log_min_p > -math.inf).any():
-            batch.log_min_p = column(log_min_p)
-        repetition = columns.repetition_penalty[rows]
-        if (repetition != 1.0).any():
-            batch.repetition_penalties = column(repetition)
+        if used & RowFeature.TOP_P:
+            batch.top_p = column(columns.top_p[rows])
+        if used & RowFeature.MIN_P:
+            batch.log_min_p = column(columns.log_min_p[rows])
+        if used & RowFeature.REPETITION:
+            batch.repetition_penalties = column(columns.repetition_penalty[rows])
             everything = np.zeros_like(num_tokens)   # from the first prompt token
             batch.seen_tokens = _token_counts(token_ids, rows, everything, num_tokens, vocab_size, device) > 0
-        frequency, presence = columns.frequency_penalty[rows], columns.presence_penalty[rows]
-        if (frequency != 0.0).any() or (presence != 0.0).any():
-            batch.frequency_penalties = column(frequency)
-            batch.presence_penalties = column(presence)
+        if used & RowFeature.FREQUENCY_PRESENCE:
+            batch.frequency_penalties = column(columns.frequency_penalty[rows])
+            batch.presence_penalties = column(columns.presence_penalty[rows])
             batch.output_counts = _token_counts(token_ids, rows, num_prompt_tokens, num_tokens, vocab_size, device)
-        # min_tokens closes every way of stopping on a token: EOS and stop_token_ids.
-        short = np.flatnonzero(num_tokens - num_prompt_tokens < columns.min_tokens[rows])
-        banned = [(int(i), token_id) for i in short for token_id in columns.stop_ids[rows[i]]]
-        if banned:
-            banned_rows, ids = zip(*banned)
-            batch.min_tokens_rows = torch.tensor(banned_rows, dtype=torch.int64).to(device, non_blocking=True)
-            batch.min_tokens_ids = torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
-        if columns.has_logit_controls[rows].any():
+        if used & RowFeature.MIN_TOKENS:   # closes every way of stopping on a token: EOS and stop_token_ids
+            short = np.flatnonzero(num_tokens - num_prompt_tokens < columns.min_tokens[rows])
+            banned = [(int(i), token_id) for i in short for token_id in columns.stop_ids[rows[i]]]
+            if banned:
+                banned_rows, ids = zip(*banned)
+                batch.min_tokens_rows = torch.tensor(banned_rows, dtype=torch.int64).to(device, non_blocking=True)
+                batch.min_tokens_ids = torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+        if used & RowFeature.LOGIT_CONTROLS:
             batch.logit_controls = LogitControlsBatch.build([columns.logit_controls[row] for row in rows.tolist()],
                                                             token_ids, rows, num_prompt_tokens, num_tokens,
                                                             vocab_size, device)

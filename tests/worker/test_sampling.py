@@ -140,6 +140,43 @@ def build(params, logits, prompts=None, outputs=None, eos=None, generators=None)
                                np.array([len(s) for s in sequences]), logits.shape[1], logits.device)
 
 
+FEATURE_FIELDS = ["top_k", "top_p", "log_min_p", "repetition_penalties", "seen_tokens", "frequency_penalties",
+                  "presence_penalties", "output_counts", "min_tokens_rows", "min_tokens_ids", "logit_controls"]
+
+
+@pytest.mark.parametrize("params, fields", [
+    (SamplingParams(temperature=0.8), []),
+    (SamplingParams(temperature=0.8, top_k=5), ["top_k"]),
+    (SamplingParams(temperature=0.8, top_p=0.5), ["top_p"]),
+    (SamplingParams(temperature=0.8, min_p=0.1), ["log_min_p"]),
+    (SamplingParams(repetition_penalty=1.2), ["repetition_penalties", "seen_tokens"]),
+    (SamplingParams(presence_penalty=0.5), ["frequency_penalties", "presence_penalties", "output_counts"]),
+    (SamplingParams(frequency_penalty=-0.5), ["frequency_penalties", "presence_penalties", "output_counts"]),
+    (SamplingParams(min_tokens=3), ["min_tokens_rows", "min_tokens_ids"]),
+    (SamplingParams(logit_bias={3: 1.0}), ["logit_controls"]),
+])
+def test_a_step_builds_the_tensors_of_the_features_its_rows_use_only(params, fields):
+    """The step gathers a feature's columns only where some row's flags name it: one row using a feature among
+    plain ones (greedy and sampled) builds exactly that feature's tensors, also once rows have moved (a finished
+    request's row is filled by the last row, flags and all)."""
+    logits = torch.randn(4, 10)
+    plain = [SamplingParams(temperature=0), SamplingParams(temperature=0.7)]
+    for order in ([params, *plain], [*plain, params]):
+        columns = SamplingColumns(4)
+        for row, row_params in enumerate([SamplingParams(temperature=0), *order]):
+            columns.set_row(row, row_params, (1,), None)
+        columns.move_row(3, 0)   # row 0 leaves: the last row takes its place
+        token_ids = np.zeros((3, 4), np.int32)
+        batch = SamplingBatch.build(columns, np.arange(3), token_ids, np.full(3, 1), np.full(3, 2), 10, logits.device)
+        assert [field for field in FEATURE_FIELDS if getattr(batch, field) is not None] == fields
+        assert batch.num_top_logprobs is None and batch.seeded_rows == []
+    with_logprobs = build([SamplingParams(logprobs=2), SamplingParams(temperature=0)], logits[:2])
+    assert with_logprobs.num_top_logprobs == 2
+    seeded = build([SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0)], logits[:2],
+                   generators=[torch.Generator().manual_seed(1), None])
+    assert [row for row, _ in seeded.seeded_rows] == [0]
+
+
 def draw_many(row_logits, params, draws=2000):
     """One batched call with the same row repeated: the empirical distribution of one request."""
     logits = row_logits.unsqueeze(0).repeat(draws, 1)
