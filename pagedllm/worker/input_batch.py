@@ -64,7 +64,6 @@ class SamplingColumns:
         self.min_tokens = np.zeros(capacity, np.int64)
         self.num_logprobs = np.full(capacity, -1, np.int64)        # -1: no logprobs asked
         self.seeded = np.zeros(capacity, bool)                     # owns a generator
-        self.has_logit_controls = np.zeros(capacity, bool)         # logit_bias, allowed_token_ids or bad_words
         self.num_prompt_logprobs = np.full(capacity, -1, np.int64)  # -1: no prompt logprobs asked
         self.features = np.zeros(capacity, np.int64)               # RowFeature flags
         # Token ids min_tokens holds back (EOS and stop_token_ids), and the seeded generators: Python per row.
@@ -73,8 +72,8 @@ class SamplingColumns:
         self.logit_controls: list[RowLogitControls | None] = [None] * capacity
 
     ARRAYS = ("temperature", "greedy", "top_k", "top_p", "log_min_p", "repetition_penalty", "frequency_penalty",
-              "presence_penalty", "min_tokens", "num_logprobs", "seeded", "has_logit_controls",
-              "num_prompt_logprobs", "features")
+              "presence_penalty", "min_tokens", "num_logprobs", "seeded", "num_prompt_logprobs",
+              "features")
     LISTS = ("stop_ids", "generators", "logit_controls")
 
     def set_row(self, row: int, params: SamplingParams, eos_token_ids: tuple[int, ...],
@@ -96,9 +95,8 @@ class SamplingColumns:
         self.generators[row] = generator
         self.seeded[row] = generator is not None
         self.logit_controls[row] = RowLogitControls.of(params)
-        self.has_logit_controls[row] = self.logit_controls[row] is not None
         self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
-        self.features[row] = RowFeature.of(params, generator is not None, self.has_logit_controls[row])
+        self.features[row] = RowFeature.of(params, generator is not None, self.logit_controls[row] is not None)
 
     def move_row(self, source: int, destination: int) -> None:
         for name in self.ARRAYS:
