@@ -1079,7 +1079,7 @@ void dequantize(at::Tensor out, at::Tensor qweight, at::Tensor scales, c10::opti
   } else {
     TORCH_CHECK(out.size(0) == tiles * kTileRows, "dequantize: out must be [tiles * 16, cols] without rows");
   }
-  const int64_t* row_ids = rows ? rows->data_ptr<int64_t>() : nullptr;   // (nullptr for no rows too)
+  const int64_t* row_ids = rows ? rows->data_ptr<int64_t>() : nullptr;   // nullptr for an empty rows too: test `rows`
   const int64_t count = out.size(0);
   for (int64_t i = 0; rows && i < count; ++i) {
     TORCH_CHECK(0 <= row_ids[i] && row_ids[i] < tiles * kTileRows, "dequantize: row ", row_ids[i], " is outside 0..",
