@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import random
+import textwrap
 from pathlib import Path
 
 import pagedllm
@@ -15,14 +16,15 @@ _SOURCES = ("kv/manager.py", "kv/block_pool.py", "engine/scheduler.py", "engine/
 
 
 def _functions_and_docstrings() -> tuple[list[str], list[str]]:
-    """Every function's source (5-30 lines) and every docstring of 200+ characters in the sources."""
+    """Every function's source (5-30 lines, dedented as one would paste a method) and every docstring of 200+
+    characters in the sources."""
     root = Path(pagedllm.__file__).parent
     functions, docstrings = [], []
     for name in _SOURCES:
         source = (root / name).read_text(encoding="utf-8")
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.FunctionDef) and 5 <= node.end_lineno - node.lineno < 30:
-                functions.append(ast.get_source_segment(source, node))
+                functions.append(textwrap.dedent(ast.get_source_segment(source, node, padded=True)))
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
                 text = ast.get_docstring(node)
                 if text and len(text) >= 200:

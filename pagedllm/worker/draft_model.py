@@ -19,7 +19,8 @@ from pagedllm.model.llama import CausalLM
 from pagedllm.step import SchedulerOutput
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.model_runner import allocate_kv_caches
-from pagedllm.worker.sampler import SamplingBatch, changes_logits, draw, penalised_logits, probabilities
+from pagedllm.worker.sampler import (SamplingBatch, argmax_rows, changes_logits, draw, penalised_logits,
+                                     probabilities)
 
 
 class DraftModelProposer:
@@ -93,7 +94,7 @@ class DraftModelProposer:
         sampling = SamplingBatch.build(batch.sampling, rows, batch.token_ids, batch.num_prompt_tokens[rows],
                                        num_tokens, raw_logits.shape[-1], self.device)
         logits = penalised_logits(raw_logits, sampling) if changes_logits(sampling) else raw_logits
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = argmax_rows(logits)
         if sampling.all_greedy:
             return greedy_ids.cpu().numpy(), None
         probs = probabilities(logits.clone(), sampling)

@@ -303,8 +303,9 @@ class ModelRunner:
         gets. Returns the tokens of both, in that order, with their logprobs."""
         batch = self.input_batch
         num_plain = len(req_ids)
-        plain_ids = (choose_tokens(logits[:num_plain], sampling)[0] if num_plain
-                     else torch.empty(0, dtype=torch.int64, device=self.device))
+        plain_ids, plain_normaliser = (choose_tokens(logits[:num_plain], sampling) if num_plain else
+                                       (torch.empty(0, dtype=torch.int64, device=self.device),
+                                        torch.empty(0, 1, dtype=logits.dtype, device=self.device)))
         counts = np.fromiter(map(len, spec.token_ids), np.int64, len(spec.rows)) + 1
         rows = np.repeat(spec.rows, counts)
         offsets = np.cumsum(counts) - counts
@@ -316,16 +317,18 @@ class ModelRunner:
                               columns.generators[row] if columns.seeded[row] else None)
                      for first, tokens, probs, row in zip(offsets.tolist(), spec.token_ids, spec.draft_probs,
                                                           spec.rows.tolist())]
-        verify_logits = logits[num_plain:]
-        tokens, used_rows = verify(verify_logits, verifying, proposals)
+        tokens, used_rows, verify_normaliser = verify(logits[num_plain:], verifying, proposals)
         for row, request_tokens in zip(spec.rows.tolist(), tokens):
             req_ids.extend([batch.req_ids[row]] * len(request_tokens))
         token_ids = torch.cat([plain_ids, torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64,
                                                        device=self.device)])
         tops = [top for top in (sampling.num_top_logprobs if num_plain else None, verifying.num_top_logprobs)
                 if top is not None]
-        return summarise(torch.cat([logits[:num_plain], verify_logits[used_rows]]), token_ids,
-                         max(tops) if tops else None)
+        # Each token's logits row, read in place: copying the used rows out cost as much as the verification.
+        rows = torch.cat([torch.arange(num_plain), torch.tensor(used_rows, dtype=torch.int64) + num_plain]).to(
+            self.device)
+        return summarise(logits, token_ids, max(tops) if tops else None,
+                         torch.cat([plain_normaliser, verify_normaliser]), rows)
 
     def _shared_prefixes(self, decode_tables: np.ndarray, decode_context: np.ndarray, prefill_tables: np.ndarray,
                          prefill_context: np.ndarray) -> dict:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.worker.sampler import SamplingBatch, changes_logits, draw, penalised_logits, probabilities
+from pagedllm.worker.sampler import (SamplingBatch, argmax_rows, changes_logits, draw, normaliser_and_argmax,
+                                     penalised_logits, probabilities)
 
 
 @dataclass
@@ -55,12 +56,16 @@ def accept(target_probs: torch.Tensor, token_ids: torch.Tensor, draft_probs: tor
     return num_accepted, residual
 
 
-def verify(raw_logits: torch.Tensor, batch: SamplingBatch, proposals: list[Proposal]) -> tuple[list[list[int]], list[int]]:
+def verify(raw_logits: torch.Tensor, batch: SamplingBatch, proposals: list[Proposal]
+           ) -> tuple[list[list[int]], list[int], torch.Tensor]:
     """raw_logits [rows, vocab] float32: every proposing request's 1 + k rows, batch built row for row.
-    Returns each request's tokens (accepted proposals, then the target's own) and, for every token in that
-    order, its row in raw_logits."""
-    logits = penalised_logits(raw_logits, batch) if changes_logits(batch) else raw_logits
-    greedy_ids = logits.argmax(dim=-1).tolist()
+    Returns each request's tokens (accepted proposals, then the target's own), for every token in that
+    order its row in raw_logits, and each row's log normaliser (the logprobs need it too: one pass finds it
+    with the raw argmax)."""
+    changed = changes_logits(batch)
+    log_normaliser, raw_best = normaliser_and_argmax(raw_logits, need_argmax=not changed)
+    logits = penalised_logits(raw_logits, batch) if changed else raw_logits
+    greedy_ids = (argmax_rows(logits) if changed else raw_best).tolist()
     probs = None if batch.all_greedy else probabilities(logits.clone() if logits is raw_logits else logits, batch)
     tokens_per_request: list[list[int]] = []
     rows: list[int] = []
@@ -86,4 +91,4 @@ def verify(raw_logits: torch.Tensor, batch: SamplingBatch, proposals: list[Propo
     if finals:
         for slot, token_id in zip(final_slots, draw(torch.stack(finals), seeded).tolist()):
             tokens_per_request[slot][-1] = token_id
-    return tokens_per_request, rows
+    return tokens_per_request, rows, log_normaliser

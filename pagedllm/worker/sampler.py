@@ -193,8 +193,8 @@ def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Token ids from penalised logits: argmax on greedy rows, a truncated-distribution draw elsewhere."""
     if batch.all_greedy:
-        return _argmax(logits)
-    greedy_ids = _argmax(logits) if batch.greedy is not None else None
+        return argmax_rows(logits)
+    greedy_ids = argmax_rows(logits) if batch.greedy is not None else None
     sampled = draw(probabilities(logits, batch), batch.seeded_rows)
     return sampled if greedy_ids is None else torch.where(batch.greedy, greedy_ids, sampled)
 
@@ -203,7 +203,7 @@ def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 _CPU_LOGITS_SUMMARY = kernel_for("logits_summary", torch.device("cpu"))
 
 
-def _normaliser_and_argmax(raw_logits: torch.Tensor, need_argmax: bool
+def normaliser_and_argmax(raw_logits: torch.Tensor, need_argmax: bool
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logsumexp per row ([rows, 1]: log p = logit - it, no [rows, vocab] log-softmax written),
     and the argmax per row where asked; on CPU one kernel gives both in two passes over a row."""
@@ -217,12 +217,12 @@ def _normaliser_and_argmax(raw_logits: torch.Tensor, need_argmax: bool
     return log_normaliser, raw_logits.argmax(dim=-1) if need_argmax else None
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Per row, the lowest id among equal maxima (as torch's argmax); on CPU logits_summary's vectorised pass,
     which beats torch's argmax over vocabulary-wide rows even with the logsumexp it also computes."""
     if _CPU_LOGITS_SUMMARY is None or not logits.is_cpu:
         return logits.argmax(dim=-1)
-    return _normaliser_and_argmax(logits, need_argmax=True)[1]
+    return normaliser_and_argmax(logits, need_argmax=True)[1]
 
 
 def changes_logits(batch: SamplingBatch) -> bool:
@@ -253,7 +253,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 def choose_tokens(raw_logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """One token id per row of float32 raw logits, and the rows' log normalisers (logsumexp)."""
     plain_greedy = batch.all_greedy and not changes_logits(batch)
-    log_normaliser, raw_best = _normaliser_and_argmax(raw_logits, need_argmax=plain_greedy)
+    log_normaliser, raw_best = normaliser_and_argmax(raw_logits, need_argmax=plain_greedy)
     if plain_greedy:
         token_ids = raw_best
     elif (batch.all_greedy and _sparse_changes_only(batch) and _CPU_CONTROLLED_ARGMAX is not None
@@ -305,12 +305,21 @@ def _controlled_argmax(raw_logits: torch.Tensor, batch: SamplingBatch) -> torch.
 
 
 def summarise(raw_logits: torch.Tensor, token_ids: torch.Tensor, num_top_logprobs: int | None,
-              log_normaliser: torch.Tensor | None = None) -> SamplerOutput:
+              log_normaliser: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> SamplerOutput:
     """The chosen tokens with their logprobs under the raw distribution of each row of float32 raw_logits,
-    and where num_top_logprobs is not None the most likely tokens and the chosen one's rank."""
+    and where num_top_logprobs is not None the most likely tokens and the chosen one's rank.
+
+    log_normaliser: each raw_logits row's logsumexp, where the caller has it. rows: token i's row of raw_logits
+    (default: row i), so that a verification's accepted rows are read in place rather than copied out."""
     if log_normaliser is None:
-        log_normaliser, _ = _normaliser_and_argmax(raw_logits, need_argmax=False)
-    token_logits = raw_logits.gather(1, token_ids.unsqueeze(1))
+        log_normaliser, _ = normaliser_and_argmax(raw_logits, need_argmax=False)
+    if rows is None:
+        token_logits = raw_logits.gather(1, token_ids.unsqueeze(1))
+    else:
+        token_logits = raw_logits[rows, token_ids].unsqueeze(1)
+        log_normaliser = log_normaliser[rows]
+        if num_top_logprobs is not None:   # the top tokens and ranks read whole rows
+            raw_logits = raw_logits[rows]
     top_ids = top_values = ranks = None
     if num_top_logprobs is not None:
         top_values, top_ids = raw_logits.topk(num_top_logprobs, dim=-1)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from hypothesis import given, settings, strategies as st
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
@@ -125,6 +126,25 @@ def test_ngram_proposes_what_followed_the_first_longest_match():
     assert propose_ngram([4, 1, 2, 5, 3, 1, 2, 3], 1, 3, 2) == [1, 2]       # "2 3" unseen; "3" seen at 4
     assert propose_ngram([1, 2, 3, 4], 1, 3, 4) == []
     assert propose_ngram([1, 2, 3, 4, 3], 2, 3, 4) == []                      # shorter than min_n only
+
+
+def ngram_by_definition(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
+    """propose_ngram's rule spelt out: for n from the longest down, the first window of n tokens ending before
+    the last token that equals the last n tokens; what follows it."""
+    for n in range(min(max_n, len(token_ids) - 1), min_n - 1, -1):
+        for start in range(len(token_ids) - n):
+            if token_ids[start:start + n] == token_ids[len(token_ids) - n:]:
+                return token_ids[start + n:start + n + num_tokens]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(token_ids=st.lists(st.integers(0, 3), max_size=40), min_n=st.integers(1, 4), extra_n=st.integers(0, 3),
+       num_tokens=st.integers(1, 6))
+def test_ngram_proposals_follow_the_first_longest_match_on_any_sequence(token_ids, min_n, extra_n, num_tokens):
+    # A 4-token vocabulary repeats itself everywhere: many candidate windows, partial matches, ties.
+    assert propose_ngram(token_ids, min_n, min_n + extra_n, num_tokens) == ngram_by_definition(
+        token_ids, min_n, min_n + extra_n, num_tokens)
 
 
 @pytest.mark.parametrize("value, message", [

@@ -361,7 +361,7 @@ def test_logits_summary_kernel_matches_logsumexp_and_argmax(vocab):
     logits[2, :vocab // 2] = -math.inf                          # masked half
     logits[3] = 7.0                                             # all equal: position 0
     logits[4, -1] = 1e4                                         # maximum in the tail past the vectors
-    normaliser, best = sampler._normaliser_and_argmax(logits, need_argmax=True)
+    normaliser, best = sampler.normaliser_and_argmax(logits, need_argmax=True)
     torch.testing.assert_close(normaliser, torch.logsumexp(logits, dim=-1, keepdim=True), atol=1e-5, rtol=1e-6)
     assert best.tolist() == logits.argmax(dim=-1).tolist()
 
