@@ -41,11 +41,11 @@ class SamplingBatch:
     A feature no row uses is None, so `sample` skips its work entirely.
     """
 
-    temperatures: torch.Tensor                        # [num_seqs, 1]; 1.0 on greedy rows
+    temperatures: torch.Tensor | None                 # [num_seqs, 1]; 1.0 on greedy rows; None when all are greedy
     all_greedy: bool
     seeded_rows: list[tuple[int, torch.Generator]]   # non-greedy rows that own a generator
     num_top_logprobs: int | None                      # max over rows asking for logprobs; None if none asks
-    greedy: torch.Tensor | None = None                # [num_seqs] bool
+    greedy: torch.Tensor | None = None                # [num_seqs] bool, where greedy rows mix with sampled ones
     top_k: torch.Tensor | None = None                 # [num_seqs, 1] int64; vocab_size where off
     top_p: torch.Tensor | None = None                 # [num_seqs, 1]; inf where off
     log_min_p: torch.Tensor | None = None             # [num_seqs, 1]; -inf where off
@@ -71,13 +71,15 @@ class SamplingBatch:
         used = RowFeature(int(np.bitwise_or.reduce(columns.features[rows]))) if len(rows) else RowFeature(0)
         num_logprobs = columns.num_logprobs[rows] if used & RowFeature.LOGPROBS else None
         seeded = np.flatnonzero(columns.seeded[rows] & ~greedy) if used & RowFeature.SEEDED else ()
+        all_greedy = bool(greedy.all())
         batch = cls(
-            temperatures=column(columns.temperature[rows]),
-            all_greedy=bool(greedy.all()),
+            # Only a draw reads these: a step of greedy rows (most decode steps) makes neither tensor.
+            temperatures=None if all_greedy else column(columns.temperature[rows]),
+            all_greedy=all_greedy,
             seeded_rows=[(int(i), columns.generators[rows[i]]) for i in seeded],
             num_top_logprobs=None if num_logprobs is None else int(num_logprobs.max()),
         )
-        if greedy.any():
+        if not all_greedy and greedy.any():
             batch.greedy = torch.from_numpy(greedy).to(device, non_blocking=True)
         if used & RowFeature.TOP_K:
             top_k = columns.top_k[rows]

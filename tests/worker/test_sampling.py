@@ -175,6 +175,9 @@ def test_a_step_builds_the_tensors_of_the_features_its_rows_use_only(params, fie
     seeded = build([SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0)], logits[:2],
                    generators=[torch.Generator().manual_seed(1), None])
     assert [row for row, _ in seeded.seeded_rows] == [0]
+    mixed, greedy_only = build(plain, logits[:2]), build([SamplingParams(temperature=0)] * 2, logits[:2])
+    assert mixed.temperatures is not None and mixed.greedy is not None   # a draw divides and picks rows by these
+    assert greedy_only.all_greedy and greedy_only.temperatures is None and greedy_only.greedy is None
 
 
 def draw_many(row_logits, params, draws=2000):
