@@ -206,7 +206,7 @@ _CPU_LOGITS_SUMMARY = kernel_for("logits_summary", torch.device("cpu"))
 
 
 def normaliser_and_argmax(raw_logits: torch.Tensor, need_argmax: bool
-                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logsumexp per row ([rows, 1]: log p = logit - it, no [rows, vocab] log-softmax written),
     and the argmax per row where asked; on CPU one kernel gives both in two passes over a row."""
     summary = _CPU_LOGITS_SUMMARY if raw_logits.is_cpu else None   # an engine's logits stay on its device
