@@ -29,6 +29,14 @@ void paged_attention_heads(const at::Tensor& out, const at::Tensor& q, const at:
                            const at::Tensor& token_rows, const at::Tensor& kv_lens, double scale,
                            int64_t sliding_window, double logit_softcap, int64_t kv_first, int64_t kv_end);
 
+// Asks the caches for the K and V (and int8 scales) that paged_attention_heads would read for kv heads
+// [kv_first, kv_end) of every token, and returns without waiting for them: the compiled decode stack's one-row
+// step asks for a layer's while the layer before it computes (decode_layers.cpp says why).
+void prefetch_kv_heads(const at::Tensor& k_cache, const at::Tensor& v_cache, const std::optional<at::Tensor>& k_scales,
+                       const std::optional<at::Tensor>& v_scales, const at::Tensor& block_tables,
+                       const at::Tensor& token_rows, const at::Tensor& kv_lens, int64_t sliding_window,
+                       int64_t kv_first, int64_t kv_end);
+
 // Prefill chunks: out, q as above; chunk c's query tokens are rows [query_starts[c], query_starts[c + 1])
 // at positions context_lens[c] onwards, its keys (all in the cache already) reached through
 // block_tables[c]; each token attends causally to its sequence's keys up to its own position (within

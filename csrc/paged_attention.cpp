@@ -187,6 +187,22 @@ inline void scale_probs(float* probs, int64_t prob_stride, int64_t heads, const 
     for (int64_t j = 0; j < n; ++j) probs[h * prob_stride + j] *= scales[j];
 }
 
+// The blocks a token's keys lie in: from the block of the first key in the window (the first key without one),
+// kv_len slots from that block's start, in num_blocks table entries from `table`.
+struct Walk {
+  int64_t first_key, kv_len, num_blocks;
+  const int64_t* table;
+};
+
+template <typename scalar_t, typename cache_t>
+Walk walk_of(const Problem<scalar_t, cache_t>& p, int64_t token) {
+  const int64_t all_keys = p.lens[token];
+  const int64_t first_key = p.window > 0 ? std::max<int64_t>(0, all_keys - p.window) : 0;
+  const int64_t first_block = first_key / p.block_size, kv_len = all_keys - first_block * p.block_size;
+  return {first_key, kv_len, (kv_len + p.block_size - 1) / p.block_size,
+          p.tables + p.rows[token] * p.max_blocks + first_block};
+}
+
 // One query token, all heads. Blocks are walked in table order with every kv head's part
 // of a block taken together: a block's parts lie side by side, so reads run through whole
 // blocks, and through runs of blocks where the pool handed a sequence neighbouring ones (a
@@ -203,13 +219,10 @@ void attend_token(const Problem<scalar_t, cache_t>& p, int64_t token, int64_t kv
   const int64_t num_heads = p.num_kv_heads * group, block_elements = p.num_kv_heads * head_dim * block_size;
   // The walk starts at the block of the first key in the window (the first key without one); slots
   // before that key in its block (skipped) and past the last key get no probability.
-  const int64_t all_keys = p.lens[token];
-  const int64_t first_key = p.window > 0 ? std::max<int64_t>(0, all_keys - p.window) : 0;
-  const int64_t first_block = first_key / block_size, skipped = first_key % block_size;
-  const int64_t kv_len = all_keys - first_block * block_size;   // slots from the walk's start
-  const int64_t num_blocks = (kv_len + block_size - 1) / block_size;
-  const int64_t padded_len = num_blocks * block_size;   // scores of slots past kv_len are dropped
-  const int64_t* table = p.tables + p.rows[token] * p.max_blocks + first_block;
+  const Walk walk = walk_of(p, token);
+  const int64_t first_key = walk.first_key, skipped = first_key % block_size, kv_len = walk.kv_len;
+  const int64_t num_blocks = walk.num_blocks, padded_len = num_blocks * block_size;   // scores past kv_len dropped
+  const int64_t* table = walk.table;
 
   const scalar_t* q = p.q + token * p.q_token_stride;
   scratch.query.resize(num_heads * head_dim);
@@ -358,5 +371,40 @@ void paged_attention_heads(const at::Tensor& out, const at::Tensor& q, const at:
     if (kv_first == kv_end) return;
     Scratch scratch;
     for (int64_t token = 0; token < num_tokens; ++token) attend_token(problem, token, kv_first, kv_end, scratch);
+  });
+}
+
+void prefetch_kv_heads(const at::Tensor& k_cache, const at::Tensor& v_cache, const OptionalTensor& k_scales,
+                       const OptionalTensor& v_scales, const at::Tensor& block_tables, const at::Tensor& token_rows,
+                       const at::Tensor& kv_lens, int64_t sliding_window, int64_t kv_first, int64_t kv_end) {
+  TORCH_CHECK(0 <= kv_first && kv_first <= kv_end && kv_end <= k_cache.size(1),
+              "prefetch_kv_heads: kv heads must be a range within 0..", k_cache.size(1));
+  check_caches(k_cache, v_cache, k_scales, v_scales, "prefetch_kv_heads");
+  TORCH_CHECK(block_tables.is_contiguous() && token_rows.is_contiguous() && kv_lens.is_contiguous() &&
+                  block_tables.scalar_type() == at::kLong && token_rows.scalar_type() == at::kLong &&
+                  kv_lens.scalar_type() == at::kLong,
+              "prefetch_kv_heads: index tensors must be contiguous int64");
+  if (kv_first == kv_end) return;
+  // The walk's extent needs no queries: a Problem with the cache and the index tensors only.
+  dispatch_cache_type<float>(k_cache.scalar_type(), "prefetch_kv_heads", [&](auto element) {
+    using cache_t = decltype(element);
+    Problem<float, cache_t> p{paged_cache<cache_t>(k_cache, v_cache, k_scales, v_scales)};
+    p.max_blocks = block_tables.size(1);
+    p.window = sliding_window;
+    p.tables = block_tables.data_ptr<int64_t>();
+    p.rows = token_rows.data_ptr<int64_t>();
+    p.lens = kv_lens.data_ptr<int64_t>();
+    const int64_t heads = kv_end - kv_first, part = p.part(0, 1);   // elements of one kv head's part of a block
+    for (int64_t token = 0; token < token_rows.size(0); ++token) {
+      const Walk walk = walk_of(p, token);
+      for (int64_t b = 0; b < walk.num_blocks; ++b) {
+        prefetch(p.keys(walk.table[b], kv_first), heads * part);
+        prefetch(p.values(walk.table[b], kv_first), heads * part);
+        if constexpr (kScaled<cache_t>) {
+          prefetch(p.key_scales(walk.table[b], kv_first), heads * p.block_size);
+          prefetch(p.value_scales(walk.table[b], kv_first), heads * p.block_size);
+        }
+      }
+    }
   });
 }
