@@ -428,7 +428,8 @@ class ModelRunner:
         seq_lens_array = context + 1
         max_seq_len = int(seq_lens_array.max())
         decode_tables = block_tables[:, :-(-max_seq_len // block_size)]   # the rows' tables may reach further
-        tables, seq_lens = staging.to_device("block_tables", block_tables), staging.to_device("seq_lens", seq_lens_array)
+        tables = staging.to_device("block_tables", block_tables)
+        seq_lens = staging.to_device("seq_lens", seq_lens_array)
         query_starts = staging.to_device("query_starts", np.arange(num_rows + 1))
         meta = AttentionMetadata(
             slot_mapping=staging.to_device("slot_mapping", slot_mapping),

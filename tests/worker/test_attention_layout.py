@@ -43,7 +43,8 @@ def expected_layout(tables: np.ndarray, context: list[int], num_new: list[int]) 
     return {
         "positions": positions,
         "token_row": token_rows,
-        "slot_mapping": [int(tables[r, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for r, p in zip(token_rows, positions)],
+        "slot_mapping": [int(tables[r, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+                         for r, p in zip(token_rows, positions)],
         "num_decode_tokens": len(positions),
         "decode_block_tables": tables[token_rows, :width].tolist(),
         "decode_seq_lens": decode_lens,
