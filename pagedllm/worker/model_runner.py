@@ -380,73 +380,44 @@ class ModelRunner:
         new token's position and row."""
         block_size, staging = self.block_size, self.staging
         row_ends = np.cumsum(num_new)
-        num_tokens = int(row_ends[-1])
-        if num_tokens == len(num_new):
-            return self._decodes_metadata(block_tables, context)
         row_starts = row_ends - num_new
-        token_row = np.repeat(np.arange(len(num_new)), num_new)
-        positions = np.arange(num_tokens) - row_starts[token_row] + context[token_row]
-        slot_mapping = block_tables[token_row, positions // block_size] * block_size + positions % block_size
-
+        num_tokens = int(row_ends[-1])
         seq_lens = context + num_new
-        longer = num_new > MAX_DECODE_ROW_TOKENS   # the leading rows up to the first longer one attend as decodes
-        num_decode_rows = int(np.argmax(longer)) if longer.any() else len(num_new)
-        num_decodes = int(row_ends[num_decode_rows - 1]) if num_decode_rows else 0
-        decode_rows, decode_lens = token_row[:num_decodes], positions[:num_decodes] + 1
+        decodes_only = num_tokens == len(num_new)   # one token a row: the usual decode step
+        if decodes_only:   # token i is row i's, at the row's first uncached position, and every row a decode
+            token_row, positions = row_starts, context
+            num_decode_rows = num_decodes = num_tokens
+            decode_rows, decode_lens = slice(None), seq_lens
+        else:
+            token_row = np.repeat(np.arange(len(num_new)), num_new)
+            positions = np.arange(num_tokens) - row_starts[token_row] + context[token_row]
+            longer = num_new > MAX_DECODE_ROW_TOKENS   # the leading rows up to the first longer one attend as decodes
+            num_decode_rows = int(np.argmax(longer)) if longer.any() else len(num_new)
+            num_decodes = int(row_ends[num_decode_rows - 1]) if num_decode_rows else 0
+            decode_rows, decode_lens = token_row[:num_decodes], positions[:num_decodes] + 1
+        slot_mapping = block_tables[token_row, positions // block_size] * block_size + positions % block_size
         decode_tables = block_tables[decode_rows, :-(-int(decode_lens.max()) // block_size) if num_decodes else 0]
         tables = staging.to_device("block_tables", block_tables)
+        seq_lens_tensor = staging.to_device("seq_lens", seq_lens)
         query_starts = staging.to_device("query_starts", np.append(row_starts, num_tokens))
         meta = AttentionMetadata(
             slot_mapping=staging.to_device("slot_mapping", slot_mapping),
             num_decode_tokens=num_decodes,
-            decode_block_tables=staging.to_device("decode_block_tables", decode_tables),
-            decode_seq_lens=staging.to_device("decode_seq_lens", decode_lens),
+            # A decode-only step's decode fields are the whole step's (its tables where as wide): no second tensor.
+            decode_block_tables=(tables if decodes_only and decode_tables.shape == block_tables.shape
+                                 else staging.to_device("decode_block_tables", decode_tables)),
+            decode_seq_lens=seq_lens_tensor if decodes_only else staging.to_device("decode_seq_lens", decode_lens),
             prefill_query_starts=query_starts[num_decode_rows:],
             prefill_context_lens=staging.to_device("context_lens", context[num_decode_rows:]),
             prefill_block_tables=tables[num_decode_rows:],
             block_size=block_size,
             query_starts=query_starts,
-            seq_lens=staging.to_device("seq_lens", seq_lens),
+            seq_lens=seq_lens_tensor,
             block_tables=tables,
-            max_query_len=int(num_new.max()),
+            max_query_len=1 if decodes_only else int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
             backend=self.attention_backend,
             **self._shared_prefixes(decode_tables, decode_lens - 1, block_tables[num_decode_rows:],
                                     context[num_decode_rows:]),
         )
         return meta, positions, token_row
-
-    def _decodes_metadata(self, block_tables: np.ndarray, context: np.ndarray
-                          ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
-        """attention_metadata for a step of decodes only (one new token a row: the usual decode step), in fewer
-        array operations: token i is row i's, at the row's first uncached position; every row attends as a
-        decode, so the decode fields are the whole step's (one tensor serves both) and the prefill ones are empty."""
-        block_size, staging = self.block_size, self.staging
-        num_rows = len(context)
-        token_row = np.arange(num_rows)
-        slot_mapping = block_tables[token_row, context // block_size] * block_size + context % block_size
-        seq_lens_array = context + 1
-        max_seq_len = int(seq_lens_array.max())
-        decode_tables = block_tables[:, :-(-max_seq_len // block_size)]   # the rows' tables may reach further
-        tables = staging.to_device("block_tables", block_tables)
-        seq_lens = staging.to_device("seq_lens", seq_lens_array)
-        query_starts = staging.to_device("query_starts", np.arange(num_rows + 1))
-        meta = AttentionMetadata(
-            slot_mapping=staging.to_device("slot_mapping", slot_mapping),
-            num_decode_tokens=num_rows,
-            decode_block_tables=(tables if decode_tables.shape == block_tables.shape
-                                 else staging.to_device("decode_block_tables", decode_tables)),
-            decode_seq_lens=seq_lens,
-            prefill_query_starts=query_starts[num_rows:],
-            prefill_context_lens=seq_lens[num_rows:],
-            prefill_block_tables=tables[num_rows:],
-            block_size=block_size,
-            query_starts=query_starts,
-            seq_lens=seq_lens,
-            block_tables=tables,
-            max_query_len=1,
-            max_seq_len=max_seq_len,
-            backend=self.attention_backend,
-            **self._shared_prefixes(decode_tables, context, block_tables[num_rows:], context[num_rows:]),
-        )
-        return meta, context, token_row
