@@ -17,6 +17,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -886,14 +887,31 @@ void store_sums(scalar_t* result, const float (*sums)[width], const scalar_t* bi
   }
 }
 
-// quantized_linear_int16's work on tiles [first_tile_of_call, last_tile_of_call): split(first, last, f) runs f over
-// runs of those tiles, on the cores (at::parallel_for) or on the calling thread alone (a share). Few rows (VNNI and
-// AVX2 builds) multiply straight from the packed tiles; more meet the tiles widened to int16 (panels), once per chunk
-// of rows. Both give the same bits.
-template <typename Split>
+// Which threads run a call's tiles: the cores (at::parallel_for) or the calling thread alone (a share of a call
+// whose threads are already running). runs(first, last, f) hands out equal runs of [first, last) as f(begin, end);
+// each(f) runs f once on every thread.
+struct OnCores {
+  template <typename F>
+  void runs(int64_t first, int64_t last, const F& f) const { at::parallel_for(first, last, 1, f); }
+  template <typename F>
+  void each(const F& f) const { at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { f(); }); }
+};
+struct OnThisThread {
+  template <typename F>
+  void runs(int64_t first, int64_t last, const F& f) const { f(first, last); }
+  template <typename F>
+  void each(const F& f) const { f(); }
+};
+
+// quantized_linear_int16's work on tiles [first_tile_of_call, last_tile_of_call) on threads (OnCores or
+// OnThisThread). Few rows (VNNI and AVX2 builds) multiply straight from the packed tiles, each thread an equal run of
+// them (one stream of weights a thread); more meet the tiles widened to int16 (panels), once per chunk of rows. Both
+// give the same bits.
+template <typename Threads>
 void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                   const at::Tensor& scales, const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
-                  int64_t bits, int64_t group, int64_t first_tile_of_call, int64_t last_tile_of_call, Split&& split) {
+                  int64_t bits, int64_t group, int64_t first_tile_of_call, int64_t last_tile_of_call,
+                  const Threads& threads) {
   with_quantized_operands<int16_t>(name, out, x, qweight, scales, mins, bias, bits, group, kInt16BlockRows,
                                    [&](const Int16Rows& a, auto* result, auto* bias_values, auto bits_constant,
                                        auto all_scales, auto all_mins) {
@@ -909,7 +927,7 @@ void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, 
                                                              : &int16_direct_block<kBits, 32, false, scale_t>)
                                       : (all_mins != nullptr ? &int16_direct_block<kBits, 16, true, scale_t>
                                                              : &int16_direct_block<kBits, 16, false, scale_t>);
-      split(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
+      threads.runs(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
         float dots[kInt16DirectBlockRows][kTileRows];
         // As few passes as the block allows, of even sizes: 8 rows run as 4 + 4, not 5 + 3 (with VNNI, 9 as 5 + 4:
         // the same unpacks and products as 8 + 1).
@@ -934,25 +952,30 @@ void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, 
     const int64_t row_bytes = x.size(1) * static_cast<int64_t>(sizeof(int16_t));
     const int64_t chunk_blocks = kInt16ChunkBytes / row_bytes / kInt16BlockRows;
     const int64_t chunk_rows = std::max<int64_t>(1, chunk_blocks) * kInt16BlockRows;
+    // Units of (chunk of rows, tile or panel of tiles), claimed one at a time, chunk by chunk: a thread that starts
+    // late or runs slower takes fewer of them (equal runs of tiles left the first thread waiting at the end).
+    const int64_t tiles = last_tile_of_call - first_tile_of_call;
+    const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
+    std::atomic<int64_t> next_unit{0};
 #if defined(PAGEDLLM_VNNI)
     // Groups of 32 columns are 16 pairs; 8-bit formats may have groups of 16 (8 pairs).
     const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_panel_dots<16, true> : &int16_panel_dots<16, false>)
                                      : (all_mins != nullptr ? &int16_panel_dots<8, true> : &int16_panel_dots<8, false>);
-    split(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
+    const int64_t panels = (tiles + kInt16PanelTiles - 1) / kInt16PanelTiles;
+    threads.each([&] {
       thread_local Int16PairPanel panel;   // kept from call to call: no allocation per call
       float dots[kInt16BlockRows][kInt16PanelTiles * kTileRows];
-      for (int64_t chunk = 0; chunk < rows; chunk += chunk_rows) {
-        const int64_t chunk_end = std::min(rows, chunk + chunk_rows);
-        for (int64_t t = begin; t < end; t += kInt16PanelTiles) {
-          const int count = static_cast<int>(std::min<int64_t>(kInt16PanelTiles, end - t));
-          expand_panel<kBits>(panel, weights + t * tile_bytes, tile_bytes, all_scales + t * params_per_tile, mins_of(t),
-                              params_per_tile, count, x.size(1));
-          const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(count * kTileRows, out_features - first_out);
-          for (int64_t r = chunk; r < chunk_end; r += kInt16BlockRows) {
-            dots_of(dots, panel, params_per_tile, a, r);
-            store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
-                       out_features);
-          }
+      for (int64_t unit; (unit = next_unit.fetch_add(1, std::memory_order_relaxed)) < chunks * panels;) {
+        const int64_t chunk = unit / panels * chunk_rows, chunk_end = std::min(rows, chunk + chunk_rows);
+        const int64_t t = first_tile_of_call + unit % panels * kInt16PanelTiles;
+        const int count = static_cast<int>(std::min<int64_t>(kInt16PanelTiles, last_tile_of_call - t));
+        expand_panel<kBits>(panel, weights + t * tile_bytes, tile_bytes, all_scales + t * params_per_tile, mins_of(t),
+                            params_per_tile, count, x.size(1));
+        const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(count * kTileRows, out_features - first_out);
+        for (int64_t r = chunk; r < chunk_end; r += kInt16BlockRows) {
+          dots_of(dots, panel, params_per_tile, a, r);
+          store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
+                     out_features);
         }
       }
     });
@@ -961,20 +984,19 @@ void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, 
     const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_dots<8, true> : &int16_dots<8, false>)
                                      : (all_mins != nullptr ? &int16_dots<4, true> : &int16_dots<4, false>);
     const int64_t slots = x.size(1) / 4, groups = x.size(1) / group;
-    split(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
+    threads.each([&] {
       thread_local Int16Panel panel;   // kept from call to call: no allocation per call
       float dots[kInt16BlockRows][kTileRows];
-      for (int64_t chunk = 0; chunk < rows; chunk += chunk_rows) {
-        const int64_t chunk_end = std::min(rows, chunk + chunk_rows);
-        for (int64_t t = begin; t < end; ++t) {
-          unpack_int16_panel<kBits>(panel, weights + t * tile_bytes, all_scales + t * params_per_tile, mins_of(t),
-                                    slots, groups);
-          const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(kTileRows, out_features - first_out);
-          for (int64_t r = chunk; r < chunk_end; r += kInt16BlockRows) {
-            dots_of(dots, panel, slots, a, r);
-            store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
-                       out_features);
-          }
+      for (int64_t unit; (unit = next_unit.fetch_add(1, std::memory_order_relaxed)) < chunks * tiles;) {
+        const int64_t chunk = unit / tiles * chunk_rows, chunk_end = std::min(rows, chunk + chunk_rows);
+        const int64_t t = first_tile_of_call + unit % tiles;
+        unpack_int16_panel<kBits>(panel, weights + t * tile_bytes, all_scales + t * params_per_tile, mins_of(t),
+                                  slots, groups);
+        const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(kTileRows, out_features - first_out);
+        for (int64_t r = chunk; r < chunk_end; r += kInt16BlockRows) {
+          dots_of(dots, panel, slots, a, r);
+          store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
+                     out_features);
         }
       }
     });
@@ -1052,7 +1074,7 @@ void quantized_linear_int16(at::Tensor out, at::Tensor x, at::Tensor qweight, at
                             c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
   RECORD_FUNCTION("pagedllm::quantized_linear_int16", std::vector<c10::IValue>({x, qweight}));
   int16_matmul("quantized_linear_int16", out, x, qweight, scales, mins, bias, bits, group, 0, qweight.size(0),
-               [](int64_t first, int64_t last, const auto& f) { at::parallel_for(first, last, 1, f); });
+               OnCores{});
 }
 
 void quantized_linear_int16_share(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
@@ -1063,7 +1085,7 @@ void quantized_linear_int16_share(const at::Tensor& out, const at::Tensor& x, co
               "quantized_linear_int16_share: tiles must be a range within 0..", qweight.size(0));
   if (first_tile == last_tile) return;
   int16_matmul("quantized_linear_int16_share", out, x, qweight, scales, mins, bias, bits, group, first_tile, last_tile,
-               [](int64_t first, int64_t last, const auto& f) { f(first, last); });
+               OnThisThread{});
 }
 
 // One weight row's q values out of its tile, row-major: each of its 4-byte pieces of the tile's 64-byte slots.
