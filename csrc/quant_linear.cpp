@@ -630,10 +630,10 @@ void int16_direct_block(float (*out)[kTileRows], const uint8_t* tile, const scal
 // at 512, 2 threads, median time ratio): 6 x 2 1.30 / 1.17, 4 x 4 1.07 / 1.17, 5 x 3 1.06 / 1.16; the slot-order
 // panel this replaced (8 rows of one tile, each row's two lanes a weight row gathered by two permutes a group)
 // took 1.10 / 1.16 times 6 x 2's. The same integer sums and the same fold as int16_direct_dots: the same bits.
-// AVX2 builds meet one tile a pass: 4 rows x 16 weight rows of int32 sums (8 registers), the tile's two weight
-// vectors of the pair and a broadcast, the float sums kept in `out`. The slot-order panel this replaced (a vector of
-// 4 weight rows x 4 columns, each row's two lanes added by vphaddd at every group's end) spent a third of its
-// samples in that fold in the shared workload (`perf annotate`). The generic build: the same sums, one at a time.
+// AVX2 builds meet one tile a pass: 4 rows x 16 weight rows of int32 sums (8 registers), the pair's two weight
+// vectors and a broadcast, the float sums kept in `out`; as fast as the slot-order panel it replaced there (a vector
+// of 4 weight rows x 4 columns, each row's two lanes added by vphaddd at every group's end), with one layout for
+// every build. The generic build: the same sums, one element at a time.
 #if defined(PAGEDLLM_VNNI)
 constexpr int kInt16PanelTiles = 3;
 #else
@@ -701,7 +701,9 @@ void expand_panel(Int16PairPanel& panel, const uint8_t* tiles, int64_t tile_byte
   }
   for (int t = 0; t < count; ++t) {
     const uint8_t* tile = tiles + t * tile_bytes;
-    for (int64_t col = 0; col < cols; col += kColsPerLoad) expand_load<bits>(panel.pairs.data() + t * pairs + col / 2, tile, col);
+    for (int64_t col = 0; col < cols; col += kColsPerLoad) {
+      expand_load<bits>(panel.pairs.data() + t * pairs + col / 2, tile, col);
+    }
     widen_params(panel.scales.data() + t * params_per_tile, scales + t * params_per_tile, params_per_tile);
     if (mins != nullptr) widen_params(panel.mins.data() + t * params_per_tile, mins + t * params_per_tile, params_per_tile);
   }
