@@ -17,6 +17,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -333,6 +334,13 @@ void panel_dots(float (*out)[kPanelTiles * kTileRows], const Panel& panel, int64
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
+// As the AVX-512 fold_group, for 8 weight rows.
+inline __m256 fold_group(__m256 acc, __m256i sums, __m256 w_scales, __m256 w_mins, bool with_mins, float scale,
+                         float scaled_sum) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(w_scales, _mm256_set1_ps(scale)), acc);
+  return with_mins ? _mm256_fmadd_ps(w_mins, _mm256_set1_ps(scaled_sum), acc) : acc;
+}
+
 inline __m256i broadcast4(const int8_t* p) {
   int32_t four;
   std::memcpy(&four, p, sizeof(four));
@@ -384,8 +392,7 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
       const __m256 w_mins = mins != nullptr ? load8(mins + g * kTileRows + 8 * half) : _mm256_setzero_ps();
       for (int r = 0; r < block; ++r) {
         const int64_t ag = (first_row + r) * groups + g;
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(w_scales, _mm256_set1_ps(a.scale[ag])), acc[r]);
-        if (mins != nullptr) acc[r] = _mm256_fmadd_ps(w_mins, _mm256_set1_ps(a.scaled_sum[ag]), acc[r]);
+        acc[r] = fold_group(acc[r], sums[r], w_scales, w_mins, mins != nullptr, a.scale[ag], a.scaled_sum[ag]);
       }
     }
     for (int r = 0; r < block; ++r) _mm256_storeu_ps(out[r] + 8 * half, acc[r]);
@@ -419,153 +426,16 @@ void tile_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scal
 // AVX2's vpmaddwd multiplies 16 int16 pairs and sums each pair into an int32 lane, as an FMA does 8 floats, and
 // AVX-512 VNNI's vpdpwssd multiplies 32 pairs and adds them in one instruction, issued as often as an FMA of 16
 // floats (Ice Lake: two a cycle, ~4.9 G a second a core, measured in a register-only loop).
-// Few rows multiply straight from the packed tiles (int16_direct_dots); many meet the tiles' q values widened to
-// int16 once per chunk of rows: on VNNI builds, column pairs of three tiles with one weight row a lane
-// (int16_panel_dots); on AVX2, half a tile (8 weight rows) at a time, each slot's 4 columns of a weight row kept
-// together (int16_dots). Per group the int32 sums are folded into float sums as the int8 paths fold theirs, in the
-// same arithmetic on every build. Every row's result is the same whatever rows it shares the call with.
+// Both bodies hold a tile's q values as column pairs with one weight row a 32-bit lane, so that a lane's products
+// sum one weight row: few rows expand them from the packed tiles in registers (int16_direct_dots), many meet them
+// widened once per chunk of rows into a panel (int16_panel_dots). Per group the int32 sums are folded into float
+// sums as the int8 paths fold theirs, in the same arithmetic on every build. Every row's result is the same
+// whatever rows it shares the call with.
 using Int16Rows = QuantizedRows<int16_t>;
 constexpr int kHalfRows = kTileRows / 2;
-#if defined(PAGEDLLM_VNNI)
-constexpr int kInt16BlockRows = 4;   // activation rows per pass over a panel: 12 int32 sums, 3 weights, 1 broadcast
-#else
-constexpr int kInt16BlockRows = 4;   // activation rows per pass: 8 int32 sums, 4 float sums, 2 weights, 1 broadcast
-constexpr int kFoldOrder[kHalfRows] = {0, 1, 4, 5, 2, 3, 6, 7};   // the weight row of each lane of the folded sums
-#endif
+constexpr int kInt16BlockRows = 4;   // activation rows per pass over a panel
 
 constexpr int64_t kInt16ChunkBytes = 256 << 10;   // int16 activations met by a thread's tiles in turn: within L2
-
-#if !defined(PAGEDLLM_VNNI)
-// AVX2 and the generic build: a tile's q values widened to int16, each slot's 4 columns of a weight row together.
-// One 256-bit vector holds 4 weight rows x 4 columns, an activation's 4 columns are broadcast to every row, and each
-// 32-bit lane sums 2 of a row's columns; per group the two lanes of a row are added (vphaddd: the sums come out in
-// kFoldOrder).
-struct Int16Panel {
-  std::vector<int16_t> q;           // [2 halves, slots, 8 rows x 4 columns]
-  std::vector<float> scales, mins;  // [groups, 2 halves, 8 rows in kFoldOrder]
-};
-
-template <int bits, typename scale_t>
-void unpack_int16_panel(Int16Panel& panel, const uint8_t* tile, const scale_t* scales, const scale_t* mins,
-                        int64_t slots, int64_t groups) {
-  const int64_t half_values = slots * 4 * kHalfRows;
-  panel.q.resize(2 * half_values);
-  panel.scales.resize(groups * kTileRows);
-  panel.mins.resize(mins != nullptr ? groups * kTileRows : 0);
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int half = 0; half < 2; ++half) {
-      for (int lane = 0; lane < kHalfRows; ++lane) {
-        const int64_t row = half * kHalfRows + kFoldOrder[lane], at = g * kTileRows + half * kHalfRows + lane;
-        panel.scales[at] = param(scales, g, row);
-        if (mins != nullptr) panel.mins[at] = param(mins, g, row);
-      }
-    }
-  }
-#if defined(__AVX2__)
-  // A half's 32 bytes of a slot (8 rows x 4 columns) widened to two vectors of int16.
-  auto widen_half = [](int16_t* dst, __m256i bytes) {
-    const __m128i low = _mm256_castsi256_si128(bytes), high = _mm256_extracti128_si256(bytes, 1);
-    const bool is_signed = bits == 8;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), is_signed ? _mm256_cvtepi8_epi16(low) : _mm256_cvtepu8_epi16(low));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), is_signed ? _mm256_cvtepi8_epi16(high) : _mm256_cvtepu8_epi16(high));
-  };
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  for (int half = 0; half < 2; ++half) {
-    int16_t* q = panel.q.data() + half * half_values;
-    for (int64_t s = 0; s < slots; s += (bits == 4 ? 2 : 1)) {
-      if constexpr (bits == 4) {   // slot s in the low nibbles, s + 1 in the high ones
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (s / 2) * 64 + 32 * half));
-        widen_half(q + s * 32, _mm256_and_si256(packed, low_nibbles));
-        widen_half(q + (s + 1) * 32, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles));
-      } else {
-        widen_half(q + s * 32, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + s * 64 + 32 * half)));
-      }
-    }
-  }
-#else
-  for (int half = 0; half < 2; ++half) {
-    for (int64_t s = 0; s < slots; ++s) {
-      for (int64_t n = 0; n < kHalfRows; ++n) {
-        for (int c = 0; c < 4; ++c) {
-          panel.q[half * half_values + s * 32 + n * 4 + c] =
-              static_cast<int16_t>(TileLayout<bits>::value(tile, half * kHalfRows + n, s * 4 + c));
-        }
-      }
-    }
-  }
-#endif
-}
-
-// out[r][0..15]: activation rows first_row.. first_row + kInt16BlockRows against a tile's panel, in weight-row
-// order (slots and groups: the tile's). The group's slots are a constant so that the slot loop unrolls.
-template <int slots_per_group, bool with_mins>
-void int16_dots(float (*out)[kTileRows], const Int16Panel& panel, int64_t slots, const Int16Rows& a,
-                int64_t first_row) {
-  const int64_t groups = a.cols / a.group;
-  const float* scales = panel.scales.data();
-  const float* mins = with_mins ? panel.mins.data() : nullptr;
-#if defined(__AVX2__)
-  const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);   // kFoldOrder is its own inverse
-  for (int half = 0; half < 2; ++half) {
-    const int16_t* q = panel.q.data() + half * slots * 32;
-    __m256 acc[kInt16BlockRows];
-    for (int r = 0; r < kInt16BlockRows; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256i low[kInt16BlockRows], high[kInt16BlockRows];   // weight rows 0-3 and 4-7, two lanes a row
-      for (int r = 0; r < kInt16BlockRows; ++r) low[r] = high[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int i = 0; i < slots_per_group; ++i) {
-        const int64_t s = g * slots_per_group + i;
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + s * 32));
-        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + s * 32 + 16));
-        for (int r = 0; r < kInt16BlockRows; ++r) {
-          int64_t four;
-          std::memcpy(&four, a.q + (first_row + r) * a.cols + s * 4, sizeof(four));
-          const __m256i x = _mm256_set1_epi64x(four);
-          low[r] = _mm256_add_epi32(low[r], _mm256_madd_epi16(w0, x));
-          high[r] = _mm256_add_epi32(high[r], _mm256_madd_epi16(w1, x));
-          // Keeps each sum in its register: without it GCC hoists the unrolled products above their additions
-          // and spills them (a quarter of the speed).
-          __asm__("" : "+x"(low[r]), "+x"(high[r]));
-        }
-      }
-      const __m256 w_scales = _mm256_loadu_ps(scales + g * kTileRows + half * kHalfRows);
-      const __m256 w_mins = with_mins ? _mm256_loadu_ps(mins + g * kTileRows + half * kHalfRows) : _mm256_setzero_ps();
-      for (int r = 0; r < kInt16BlockRows; ++r) {
-        const int64_t ag = (first_row + r) * groups + g;
-        const __m256 group_sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(low[r], high[r]));
-        acc[r] = _mm256_fmadd_ps(group_sums, _mm256_mul_ps(w_scales, _mm256_set1_ps(a.scale[ag])), acc[r]);
-        if (with_mins) acc[r] = _mm256_fmadd_ps(w_mins, _mm256_set1_ps(a.scaled_sum[ag]), acc[r]);
-      }
-    }
-    for (int r = 0; r < kInt16BlockRows; ++r) {
-      _mm256_storeu_ps(out[r] + half * kHalfRows, _mm256_permutevar8x32_ps(acc[r], row_order));
-    }
-  }
-#else   // the same sums, one element at a time
-  for (int r = 0; r < kInt16BlockRows; ++r) {
-    const int16_t* x = a.q + (first_row + r) * a.cols;
-    for (int half = 0; half < 2; ++half) {
-      const int16_t* q = panel.q.data() + half * slots * 32;
-      for (int lane = 0; lane < kHalfRows; ++lane) {
-        const int n = kFoldOrder[lane], at = half * kHalfRows + lane;
-        float total = 0.f;
-        for (int64_t g = 0; g < groups; ++g) {
-          int32_t dot = 0;
-          for (int64_t s = g * slots_per_group; s < (g + 1) * slots_per_group; ++s) {
-            for (int c = 0; c < 4; ++c) dot += q[s * 32 + n * 4 + c] * x[s * 4 + c];
-          }
-          const int64_t ag = (first_row + r) * groups + g;
-          total = std::fma(static_cast<float>(dot), scales[g * kTileRows + at] * a.scale[ag], total);
-          if (with_mins) total = std::fma(mins[g * kTileRows + at], a.scaled_sum[ag], total);
-        }
-        out[r][half * kHalfRows + n] = total;
-      }
-    }
-  }
-#endif
-}
-#endif   // !PAGEDLLM_VNNI
 
 #if defined(PAGEDLLM_VNNI) || defined(__AVX2__)
 // The few-row int16 body: a tile's q values go from the packed tile into the integer products in registers, with no
@@ -631,7 +501,7 @@ void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale
           std::memcpy(&pair, x + 2 * p, sizeof(pair));
           const int k = (i * kPairsPerLoad + p) % kChains;
           sums[r][k] = _mm512_dpwssd_epi32(sums[r][k], w[p], _mm512_set1_epi32(pair));
-          __asm__("" : "+v"(sums[r][k]));   // each sum stays in its register (see the AVX2 int16_dots)
+          __asm__("" : "+v"(sums[r][k]));   // each sum stays in its register (see the AVX2 int16_panel_dots)
         }
       }
     }
@@ -649,6 +519,109 @@ void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale
   for (int r = 0; r < block; ++r) _mm512_storeu_ps(out[r], acc[r]);
 }
 
+#else   // AVX2: 16 registers, so half a tile (8 weight rows, 32 bytes of each 64-byte line) a pass
+// 32 bytes of a packed line (8 weight rows) as its column pairs (4 bits: 4 pairs; 8 bits: 2), one weight row a lane.
+template <int bits>
+inline void expand_line(__m256i* w, const uint8_t* half_line) {
+  const __m256i pair_bytes = _mm256_setr_epi32(0x03010200, 0x07050604, 0x0B090A08, 0x0F0D0E0C, 0x03010200, 0x07050604,
+                                               0x0B090A08, 0x0F0D0E0C);
+  const __m256i low_nibbles = _mm256_set1_epi32(0x000F000F);
+  const __m256i packed =
+      _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half_line)), pair_bytes);
+  if constexpr (bits == 4) {
+    w[0] = _mm256_and_si256(packed, low_nibbles);
+    w[1] = _mm256_and_si256(_mm256_srli_epi32(packed, 8), low_nibbles);
+    w[2] = _mm256_and_si256(_mm256_srli_epi32(packed, 4), low_nibbles);
+    w[3] = _mm256_and_si256(_mm256_srli_epi32(packed, 12), low_nibbles);
+  } else {
+    w[0] = _mm256_srai_epi16(_mm256_slli_epi16(packed, 8), 8);
+    w[1] = _mm256_srai_epi16(packed, 8);
+  }
+}
+
+// Activation rows per pass: 5 int32 sums, 5 float sums, one weight vector. A speculative verification of 4 tokens
+// (5 rows) thus reads each tile once: as 4 + 1 rows it took 1.18x the time (`bench kernels --rows 5`, summed over
+// the bundled model's shapes; docs/quantized_matmul.md).
+constexpr int kInt16DirectBlockRows = 5;
+constexpr int64_t kInt16DirectUpToRows = 16;   // the VNNI body's; at 16 rows it also beat brgemm (Ice Lake, avx2 build)
+
+template <int bits, int group, int block, bool with_mins, typename scale_t>
+void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
+                       const Int16Rows& a, int64_t first_row, int64_t tile_bytes, int64_t params_per_tile) {
+  constexpr int kColsPerLoad = bits == 4 ? 8 : 4, kPairsPerLoad = kColsPerLoad / 2;
+  constexpr int kChains = block <= 2 ? 2 : 1;
+  const int64_t groups = a.cols / group;
+  constexpr int kLoadsPerGroup = group / kColsPerLoad;
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[block];
+    for (int r = 0; r < block; ++r) acc[r] = _mm256_setzero_ps();
+    // The group's first line and each row's first activation of the group, advanced once a group: within it every
+    // load and broadcast is a constant offset from these (the addresses computed per load from the column were a
+    // quarter of the 5-row body's instructions).
+    const uint8_t* group_lines = tile;
+    const int16_t* group_q[block];
+    for (int r = 0; r < block; ++r) group_q[r] = a.q + (first_row + r) * a.cols;
+    for (int64_t g = 0; g < groups; ++g, group_lines += kLoadsPerGroup * 64) {
+      __m256i sums[block][kChains];
+      for (int r = 0; r < block; ++r) {
+        for (int k = 0; k < kChains; ++k) sums[r][k] = _mm256_setzero_si256();
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < kLoadsPerGroup; ++i) {
+        const uint8_t* line = group_lines + i * 64;
+        if (half == 0) __builtin_prefetch(line + tile_bytes, 0, 3);
+        __m256i w[kPairsPerLoad];
+        expand_line<bits>(w, line + 32 * half);
+        // Up to 4 rows every weight vector of the load stays live (the 8-bit LM head at 4 rows 4% faster than
+        // below); 5 rows' sums fit beside one weight vector only, so the rows take each vector in turn.
+        constexpr bool kVectorOuter = block > 4;
+#pragma GCC unroll 5
+        for (int outer = 0; outer < (kVectorOuter ? kPairsPerLoad : block); ++outer) {
+          if constexpr (kVectorOuter) __asm__("" : "+x"(w[outer]));   // computed here, not all ahead of the products
+#pragma GCC unroll 5
+          for (int inner = 0; inner < (kVectorOuter ? block : kPairsPerLoad); ++inner) {
+            const int r = kVectorOuter ? inner : outer, p = kVectorOuter ? outer : inner;
+            int32_t pair;
+            std::memcpy(&pair, group_q[r] + i * kColsPerLoad + 2 * p, sizeof(pair));
+            const int k = (i * kPairsPerLoad + p) % kChains;
+            sums[r][k] = _mm256_add_epi32(sums[r][k], _mm256_madd_epi16(w[p], _mm256_set1_epi32(pair)));
+            __asm__("" : "+x"(sums[r][k]));   // each sum stays in its register (see int16_panel_dots)
+          }
+        }
+      }
+      for (int r = 0; r < block; ++r) group_q[r] += group;
+      if (half == 0) {
+        __builtin_prefetch(scales + g * kTileRows + params_per_tile, 0, 3);
+        if (with_mins) __builtin_prefetch(mins + g * kTileRows + params_per_tile, 0, 3);
+      }
+      const __m256 w_scales = load8(scales + g * kTileRows + half * kHalfRows);
+      const __m256 w_mins = with_mins ? load8(mins + g * kTileRows + half * kHalfRows) : _mm256_setzero_ps();
+      for (int r = 0; r < block; ++r) {
+        const int64_t ag = (first_row + r) * groups + g;
+        __m256i row_sums = sums[r][0];
+        for (int k = 1; k < kChains; ++k) row_sums = _mm256_add_epi32(row_sums, sums[r][k]);
+        acc[r] = fold_group(acc[r], row_sums, w_scales, w_mins, with_mins, a.scale[ag], a.scaled_sum[ag]);
+      }
+    }
+    for (int r = 0; r < block; ++r) _mm256_storeu_ps(out[r] + half * kHalfRows, acc[r]);
+  }
+}
+#endif
+
+// int16_direct_dots for a run-time block of 1..kInt16DirectBlockRows rows.
+template <int bits, int group, bool with_mins, typename scale_t, int block = kInt16DirectBlockRows>
+void int16_direct_block(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
+                        const Int16Rows& a, int64_t first_row, int rows, int64_t tile_bytes, int64_t params_per_tile) {
+  if constexpr (block > 1) {
+    if (rows < block) {
+      return int16_direct_block<bits, group, with_mins, scale_t, block - 1>(out, tile, scales, mins, a, first_row, rows,
+                                                                             tile_bytes, params_per_tile);
+    }
+  }
+  int16_direct_dots<bits, group, block, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
+}
+#endif
+
 // Many rows: kInt16PanelTiles tiles' column pairs expanded once per chunk of rows (expand_line over every line, in
 // column order), then kInt16BlockRows activation rows at a time meet all of them, each activation pair broadcast
 // once for the panel's tiles and each weight vector loaded once for the block's rows. The direct body at many rows
@@ -657,7 +630,15 @@ void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale
 // at 512, 2 threads, median time ratio): 6 x 2 1.30 / 1.17, 4 x 4 1.07 / 1.17, 5 x 3 1.06 / 1.16; the slot-order
 // panel this replaced (8 rows of one tile, each row's two lanes a weight row gathered by two permutes a group)
 // took 1.10 / 1.16 times 6 x 2's. The same integer sums and the same fold as int16_direct_dots: the same bits.
+// AVX2 builds meet one tile a pass: 4 rows x 16 weight rows of int32 sums (8 registers), the pair's two weight
+// vectors and a broadcast, the float sums kept in `out`; as fast as the slot-order panel it replaced there (a vector
+// of 4 weight rows x 4 columns, each row's two lanes added by vphaddd at every group's end), with one layout for
+// every build. The generic build: the same sums, one element at a time.
+#if defined(PAGEDLLM_VNNI)
 constexpr int kInt16PanelTiles = 3;
+#else
+constexpr int kInt16PanelTiles = 1;
+#endif
 
 struct alignas(64) ColumnPair {
   int16_t q[32];   // lane n: weight row n's q of the pair's two columns
@@ -667,6 +648,45 @@ struct Int16PairPanel {
   std::vector<ColumnPair> pairs;     // [kInt16PanelTiles, columns / 2]
   std::vector<float> scales, mins;   // [kInt16PanelTiles, params per tile]; a missing last tile is zeros
 };
+
+#if !defined(PAGEDLLM_VNNI)
+// A tile's count scales or mins (a multiple of 16) widened to float into a panel.
+template <typename scale_t>
+void widen_params(float* dst, const scale_t* src, int64_t count) {
+#if defined(__AVX2__)
+  for (int64_t i = 0; i < count; i += kHalfRows) _mm256_storeu_ps(dst + i, load8(src + i));
+#else
+  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<float>(src[i]);
+#endif
+}
+#endif
+
+// The column pairs of one load of a tile (4 bits: 8 columns, 8 bits: 4) from column col, its 16 weight rows, into
+// a panel.
+template <int bits>
+inline void expand_load(ColumnPair* pairs, const uint8_t* tile, int64_t col) {
+  constexpr int kColsPerLoad = bits == 4 ? 8 : 4, kPairsPerLoad = kColsPerLoad / 2;
+  const uint8_t* line = tile + col / kColsPerLoad * 64;
+#if defined(PAGEDLLM_VNNI)
+  expand_line<bits>(reinterpret_cast<__m512i*>(pairs), line);
+#elif defined(__AVX2__)
+  for (int half = 0; half < 2; ++half) {
+    __m256i w[kPairsPerLoad];
+    expand_line<bits>(w, line + 32 * half);
+    for (int p = 0; p < kPairsPerLoad; ++p) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[p].q + 2 * kHalfRows * half), w[p]);
+    }
+  }
+#else
+  for (int p = 0; p < kPairsPerLoad; ++p) {
+    for (int n = 0; n < kTileRows; ++n) {
+      for (int c = 0; c < 2; ++c) {
+        pairs[p].q[2 * n + c] = static_cast<int16_t>(TileLayout<bits>::value(tile, n, col + 2 * p + c));
+      }
+    }
+  }
+#endif
+}
 
 template <int bits, typename scale_t>
 void expand_panel(Int16PairPanel& panel, const uint8_t* tiles, int64_t tile_bytes, const scale_t* scales,
@@ -682,14 +702,14 @@ void expand_panel(Int16PairPanel& panel, const uint8_t* tiles, int64_t tile_byte
   for (int t = 0; t < count; ++t) {
     const uint8_t* tile = tiles + t * tile_bytes;
     for (int64_t col = 0; col < cols; col += kColsPerLoad) {
-      auto* w = reinterpret_cast<__m512i*>(panel.pairs.data() + t * pairs + col / 2);
-      expand_line<bits>(w, tile + col / kColsPerLoad * 64);
+      expand_load<bits>(panel.pairs.data() + t * pairs + col / 2, tile, col);
     }
     widen_params(panel.scales.data() + t * params_per_tile, scales + t * params_per_tile, params_per_tile);
     if (mins != nullptr) widen_params(panel.mins.data() + t * params_per_tile, mins + t * params_per_tile, params_per_tile);
   }
 }
 
+#if defined(PAGEDLLM_VNNI)
 // out[r][v * 16 + n] for activation rows first_row.. first_row + kInt16BlockRows against the panel's tile v. The
 // group's pairs are a constant so that their loop unrolls.
 template <int pairs_per_group, bool with_mins>
@@ -717,7 +737,7 @@ void int16_panel_dots(float (*out)[kInt16PanelTiles * kTileRows], const Int16Pai
         const __m512i x = _mm512_set1_epi32(pair);
         for (int v = 0; v < kInt16PanelTiles; ++v) {
           sums[r][v] = _mm512_dpwssd_epi32(sums[r][v], w[v], x);
-          __asm__("" : "+v"(sums[r][v]));   // each sum stays in its register (see the AVX2 int16_dots)
+          __asm__("" : "+v"(sums[r][v]));   // each sum stays in its register (see the AVX2 int16_panel_dots)
         }
       }
     }
@@ -735,103 +755,72 @@ void int16_panel_dots(float (*out)[kInt16PanelTiles * kTileRows], const Int16Pai
     for (int v = 0; v < kInt16PanelTiles; ++v) _mm512_storeu_ps(out[r] + v * kTileRows, acc[r][v]);
   }
 }
-
-#else   // AVX2: 16 registers, so half a tile (8 weight rows, 32 bytes of each 64-byte line) a pass
-// Activation rows per pass: 5 int32 sums, 5 float sums, one weight vector. A speculative verification of 4 tokens
-// (5 rows) thus reads each tile once: as 4 + 1 rows it took 1.18x the time (`bench kernels --rows 5`, summed over
-// the bundled model's shapes; docs/quantized_matmul.md).
-constexpr int kInt16DirectBlockRows = 5;
-constexpr int64_t kInt16DirectUpToRows = 16;   // the VNNI body's; at 16 rows it also beat brgemm (Ice Lake, avx2 build)
-
-template <int bits, int group, int block, bool with_mins, typename scale_t>
-void int16_direct_dots(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
-                       const Int16Rows& a, int64_t first_row, int64_t tile_bytes, int64_t params_per_tile) {
-  constexpr int kColsPerLoad = bits == 4 ? 8 : 4, kPairsPerLoad = kColsPerLoad / 2;
-  constexpr int kChains = block <= 2 ? 2 : 1;
-  const int64_t groups = a.cols / group;
-  const __m256i pair_bytes = _mm256_setr_epi32(0x03010200, 0x07050604, 0x0B090A08, 0x0F0D0E0C, 0x03010200, 0x07050604,
-                                               0x0B090A08, 0x0F0D0E0C);
-  const __m256i low_nibbles = _mm256_set1_epi32(0x000F000F);
-  constexpr int kLoadsPerGroup = group / kColsPerLoad;
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[block];
-    for (int r = 0; r < block; ++r) acc[r] = _mm256_setzero_ps();
-    // The group's first line and each row's first activation of the group, advanced once a group: within it every
-    // load and broadcast is a constant offset from these (the addresses computed per load from the column were a
-    // quarter of the 5-row body's instructions).
-    const uint8_t* group_lines = tile;
-    const int16_t* group_q[block];
-    for (int r = 0; r < block; ++r) group_q[r] = a.q + (first_row + r) * a.cols;
-    for (int64_t g = 0; g < groups; ++g, group_lines += kLoadsPerGroup * 64) {
-      __m256i sums[block][kChains];
-      for (int r = 0; r < block; ++r) {
-        for (int k = 0; k < kChains; ++k) sums[r][k] = _mm256_setzero_si256();
-      }
-#pragma GCC unroll 8
-      for (int i = 0; i < kLoadsPerGroup; ++i) {
-        const uint8_t* line = group_lines + i * 64;
-        if (half == 0) __builtin_prefetch(line + tile_bytes, 0, 3);
-        const __m256i packed = _mm256_shuffle_epi8(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * half)), pair_bytes);
-        __m256i w[kPairsPerLoad];
-        if constexpr (bits == 4) {
-          w[0] = _mm256_and_si256(packed, low_nibbles);
-          w[1] = _mm256_and_si256(_mm256_srli_epi32(packed, 8), low_nibbles);
-          w[2] = _mm256_and_si256(_mm256_srli_epi32(packed, 4), low_nibbles);
-          w[3] = _mm256_and_si256(_mm256_srli_epi32(packed, 12), low_nibbles);
-        } else {
-          w[0] = _mm256_srai_epi16(_mm256_slli_epi16(packed, 8), 8);
-          w[1] = _mm256_srai_epi16(packed, 8);
-        }
-        // Up to 4 rows every weight vector of the load stays live (the 8-bit LM head at 4 rows 4% faster than
-        // below); 5 rows' sums fit beside one weight vector only, so the rows take each vector in turn.
-        constexpr bool kVectorOuter = block > 4;
-#pragma GCC unroll 5
-        for (int outer = 0; outer < (kVectorOuter ? kPairsPerLoad : block); ++outer) {
-          if constexpr (kVectorOuter) __asm__("" : "+x"(w[outer]));   // computed here, not all ahead of the products
-#pragma GCC unroll 5
-          for (int inner = 0; inner < (kVectorOuter ? block : kPairsPerLoad); ++inner) {
-            const int r = kVectorOuter ? inner : outer, p = kVectorOuter ? outer : inner;
-            int32_t pair;
-            std::memcpy(&pair, group_q[r] + i * kColsPerLoad + 2 * p, sizeof(pair));
-            const int k = (i * kPairsPerLoad + p) % kChains;
-            sums[r][k] = _mm256_add_epi32(sums[r][k], _mm256_madd_epi16(w[p], _mm256_set1_epi32(pair)));
-            __asm__("" : "+x"(sums[r][k]));   // each sum stays in its register (see int16_dots)
-          }
-        }
-      }
-      for (int r = 0; r < block; ++r) group_q[r] += group;
-      if (half == 0) {
-        __builtin_prefetch(scales + g * kTileRows + params_per_tile, 0, 3);
-        if (with_mins) __builtin_prefetch(mins + g * kTileRows + params_per_tile, 0, 3);
-      }
-      const __m256 w_scales = load8(scales + g * kTileRows + half * kHalfRows);
-      const __m256 w_mins = with_mins ? load8(mins + g * kTileRows + half * kHalfRows) : _mm256_setzero_ps();
-      for (int r = 0; r < block; ++r) {
-        const int64_t ag = (first_row + r) * groups + g;
-        __m256i row_sums = sums[r][0];
-        for (int k = 1; k < kChains; ++k) row_sums = _mm256_add_epi32(row_sums, sums[r][k]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_sums), _mm256_mul_ps(w_scales, _mm256_set1_ps(a.scale[ag])),
-                                 acc[r]);
-        if (with_mins) acc[r] = _mm256_fmadd_ps(w_mins, _mm256_set1_ps(a.scaled_sum[ag]), acc[r]);
+#elif defined(__AVX2__)
+// out[r][n] for activation rows first_row.. first_row + kInt16BlockRows against the panel's tile, both halves of
+// its weight rows a pass (each activation pair broadcast once for them); the group's pairs are a constant so that
+// their loop unrolls.
+template <int pairs_per_group, bool with_mins>
+void int16_panel_dots(float (*out)[kInt16PanelTiles * kTileRows], const Int16PairPanel& panel, int64_t,
+                      const Int16Rows& a, int64_t first_row) {
+  const int64_t groups = a.cols / a.group;
+  for (int r = 0; r < kInt16BlockRows; ++r) std::fill_n(out[r], kTileRows, 0.f);
+  const ColumnPair* group_pairs = panel.pairs.data();
+  const int16_t* group_q[kInt16BlockRows];   // each row's first activation of the group
+  for (int r = 0; r < kInt16BlockRows; ++r) group_q[r] = a.q + (first_row + r) * a.cols;
+  for (int64_t g = 0; g < groups; ++g, group_pairs += pairs_per_group) {
+    __m256i sums[kInt16BlockRows][2];   // weight rows 0-7 and 8-15
+    for (int r = 0; r < kInt16BlockRows; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int i = 0; i < pairs_per_group; ++i) {
+      const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(group_pairs[i].q));
+      const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(group_pairs[i].q + 2 * kHalfRows));
+#pragma GCC unroll 4
+      for (int r = 0; r < kInt16BlockRows; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, group_q[r] + 2 * i, sizeof(pair));
+        const __m256i x = _mm256_set1_epi32(pair);
+        sums[r][0] = _mm256_add_epi32(sums[r][0], _mm256_madd_epi16(w0, x));
+        sums[r][1] = _mm256_add_epi32(sums[r][1], _mm256_madd_epi16(w1, x));
+        // Keeps each sum in its register: without it GCC hoists the unrolled products above their additions and
+        // spills them (a quarter of the speed).
+        __asm__("" : "+x"(sums[r][0]), "+x"(sums[r][1]));
       }
     }
-    for (int r = 0; r < block; ++r) _mm256_storeu_ps(out[r] + half * kHalfRows, acc[r]);
+    for (int r = 0; r < kInt16BlockRows; ++r) group_q[r] += 2 * pairs_per_group;
+    for (int half = 0; half < 2; ++half) {
+      const __m256 w_scales = _mm256_loadu_ps(panel.scales.data() + g * kTileRows + half * kHalfRows);
+      const __m256 w_mins = with_mins ? _mm256_loadu_ps(panel.mins.data() + g * kTileRows + half * kHalfRows)
+                                      : _mm256_setzero_ps();
+      for (int r = 0; r < kInt16BlockRows; ++r) {
+        const int64_t ag = (first_row + r) * groups + g;
+        float* acc = out[r] + half * kHalfRows;
+        _mm256_storeu_ps(acc, fold_group(_mm256_loadu_ps(acc), sums[r][half], w_scales, w_mins, with_mins,
+                                         a.scale[ag], a.scaled_sum[ag]));
+      }
+    }
   }
 }
-#endif
-
-// int16_direct_dots for a run-time block of 1..kInt16DirectBlockRows rows.
-template <int bits, int group, bool with_mins, typename scale_t, int block = kInt16DirectBlockRows>
-void int16_direct_block(float (*out)[kTileRows], const uint8_t* tile, const scale_t* scales, const scale_t* mins,
-                        const Int16Rows& a, int64_t first_row, int rows, int64_t tile_bytes, int64_t params_per_tile) {
-  if constexpr (block > 1) {
-    if (rows < block) {
-      return int16_direct_block<bits, group, with_mins, scale_t, block - 1>(out, tile, scales, mins, a, first_row, rows,
-                                                                             tile_bytes, params_per_tile);
+#else   // the same sums, one element at a time
+template <int pairs_per_group, bool with_mins>
+void int16_panel_dots(float (*out)[kInt16PanelTiles * kTileRows], const Int16PairPanel& panel, int64_t,
+                      const Int16Rows& a, int64_t first_row) {
+  const int64_t groups = a.cols / a.group;
+  for (int r = 0; r < kInt16BlockRows; ++r) {
+    const int16_t* x = a.q + (first_row + r) * a.cols;
+    for (int n = 0; n < kTileRows; ++n) {
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t dot = 0;
+        for (int64_t i = g * pairs_per_group; i < (g + 1) * pairs_per_group; ++i) {
+          for (int c = 0; c < 2; ++c) dot += panel.pairs[i].q[2 * n + c] * x[2 * i + c];
+        }
+        const int64_t ag = (first_row + r) * groups + g;
+        total = std::fma(static_cast<float>(dot), panel.scales[g * kTileRows + n] * a.scale[ag], total);
+        if (with_mins) total = std::fma(panel.mins[g * kTileRows + n], a.scaled_sum[ag], total);
+      }
+      out[r][n] = total;
     }
   }
-  int16_direct_dots<bits, group, block, with_mins>(out, tile, scales, mins, a, first_row, tile_bytes, params_per_tile);
 }
 #endif
 
@@ -886,14 +875,31 @@ void store_sums(scalar_t* result, const float (*sums)[width], const scalar_t* bi
   }
 }
 
-// quantized_linear_int16's work on tiles [first_tile_of_call, last_tile_of_call): split(first, last, f) runs f over
-// runs of those tiles, on the cores (at::parallel_for) or on the calling thread alone (a share). Few rows (VNNI and
-// AVX2 builds) multiply straight from the packed tiles; more meet the tiles widened to int16 (panels), once per chunk
-// of rows. Both give the same bits.
-template <typename Split>
+// Which threads run a call's tiles: the cores (at::parallel_for) or the calling thread alone (a share of a call
+// whose threads are already running). runs(first, last, f) hands out equal runs of [first, last) as f(begin, end);
+// each(f) runs f once on every thread.
+struct OnCores {
+  template <typename F>
+  void runs(int64_t first, int64_t last, const F& f) const { at::parallel_for(first, last, 1, f); }
+  template <typename F>
+  void each(const F& f) const { at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { f(); }); }
+};
+struct OnThisThread {
+  template <typename F>
+  void runs(int64_t first, int64_t last, const F& f) const { f(first, last); }
+  template <typename F>
+  void each(const F& f) const { f(); }
+};
+
+// quantized_linear_int16's work on tiles [first_tile_of_call, last_tile_of_call) on threads (OnCores or
+// OnThisThread). Few rows (VNNI and AVX2 builds) multiply straight from the packed tiles, each thread an equal run of
+// them (one stream of weights a thread); more meet the tiles widened to int16 (panels), once per chunk of rows. Both
+// give the same bits.
+template <typename Threads>
 void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                   const at::Tensor& scales, const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
-                  int64_t bits, int64_t group, int64_t first_tile_of_call, int64_t last_tile_of_call, Split&& split) {
+                  int64_t bits, int64_t group, int64_t first_tile_of_call, int64_t last_tile_of_call,
+                  const Threads& threads) {
   with_quantized_operands<int16_t>(name, out, x, qweight, scales, mins, bias, bits, group, kInt16BlockRows,
                                    [&](const Int16Rows& a, auto* result, auto* bias_values, auto bits_constant,
                                        auto all_scales, auto all_mins) {
@@ -909,7 +915,7 @@ void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, 
                                                              : &int16_direct_block<kBits, 32, false, scale_t>)
                                       : (all_mins != nullptr ? &int16_direct_block<kBits, 16, true, scale_t>
                                                              : &int16_direct_block<kBits, 16, false, scale_t>);
-      split(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
+      threads.runs(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
         float dots[kInt16DirectBlockRows][kTileRows];
         // As few passes as the block allows, of even sizes: 8 rows run as 4 + 4, not 5 + 3 (with VNNI, 9 as 5 + 4:
         // the same unpacks and products as 8 + 1).
@@ -934,51 +940,32 @@ void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, 
     const int64_t row_bytes = x.size(1) * static_cast<int64_t>(sizeof(int16_t));
     const int64_t chunk_blocks = kInt16ChunkBytes / row_bytes / kInt16BlockRows;
     const int64_t chunk_rows = std::max<int64_t>(1, chunk_blocks) * kInt16BlockRows;
-#if defined(PAGEDLLM_VNNI)
+    // Units of (chunk of rows, tile or panel of tiles), claimed one at a time, chunk by chunk: a thread that starts
+    // late or runs slower takes fewer of them (equal runs of tiles left the first thread waiting at the end).
+    const int64_t tiles = last_tile_of_call - first_tile_of_call;
+    const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
+    std::atomic<int64_t> next_unit{0};
     // Groups of 32 columns are 16 pairs; 8-bit formats may have groups of 16 (8 pairs).
     const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_panel_dots<16, true> : &int16_panel_dots<16, false>)
                                      : (all_mins != nullptr ? &int16_panel_dots<8, true> : &int16_panel_dots<8, false>);
-    split(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
+    const int64_t panels = (tiles + kInt16PanelTiles - 1) / kInt16PanelTiles;
+    threads.each([&] {
       thread_local Int16PairPanel panel;   // kept from call to call: no allocation per call
       float dots[kInt16BlockRows][kInt16PanelTiles * kTileRows];
-      for (int64_t chunk = 0; chunk < rows; chunk += chunk_rows) {
-        const int64_t chunk_end = std::min(rows, chunk + chunk_rows);
-        for (int64_t t = begin; t < end; t += kInt16PanelTiles) {
-          const int count = static_cast<int>(std::min<int64_t>(kInt16PanelTiles, end - t));
-          expand_panel<kBits>(panel, weights + t * tile_bytes, tile_bytes, all_scales + t * params_per_tile, mins_of(t),
-                              params_per_tile, count, x.size(1));
-          const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(count * kTileRows, out_features - first_out);
-          for (int64_t r = chunk; r < chunk_end; r += kInt16BlockRows) {
-            dots_of(dots, panel, params_per_tile, a, r);
-            store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
-                       out_features);
-          }
+      for (int64_t unit; (unit = next_unit.fetch_add(1, std::memory_order_relaxed)) < chunks * panels;) {
+        const int64_t chunk = unit / panels * chunk_rows, chunk_end = std::min(rows, chunk + chunk_rows);
+        const int64_t t = first_tile_of_call + unit % panels * kInt16PanelTiles;
+        const int count = static_cast<int>(std::min<int64_t>(kInt16PanelTiles, last_tile_of_call - t));
+        expand_panel<kBits>(panel, weights + t * tile_bytes, tile_bytes, all_scales + t * params_per_tile, mins_of(t),
+                            params_per_tile, count, x.size(1));
+        const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(count * kTileRows, out_features - first_out);
+        for (int64_t r = chunk; r < chunk_end; r += kInt16BlockRows) {
+          dots_of(dots, panel, params_per_tile, a, r);
+          store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
+                     out_features);
         }
       }
     });
-#else
-    // Groups of 32 columns are 8 slots; 8-bit formats may have groups of 16 (4 slots).
-    const auto dots_of = group == 32 ? (all_mins != nullptr ? &int16_dots<8, true> : &int16_dots<8, false>)
-                                     : (all_mins != nullptr ? &int16_dots<4, true> : &int16_dots<4, false>);
-    const int64_t slots = x.size(1) / 4, groups = x.size(1) / group;
-    split(first_tile_of_call, last_tile_of_call, [&](int64_t begin, int64_t end) {
-      thread_local Int16Panel panel;   // kept from call to call: no allocation per call
-      float dots[kInt16BlockRows][kTileRows];
-      for (int64_t chunk = 0; chunk < rows; chunk += chunk_rows) {
-        const int64_t chunk_end = std::min(rows, chunk + chunk_rows);
-        for (int64_t t = begin; t < end; ++t) {
-          unpack_int16_panel<kBits>(panel, weights + t * tile_bytes, all_scales + t * params_per_tile, mins_of(t),
-                                    slots, groups);
-          const int64_t first_out = t * kTileRows, valid = std::min<int64_t>(kTileRows, out_features - first_out);
-          for (int64_t r = chunk; r < chunk_end; r += kInt16BlockRows) {
-            dots_of(dots, panel, slots, a, r);
-            store_sums(result, dots, bias_values, r, std::min<int64_t>(kInt16BlockRows, rows - r), first_out, valid,
-                       out_features);
-          }
-        }
-      }
-    });
-#endif
   });
 }
 
@@ -1052,7 +1039,7 @@ void quantized_linear_int16(at::Tensor out, at::Tensor x, at::Tensor qweight, at
                             c10::optional<at::Tensor> mins, c10::optional<at::Tensor> bias, int64_t bits, int64_t group) {
   RECORD_FUNCTION("pagedllm::quantized_linear_int16", std::vector<c10::IValue>({x, qweight}));
   int16_matmul("quantized_linear_int16", out, x, qweight, scales, mins, bias, bits, group, 0, qweight.size(0),
-               [](int64_t first, int64_t last, const auto& f) { at::parallel_for(first, last, 1, f); });
+               OnCores{});
 }
 
 void quantized_linear_int16_share(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
@@ -1063,7 +1050,7 @@ void quantized_linear_int16_share(const at::Tensor& out, const at::Tensor& x, co
               "quantized_linear_int16_share: tiles must be a range within 0..", qweight.size(0));
   if (first_tile == last_tile) return;
   int16_matmul("quantized_linear_int16_share", out, x, qweight, scales, mins, bias, bits, group, first_tile, last_tile,
-               [](int64_t first, int64_t last, const auto& f) { f(first, last); });
+               OnThisThread{});
 }
 
 // One weight row's q values out of its tile, row-major: each of its 4-byte pieces of the tile's 64-byte slots.
