@@ -934,9 +934,9 @@ void int16_matmul(const char* name, const at::Tensor& out, const at::Tensor& x, 
       return;
     }
 #endif
-    // Rows in chunks that stay in the core's L2 while they meet every tile of the thread's share (a 2,048-row
-    // prefill's activations are 2.4 MB: met whole by each tile, they streamed from L3 once per tile); a tile is
-    // unpacked again per chunk, a cost of 1 / chunk rows against its products.
+    // Rows in chunks that stay in each core's L2 while the threads meet the chunk with every tile in turn (a
+    // 2,048-row prefill's activations are 2.4 MB: met whole by each tile, they streamed from L3 once per tile); a
+    // tile is unpacked again per chunk, a cost of 1 / chunk rows against its products.
     const int64_t row_bytes = x.size(1) * static_cast<int64_t>(sizeof(int16_t));
     const int64_t chunk_blocks = kInt16ChunkBytes / row_bytes / kInt16BlockRows;
     const int64_t chunk_rows = std::max<int64_t>(1, chunk_blocks) * kInt16BlockRows;

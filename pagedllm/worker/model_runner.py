@@ -414,7 +414,7 @@ class ModelRunner:
             query_starts=query_starts,
             seq_lens=seq_lens_tensor,
             block_tables=tables,
-            max_query_len=1 if decodes_only else int(num_new.max()),
+            max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
             backend=self.attention_backend,
             **self._shared_prefixes(decode_tables, decode_lens - 1, block_tables[num_decode_rows:],
