@@ -1,10 +1,16 @@
 """Where the shared workload's time goes, the quantized default against `quantization=none` (issue 26 item 5).
 
-For each engine (built as `pagedllm bench throughput --no-prefix-caching` builds it): a warm-up on the workload's
-first `--warmup-prompts` requests, then torch.profiler over one whole run of the workload. Prints, per engine, the
-wall time, each operator's self CPU time over the run (the C++ kernels are registered ops and show by name; the
-model's labelled ranges, e.g. `pagedllm::decode_attention`, count only their own Python between the kernels), and
-what no operator covers (Python, scheduling, sampling's Python); then the operators of both engines side by side.
+For each engine (built as `pagedllm bench throughput --no-prefix-caching` builds it): an untimed run of the whole
+workload (or of its first `--warmup-prompts` requests), then torch.profiler over one whole run of it. The untimed run
+is the one `bench throughput --repeats 2` makes: it writes the KV pages the profiled run reuses. After a warm-up of
+16 requests the profiled run wrote most of its KV into pages never written before, and the OS's zeroing of them
+showed as `write_kv` time (2.2 of W1's 33.8 s on an AMD EPYC Zen 5, ~1.6 s of it page faults) that the benchmark's
+timed run does not pay.
+
+Prints, per engine, the wall time, each operator's self CPU time over the run (the C++ kernels are registered ops
+and show by name; the model's labelled ranges, e.g. `pagedllm::decode_attention`, count only their own Python between
+the kernels), and what no operator covers (Python, scheduling, sampling's Python); then the operators of both engines
+side by side.
 Run it in a benchmark window:
 `python scripts/profile_workload.py --dataset w1.jsonl` (`w1.jsonl` from `python ../shared/bench/make_workload.py`;
 `--num-prompts 64` for its first 64 requests).
@@ -69,7 +75,8 @@ def main() -> None:
     add_workload_arguments(parser)
     parser.add_argument("--quantizations", default="auto,none")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="as `pagedllm bench throughput`'s default")
-    parser.add_argument("--warmup-prompts", type=int, default=16)
+    parser.add_argument("--warmup-prompts", type=int, default=None,
+                        help="requests of the untimed run before the profiled one (default: the whole workload)")
     parser.add_argument("--by-shape", action="store_true", help="split each operator by its input shapes")
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args()
