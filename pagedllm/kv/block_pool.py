@@ -105,12 +105,16 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], num_token
 
 
 class FreeBlockQueue:
-    """A doubly linked list of free blocks: pop the front, push either end, unlink any block, all O(1)."""
+    """A doubly linked list of free blocks: pop the front, push either end, unlink any block, all O(1). Blocks
+    holding a cached prefix sit behind all others: `append` puts a cached block at the back and one holding
+    nothing just before the first cached one, so the blocks holding nothing are handed out before any cached
+    block is evicted."""
 
     def __init__(self, blocks: list[KVBlock]):
         self._head = KVBlock(-1)
         self._tail = KVBlock(-1)
         self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self._first_cached = self._tail   # the tail sentinel while no free block holds a cached prefix
         self.num_free_blocks = 0
         for block in blocks:
             self.append(block)
@@ -123,7 +127,12 @@ class FreeBlockQueue:
         return block
 
     def append(self, block: KVBlock) -> None:
-        self._insert_after(self._tail.prev_free, block)
+        if block.block_hash is None:
+            self._insert_after(self._first_cached.prev_free, block)
+        else:
+            self._insert_after(self._tail.prev_free, block)
+            if self._first_cached is self._tail:
+                self._first_cached = block
 
     def appendleft(self, block: KVBlock) -> None:
         self._insert_after(self._head, block)
@@ -135,6 +144,8 @@ class FreeBlockQueue:
         self.num_free_blocks += 1
 
     def remove(self, block: KVBlock) -> None:
+        if block is self._first_cached:
+            self._first_cached = block.next_free
         block.prev_free.next_free = block.next_free
         block.next_free.prev_free = block.prev_free
         block.prev_free = block.next_free = None
@@ -172,11 +183,21 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    def allocate(self, count: int) -> list[KVBlock]:
-        """Takes `count` free blocks (evicting their cached content), each with ref_count 1."""
+    def allocate(self, count: int, after: KVBlock | None = None, room: int = 0) -> list[KVBlock]:
+        """Takes `count` free blocks (evicting their cached content), each with ref_count 1.
+
+        after: the last block of the table they extend. The blocks right after it are taken first, while they
+        are free and hold nothing cached, so that a sequence's blocks lie side by side: decode attention reads
+        a sequence's blocks at twice the rate where each follows the one before in memory (the hardware's
+        prefetchers follow them; docs/kv-cache.md, "Blocks side by side"). room: where the last block came from
+        the front of the queue (a new run), up to this many free blocks right after it that hold nothing go to
+        the end of the blocks holding nothing, so that other tables take them last and this one grows into them.
+        """
         if count > self.num_free_blocks:
             raise RuntimeError(f"asked for {count} KV blocks but only {self.num_free_blocks} are free")
-        blocks = [self.free_block_queue.popleft() for _ in range(count)]
+        blocks = self._take_following(after.block_id + 1, count) if after is not None else []
+        num_adjacent = len(blocks)
+        blocks.extend(self.free_block_queue.popleft() for _ in range(count - num_adjacent))
         for block in blocks:
             if block.block_hash is not None:
                 if self.evicted is not None:
@@ -186,7 +207,27 @@ class BlockPool:
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = block.block_key = None
             block.ref_count = 1
+        if room > 0 and len(blocks) > num_adjacent:
+            for block in self._free_empty_run(blocks[-1].block_id + 1, room):
+                self.free_block_queue.remove(block)
+                self.free_block_queue.append(block)
         return blocks
+
+    def _free_empty_run(self, first_id: int, limit: int) -> list[KVBlock]:
+        """The free blocks holding nothing cached from block first_id on, up to limit, stopping at the first other."""
+        run = []
+        for block in self.blocks[first_id:first_id + limit]:
+            if not block.is_free or block.block_hash is not None:
+                break
+            run.append(block)
+        return run
+
+    def _take_following(self, first_id: int, limit: int) -> list[KVBlock]:
+        """Unlinks and returns _free_empty_run(first_id, limit)."""
+        run = self._free_empty_run(first_id, limit)
+        for block in run:
+            self.free_block_queue.remove(block)
+        return run
 
     def take_evicted(self) -> list[tuple[int, BlockHash, BlockKey]]:
         """The cached blocks evicted since the last call (recorded only with record_evictions)."""

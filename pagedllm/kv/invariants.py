@@ -11,7 +11,8 @@ from pagedllm.kv.manager import KVCacheManager
 def check_free_queue(pool: BlockPool) -> list[str]:
     """Walks the free queue forwards through next_free and back through prev_free: both walks must end
     at the queue's sentinels and see the same blocks in reverse order, each pool block at most once,
-    num_free_blocks of them, and exactly the blocks with ref count 0."""
+    num_free_blocks of them, exactly the blocks with ref count 0, and every block holding a cached prefix behind
+    every block holding nothing."""
     problems = []
     members = {id(block) for block in pool.blocks}
     limit = pool.num_blocks + 1   # a cycle stops the walk here and shows as a duplicate
@@ -37,6 +38,9 @@ def check_free_queue(pool: BlockPool) -> list[str]:
         problems.append(f"free queue: {len(ids) - len(linked)} blocks linked more than once")
     if len(forward) != pool.num_free_blocks:
         problems.append(f"free queue: {len(forward)} blocks linked but num_free_blocks is {pool.num_free_blocks}")
+    cached = [block.block_hash is not None for block in forward]
+    if True in cached and not all(cached[cached.index(True):]):
+        problems.append("free queue: a block holding nothing sits behind one holding a cached prefix")
     free = {block.block_id for block in pool.blocks if block.is_free}
     if linked != free:
         problems.append(f"free queue: {len(linked - free)} held blocks in it, {len(free - linked)} free "

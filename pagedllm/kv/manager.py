@@ -46,6 +46,9 @@ from pagedllm.kv.usage import KVCacheUsage, measure_usage
 
 
 RELEASED = -1   # the block id of a table entry outside the window, given back
+# Free blocks kept after a table's new run of blocks for it to grow into (BlockPool.allocate's room): 16 blocks, the
+# next 256 tokens of a decode at blocks of 16, beyond most answers; kept only while no other table needs them.
+GROWTH_ROOM_BLOCKS = 16
 
 
 def blocks_outside_window(num_computed_tokens: int, sliding_window: int, block_size: int) -> int:
@@ -245,7 +248,7 @@ class KVCacheManager:
             block_ids[write_index] = copy.block_id
             self._rewritten[request_id] = min(write_index, self._rewritten.get(request_id, write_index))
         if num_new > 0:
-            new_blocks = self.pool.allocate(num_new)
+            new_blocks = self.pool.allocate(num_new, after=table[-1] if table else None, room=GROWTH_ROOM_BLOCKS)
             table.extend(new_blocks)
             block_ids.extend(block.block_id for block in new_blocks)
         self.block_tables[request_id] = table

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pagedllm.kv import block_pool as block_pool_module
 from pagedllm.kv.block_pool import BlockPool, hash_block
 from pagedllm.kv.disk_tier import DiskTier, key_digest
-from pagedllm.kv.manager import RELEASED, KVCacheManager
+from pagedllm.kv.manager import GROWTH_ROOM_BLOCKS, RELEASED, KVCacheManager
 from pagedllm.kv.swap import SwapSpace
 from tests.scheduling import new_request
 
@@ -210,6 +210,45 @@ def test_released_blocks_holding_nothing_are_written_again_before_unwritten_ones
     assert [block.block_id for block in manager.pool.free_block_queue] == [1, 2, 3, 4, 5, 0]
     assert manager.allocate_slots("second", 6, 0)
     assert manager.get_block_table("second") == [1, 2, 3]
+    assert manager.usage().num_cached_idle_blocks == 1
+
+
+def test_a_growing_table_takes_the_blocks_right_after_its_own():
+    """Pool of 40 blocks of 2, room of 16 (GROWTH_ROOM_BLOCKS). "a" takes 0-1 from the front; the 16 free blocks
+    after them (2-17) go to the end of the empty free blocks, so "b" takes 18-19. Growing by two blocks, "a" takes
+    2 and 3, side by side with its own, and "b" 20, then "a" 4 although 22 is at the front."""
+    manager = KVCacheManager(num_blocks=40, block_size=2, enable_prefix_caching=False)
+    assert GROWTH_ROOM_BLOCKS == 16
+    new_request(manager, "a", [1, 2, 3])
+    new_request(manager, "b", [4, 5, 6])
+    assert manager.get_block_table("a") == [0, 1] and manager.get_block_table("b") == [18, 19]
+    assert [block.block_id for block in manager.pool.free_block_queue][:3] == [36, 37, 38]
+    assert manager.allocate_slots("a", 8, 3)
+    assert manager.allocate_slots("b", 5, 3)
+    assert manager.allocate_slots("a", 10, 8)
+    assert manager.get_block_table("a") == [0, 1, 2, 3, 4] and manager.get_block_table("b") == [18, 19, 20]
+
+
+def test_the_room_kept_for_a_table_goes_to_others_when_nothing_else_is_free():
+    """Pool of 8 blocks of 2: "a" takes 0-1 and its room holds 2-7, every other free block. "b" asking for all 6
+    gets them (room is a preference, never a reservation), and the pool is full."""
+    manager = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    new_request(manager, "a", [1, 2, 3])
+    assert new_request(manager, "b", list(range(12))) == 0
+    assert manager.get_block_table("b") == [2, 3, 4, 5, 6, 7] and manager.pool.num_free_blocks == 0
+
+
+def test_a_growing_table_never_takes_a_block_holding_a_cached_prefix():
+    """Pool of 6 blocks of 2, prefix caching on. "x" computes [7, 8 | 9, 10] on blocks 0-1, both cached, and is
+    freed: they wait at the back. "y" = [7, 8, 20] finds [7, 8] on block 0 and needs one block more: block 1, right
+    after 0, is free but holds x's second block, so y takes the front's block 2 and x's prefix stays whole."""
+    manager = KVCacheManager(num_blocks=6, block_size=2)
+    x = [7, 8, 9, 10]
+    new_request(manager, "x", x)
+    manager.cache_full_blocks("x", x, 4)
+    manager.free("x")
+    assert new_request(manager, "y", [7, 8, 20]) == 2
+    assert manager.get_block_table("y") == [0, 2]
     assert manager.usage().num_cached_idle_blocks == 1
 
 
