@@ -195,7 +195,9 @@ class BlockPool:
         """
         if count > self.num_free_blocks:
             raise RuntimeError(f"asked for {count} KV blocks but only {self.num_free_blocks} are free")
-        blocks = self._take_following(after.block_id + 1, count) if after is not None else []
+        blocks = self._free_empty_run(after.block_id + 1, count) if after is not None else []
+        for block in blocks:
+            self.free_block_queue.remove(block)
         num_adjacent = len(blocks)
         blocks.extend(self.free_block_queue.popleft() for _ in range(count - num_adjacent))
         for block in blocks:
@@ -220,13 +222,6 @@ class BlockPool:
             if not block.is_free or block.block_hash is not None:
                 break
             run.append(block)
-        return run
-
-    def _take_following(self, first_id: int, limit: int) -> list[KVBlock]:
-        """Unlinks and returns _free_empty_run(first_id, limit)."""
-        run = self._free_empty_run(first_id, limit)
-        for block in run:
-            self.free_block_queue.remove(block)
         return run
 
     def take_evicted(self) -> list[tuple[int, BlockHash, BlockKey]]:
