@@ -27,9 +27,12 @@ MODEL = "smollm2"
 ADMIN_KEY, ALICE_KEY, BOB_KEY = "admin-key", "alice-key", "bob-key"
 STORE_SIZE = 4
 # --batch-invariant: a repeated request's prefill is shorter (its prompt hits the prefix cache), and the
-# streamed and whole answers compared below must not differ by the matmul path that row count takes.
-FLAGS = ("--batch-invariant", "--kv-cache-memory", "1GiB", "--max-model-len", "2048", "--max-num-batched-tokens", "512",
-         "--max-num-seqs", "1", "--scheduling-policy", "priority", "--served-model-name", MODEL,
+# streamed and whole answers compared below must not differ by the matmul path that row count takes. --dtype float32:
+# where AVX512-BF16 makes bfloat16 the default, the same greedy request answered differently whole and as a prefix
+# hit's tail (found on an AMD EPYC Zen 5; batch invariance covers the matmuls, not the bfloat16 attention paths).
+FLAGS = ("--batch-invariant", "--dtype", "float32", "--kv-cache-memory", "1GiB", "--max-model-len", "2048",
+         "--max-num-batched-tokens", "512", "--max-num-seqs", "1", "--scheduling-policy", "priority",
+         "--served-model-name", MODEL,
          "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--responses-store-size", str(STORE_SIZE))
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
